@@ -1,0 +1,52 @@
+"""The `specgate` command line: one subcommand per job, each delegating to the module that owns it."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description="Tree speculative decoding gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from gateway import generate_cmd
+    generate_cmd.add_arguments(sub.add_parser("generate", help="generate completions for a JSONL file of prompts"))
+
+    model = sub.add_parser("model", help="model cache commands").add_subparsers(dest="model_command", required=True)
+    from workers.loader import add_model_path_arguments
+    add_model_path_arguments(model.add_parser("path", help="print the cached model directory (fetching it if needed)"))
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from loadtest import bench_engine
+    bench_engine.add_arguments(bench.add_parser("engine", help="specgate vs transformers on one workload"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from workers.loader import ModelLoadError
+    try:
+        return int(_dispatch(args) or 0)
+    except (ValueError, FileNotFoundError, ModelLoadError) as exc:
+        print(f"specgate: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "generate":
+        from gateway import generate_cmd
+        return generate_cmd.run(args)
+    if args.command == "model":
+        from workers.loader import model_path_cli
+        return model_path_cli(args)
+    if args.command == "bench":
+        from loadtest import bench_engine
+        return bench_engine.run(args)
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Request lifecycle, scheduling policies, the step loop and the simulator."""

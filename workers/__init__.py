@@ -1,0 +1,1 @@
+"""Device-side work: model loading, token trees, the verifier, drafters, acceptance rules."""

@@ -1,0 +1,1 @@
+"""Drafters: anything that proposes a token tree. Chosen by name from the registry."""
