@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny random-weight Llama (fast unit tests) and the real default model (slow tests)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_llama(seed: int = 0, *, vocab: int = 128, layers: int = 2, max_positions: int = 512,
+               attention_bias: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+                      attention_bias=attention_bias, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    # Larger-than-default init spreads the logits, so greedy ties (which would make exactness
+    # comparisons depend on rounding) are vanishingly rare.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def real_runtime():
+    """The real default model (SmolLM2-135M-Instruct, fp32), with the transformers reference kept."""
+    from workers.runtime import load_runtime
+
+    return load_runtime(keep_hf=True)

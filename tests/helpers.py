@@ -1,0 +1,68 @@
+"""Test helpers shared by the engine tests: reference generation and an oracle drafter."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from workers.drafters.base import DraftContext, TreeBudget
+from workers.tree import TokenTree, truncate
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Plain greedy decoding with transformers `generate`: the reference output."""
+    inp = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new_tokens,
+                             min_new_tokens=0, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+class OracleDrafter:
+    """Proposes trees around a known continuation: some branches right, some wrong, in a chosen shape.
+
+    `shape` = "chain" (the true continuation, cut at a random point, then wrong tokens), "wide"
+    (several siblings per level, one right), or "mixed" (random branching). Exercises every
+    acceptance length from 0 to the full budget.
+    """
+    name = "oracle"
+
+    def __init__(self, continuation: dict[str, list[int]], vocab: int, shape: str, seed: int = 0):
+        self.continuation = continuation
+        self.vocab = vocab
+        self.shape = shape
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
+        if budget.max_nodes == 0:
+            return TokenTree.empty()
+        done = len(ctx.tokens) - ctx.prompt_len
+        truth = self.continuation[ctx.request_id][done: done + budget.max_depth]
+        tokens, parents = [], []
+        parent, level = -1, 0
+        right = int(self.rng.integers(0, len(truth) + 1))  # how many true tokens before a wrong one
+        while level < budget.max_depth and len(tokens) < budget.max_nodes:
+            width = {"chain": 1, "wide": 3, "mixed": int(self.rng.integers(1, 4))}[self.shape]
+            true_tok = truth[level] if level < len(truth) else None
+            chosen = true_tok if level < right and true_tok is not None else None
+            siblings = []
+            while len(siblings) < width:
+                t = int(self.rng.integers(0, self.vocab))
+                if t != true_tok and t not in siblings:
+                    siblings.append(t)
+            if chosen is not None:
+                siblings[int(self.rng.integers(0, width))] = chosen
+            next_parent = None
+            for t in siblings:
+                if len(tokens) >= budget.max_nodes:
+                    break
+                tokens.append(t)
+                parents.append(parent)
+                if t == chosen or (chosen is None and next_parent is None):
+                    next_parent = len(tokens) - 1
+            if next_parent is None:
+                break
+            parent, level = next_parent, level + 1
+        return truncate(TokenTree(tuple(tokens), tuple(parents)), budget.max_nodes, budget.max_depth)
+
+    def release(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,120 @@
+"""Speculative generation through the verifier: lossless greedy, batch invariance, bad inputs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.helpers import OracleDrafter, hf_greedy
+from workers.acceptance import SamplingParams
+from workers.drafters.base import NoneDrafter, TreeBudget
+from workers.drafters.registry import create_drafter
+from workers.engine import Engine, GenerationRequest
+from workers.llama_forward import LlamaForward
+from workers.verifier import ContextLengthError, Verifier
+
+EOS = 2
+MAX_NEW = 40
+
+
+def prompts(n: int = 10, seed: int = 0) -> list[list[int]]:
+    """Prompts of varied length; half repeat a motif, so n-gram drafts sometimes hit."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        length = int(rng.integers(1, 60))
+        if i % 2:
+            motif = rng.integers(3, 128, size=int(rng.integers(2, 6))).tolist()
+            p = (motif * 30)[:length]
+        else:
+            p = rng.integers(3, 128, size=length).tolist()
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def forward(tiny_model):
+    return LlamaForward(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model):
+    return [hf_greedy(tiny_model, p, MAX_NEW, eos=EOS) for p in prompts()]
+
+
+def run(forward, drafter, reqs, budget=TreeBudget(12, 6), adaptive=True):
+    return Engine(Verifier(forward, max_tree_nodes=16), drafter, budget, adaptive=adaptive).generate(reqs)
+
+
+def greedy_requests(ps, max_new=MAX_NEW):
+    return [GenerationRequest(f"r{i}", tuple(p), max_new, SamplingParams(), frozenset({EOS})) for i, p in enumerate(ps)]
+
+
+@pytest.mark.parametrize("budget", [TreeBudget(1, 1), TreeBudget(4, 4), TreeBudget(12, 6), TreeBudget(16, 16)])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "oracle-chain", "oracle-wide", "oracle-mixed"])
+def test_greedy_speculation_is_token_identical_to_plain_greedy(forward, references, drafter, budget):
+    ps = prompts()
+    reqs = greedy_requests(ps)
+    if drafter.startswith("oracle"):
+        d = OracleDrafter({r.request_id: ref for r, ref in zip(reqs, references)}, 128, drafter.split("-")[1])
+    else:
+        d = create_drafter(drafter)
+    # Alone and all together: both must equal the reference.
+    together = run(forward, d, reqs, budget, adaptive=False)
+    for res, ref in zip(together, references):
+        assert res.token_ids == ref
+    for req, ref in zip(reqs[:3], references[:3]):
+        assert run(forward, d, [req], budget, adaptive=False)[0].token_ids == ref
+
+
+def test_oracle_trees_accept_and_commit_several_tokens_per_step(forward, references):
+    reqs = greedy_requests(prompts())
+    d = OracleDrafter({r.request_id: ref for r, ref in zip(reqs, references)}, 128, "chain")
+    results = run(forward, d, reqs, TreeBudget(8, 8), adaptive=False)
+    assert sum(r.accepted for r in results) > 0
+    assert sum(len(r.token_ids) for r in results) > sum(r.steps for r in results)
+
+
+def test_sampled_requests_get_the_same_output_alone_or_in_a_mixed_batch(forward):
+    ps = prompts(8, seed=3)
+    temps = [0.0, 0.7, 1.0, 1.3, 0.0, 0.9, 1.1, 0.5]
+    reqs = [GenerationRequest(f"s{i}", tuple(p), 30, SamplingParams(temperature=t, top_k=(0 if i % 3 else 20),
+                                                                     top_p=(0.9 if i % 2 else 1.0), seed=100 + i),
+                              frozenset({EOS}))
+            for i, (p, t) in enumerate(zip(ps, temps))]
+    together = run(forward, create_drafter("ngram"), reqs)
+    alone = [run(forward, create_drafter("ngram"), [r])[0] for r in reqs]
+    for a, b in zip(together, alone):
+        assert a.token_ids == b.token_ids
+    # Different seeds give different samples (the RNG really is per request).
+    other = run(forward, create_drafter("ngram"), [GenerationRequest("x", reqs[2].prompt_ids, 30,
+                SamplingParams(temperature=1.0, seed=999), frozenset({EOS}))])[0]
+    assert other.token_ids != alone[2].token_ids
+
+
+def test_max_tokens_and_stop_tokens_end_generation(forward, references):
+    ps = prompts()
+    res = run(forward, create_drafter("ngram"), greedy_requests(ps, max_new=5))
+    for r, ref in zip(res, references):
+        assert r.token_ids == ref[:5] or (EOS in ref[:5] and r.token_ids == ref[: ref.index(EOS) + 1])
+        assert r.finish_reason == ("stop" if r.token_ids[-1] == EOS else "length")
+
+
+def test_bad_inputs_raise_clear_errors(forward):
+    eng = Engine(Verifier(forward), NoneDrafter(), TreeBudget(4, 4))
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([GenerationRequest("a", (), 5)])
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.generate([GenerationRequest("a", (5, 6), 0)])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+        create_drafter("nope")
+    with pytest.raises(ContextLengthError, match="context is 512 tokens"):
+        eng.generate([GenerationRequest("a", tuple([5] * 600), 5)])
+    assert eng.verifier.active() == []  # nothing leaked by the failures
+
+
+def test_generation_near_the_context_limit_stops_at_the_limit(forward):
+    eng = Engine(Verifier(forward), create_drafter("ngram"), TreeBudget(8, 8))
+    res = eng.generate([GenerationRequest("a", tuple([5, 6, 7] * 169), 50)])[0]  # 507 of 512 positions
+    assert len(res.token_ids) == 5 and res.finish_reason == "length"

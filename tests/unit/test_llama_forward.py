@@ -1,0 +1,107 @@
+"""The lean forward against transformers (the reference), on a tiny random Llama, float32."""
+from __future__ import annotations
+
+import torch
+
+from tests.conftest import tiny_llama
+from workers.llama_forward import LlamaForward, Segment
+from workers.tree import TokenTree, ancestor_mask, depths
+from workers.verifier import _tree_mask
+
+ATOL = 1e-4
+
+
+def causal(n: int) -> torch.Tensor:
+    return torch.full((n, n), float("-inf")).triu(1)
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def test_full_sequence_matches_transformers(tiny_model):
+    lf = LlamaForward(tiny_model)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    cache = lf.new_cache(64)
+    out = lf.forward(torch.tensor(ids), torch.arange(40), [Segment(cache, 0, 40, causal(40))], torch.arange(40))
+    assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
+
+
+def test_qkv_bias_models_match_transformers():
+    model = tiny_llama(3, attention_bias=True)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.normal_(0, 0.5)
+            layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    lf = LlamaForward(model)
+    ids = list(range(5, 25))
+    out = lf.forward(torch.tensor(ids), torch.arange(20), [Segment(lf.new_cache(32), 0, 20, causal(20))],
+                     torch.arange(20))
+    assert torch.allclose(out, hf_logits(model, ids), atol=ATOL)
+
+
+def test_tree_logits_equal_each_branch_alone(tiny_model):
+    """Every tree node's logits equal running context + root + that node's branch alone."""
+    lf = LlamaForward(tiny_model)
+    context = list(range(10, 40))
+    root = 7
+    tree = TokenTree(tokens=(5, 9, 11, 6, 13, 17, 19), parents=(-1, 0, 0, -1, 3, 4, 1))
+    cache = lf.new_cache(64)
+    n = len(context)
+    lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
+    cache.length = n
+    ids = torch.tensor([root, *tree.tokens])
+    pos = torch.tensor([n] + [n + d for d in depths(tree)])
+    out = lf.forward(ids, pos, [Segment(cache, 0, len(ids), _tree_mask(tree))], torch.arange(len(ids)))
+    mask = ancestor_mask(tree)
+    for i in range(len(tree)):
+        branch = [tree.tokens[j] for j in range(len(tree)) if mask[i, j]]
+        alone = hf_logits(tiny_model, context + [root] + branch)[-1]
+        assert torch.allclose(out[i + 1], alone, atol=ATOL), f"node {i}"
+    assert torch.allclose(out[0], hf_logits(tiny_model, context + [root])[-1], atol=ATOL)
+
+
+def test_packed_requests_of_different_lengths_match_alone(tiny_model):
+    lf = LlamaForward(tiny_model)
+    contexts = [list(range(3, 20)), list(range(30, 35)), list(range(50, 90))]
+    trees = [TokenTree((4, 6, 8), (-1, 0, 0)), TokenTree.empty(), TokenTree.chain([9, 10, 11, 12])]
+    caches, segments, ids, pos, start = [], [], [], [], 0
+    for ctx, tree in zip(contexts, trees):
+        cache = lf.new_cache(64)
+        m = len(ctx) - 1
+        lf.forward(torch.tensor(ctx[:-1]), torch.arange(m), [Segment(cache, 0, m, causal(m))], None)
+        cache.length = m
+        rows = 1 + len(tree)
+        segments.append(Segment(cache, start, rows, _tree_mask(tree)))
+        ids += [ctx[-1], *tree.tokens]
+        pos += [m] + [m + d for d in depths(tree)]
+        start += rows
+    out = lf.forward(torch.tensor(ids), torch.tensor(pos), segments, torch.arange(start))
+    for ctx, tree, seg in zip(contexts, trees, segments):
+        assert torch.allclose(out[seg.start], hf_logits(tiny_model, ctx)[-1], atol=ATOL)
+        if tree.parents and all(p == i - 1 for i, p in enumerate(tree.parents)):  # a chain: every row
+            full = hf_logits(tiny_model, ctx + list(tree.tokens))[len(ctx) - 1:]
+            assert torch.allclose(out[seg.start: seg.start + seg.rows], full, atol=ATOL)
+
+
+def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model):
+    """After committing a path, the next pass equals a fresh run over the committed sequence."""
+    lf = LlamaForward(tiny_model)
+    context = list(range(20, 32))
+    root = 3
+    tree = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, -1, 1, 2, 0))  # path 1 -> 2 -> 3 is "accepted"
+    cache = lf.new_cache(64)
+    n = len(context)
+    lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
+    cache.length = n
+    ids = torch.tensor([root, *tree.tokens])
+    pos = torch.tensor([n] + [n + d for d in depths(tree)])
+    lf.forward(ids, pos, [Segment(cache, 0, len(ids), _tree_mask(tree))], None)
+    cache.commit(1, [1, 2, 3])
+    assert cache.length == n + 4
+    bonus = 50
+    out = lf.forward(torch.tensor([bonus]), torch.tensor([cache.length]),
+                     [Segment(cache, 0, 1, torch.zeros(1, 1))], torch.arange(1))
+    expect = hf_logits(tiny_model, context + [root, 41, 42, 43, bonus])[-1]
+    assert torch.allclose(out[0], expect, atol=ATOL)

@@ -1,0 +1,143 @@
+"""A lean forward pass for Llama-family targets over packed, tree-shaped inputs.
+
+Why not call the transformers model directly: a transformers forward spends most of its time on
+per-operation overhead, its cache layout forces every batch row to share one column index (so
+requests of different lengths would be re-packed, i.e. copied, every step), and it computes logits
+for every input row. Here the rows of all requests in a step are packed into one sequence; the
+linear layers run once over all rows, attention runs per request against that request's own
+preallocated KV (`KVCache`), and logits are computed only for the rows acceptance needs.
+
+The weights are taken from a transformers `LlamaForCausalLM`-shaped model (Llama, SmolLM, Mistral,
+Qwen2: q/k/v biases are honoured); transformers stays the reference in the exactness tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.kv_cache import KVCache
+
+
+@dataclass
+class Segment:
+    """One request's rows in a packed forward pass."""
+    cache: KVCache
+    start: int            # first packed row of this request
+    rows: int             # pending tokens + tree nodes
+    mask: torch.Tensor    # [rows, rows] additive float mask among the new rows (0 = visible, -inf = hidden)
+
+
+class LlamaForward:
+    def __init__(self, hf_model):
+        cfg = hf_model.config
+        if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {cfg.model_type!r} is not supported by the lean forward; "
+                             f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = cfg.hidden_size
+        self.eps = cfg.rms_norm_eps
+        self.max_positions = cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        inner = hf_model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
+        with torch.no_grad():
+            self.embed = inner.embed_tokens.weight.detach()              # [V, H]
+            self.lm_head = hf_model.lm_head.weight.detach()              # [V, H] (tied: same storage)
+            self.final_norm = inner.norm.weight.detach()                 # [H]
+            self.layers = [self._layer_weights(layer) for layer in inner.layers]
+            self.cos, self.sin = self._rope_tables(inner.rotary_emb)     # [P, D] each
+
+    @staticmethod
+    def _layer_weights(layer) -> dict:
+        att, mlp = layer.self_attn, layer.mlp
+        # Fusing q/k/v and gate/up into one matmul each halves the per-layer op count.
+        qkv_bias = None
+        if att.q_proj.bias is not None:
+            qkv_bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
+        return {
+            "ln1": layer.input_layernorm.weight.detach(),
+            "wqkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
+            "bqkv": qkv_bias,
+            "wo": att.o_proj.weight.detach(),
+            "ln2": layer.post_attention_layernorm.weight.detach(),
+            "wgu": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+            "wdown": mlp.down_proj.weight.detach(),
+        }
+
+    def _rope_tables(self, rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
+        # Reuse the model's own rotary module so every rope scaling type transformers knows is honoured.
+        positions = torch.arange(self.max_positions, device=self.device)[None, :]
+        probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+        cos, sin = rotary_emb(probe, positions)
+        return cos[0].contiguous(), sin[0].contiguous()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                logit_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """Run the packed rows through the model, writing each segment's new KV into its cache at
+        slots [cache.length, cache.length + rows) (cache.length itself is not advanced: the caller
+        commits what acceptance keeps). Returns logits for `logit_rows` ([R, V]) or None.
+
+        input_ids: [T]; positions: [T]; T = sum of segment rows.
+        """
+        for seg in segments:
+            if seg.cache.length + seg.rows > seg.cache.capacity:
+                raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
+                                 f"({seg.cache.length} + {seg.rows} rows)")
+        x = self.embed[input_ids]                                   # x: [T, H]
+        cos, sin = self.cos[positions], self.sin[positions]         # [T, D]
+        cos, sin = cos[:, None, :], sin[:, None, :]                 # [T, 1, D]
+        masks = [self._full_mask(seg) for seg in segments]
+        nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        for li, w in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), w["ln1"], self.eps)
+            qkv = F.linear(h, w["wqkv"], w["bqkv"]).view(-1, nq + 2 * nkv, d)   # [T, Hq+2Hkv, D]
+            qk = qkv[:, : nq + nkv]
+            qk = qk * cos + _rotate_half(qk) * sin                               # [T, Hq+Hkv, D]
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+            att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
+            for seg, mask in zip(segments, masks):
+                att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, k, v)
+            x = x + F.linear(att.view(-1, nq * d), w["wo"])
+            h = F.rms_norm(x, (self.hidden,), w["ln2"], self.eps)
+            gate, up = F.linear(h, w["wgu"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w["wdown"])
+        if logit_rows is None:
+            return None
+        h = F.rms_norm(x[logit_rows], (self.hidden,), self.final_norm, self.eps)
+        return F.linear(h, self.lm_head)                            # [R, V]
+
+    def _attend(self, li: int, seg: Segment, mask: torch.Tensor, q, k, v) -> torch.Tensor:
+        cache, lo, n = seg.cache, seg.start, seg.rows
+        end = cache.length + n
+        cache.k[li, :, cache.length:end] = k[lo: lo + n].transpose(0, 1)   # [Hkv, n, D]
+        cache.v[li, :, cache.length:end] = v[lo: lo + n].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[lo: lo + n].transpose(0, 1)[None],         # [1, Hq, n, D]
+            cache.k[li, :, :end][None],                  # [1, Hkv, S, D]
+            cache.v[li, :, :end][None],
+            attn_mask=mask, enable_gqa=True)             # out: [1, Hq, n, D]
+        return out[0].transpose(0, 1)                    # [n, Hq, D]
+
+    def _full_mask(self, seg: Segment) -> torch.Tensor:
+        # Every new row sees the whole committed context; among new rows, the segment's own mask.
+        # NOTE: the mask must be additive float: a boolean mask is silently wrong under eager attention.
+        past = torch.zeros(seg.rows, seg.cache.length, dtype=self.dtype, device=self.device)
+        return torch.cat([past, seg.mask.to(self.dtype)], dim=1)    # [rows, length + rows]
+
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

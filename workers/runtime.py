@@ -1,0 +1,66 @@
+"""Assemble a runnable target: tokenizer, lean forward, verifier; and turn prompt records into ids."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.llama_forward import LlamaForward
+from workers.loader import DEFAULT_MODEL, load_target
+from workers.verifier import Verifier
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Runtime:
+    tokenizer: Any
+    forward: LlamaForward
+    hf_model: Any | None          # kept only when a caller needs the transformers reference
+    stop_token_ids: frozenset[int]
+
+    def verifier(self, max_tree_nodes: int = 64) -> Verifier:
+        return Verifier(self.forward, max_tree_nodes=max_tree_nodes)
+
+
+def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", keep_hf: bool = False,
+                 progress: bool = True) -> Runtime:
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    hf_model, tokenizer = load_target(model, dtype=DTYPES[dtype], progress=progress)
+    return Runtime(tokenizer, LlamaForward(hf_model), hf_model if keep_hf else None,
+                   stop_token_ids(hf_model, tokenizer))
+
+
+def stop_token_ids(hf_model, tokenizer) -> frozenset[int]:
+    """The ids that end a generation: the generation config's eos ids and the tokenizer's eos."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def encode_record(tokenizer, record: dict) -> list[int]:
+    """Token ids for one prompt record: {"prompt": str} as is, {"messages": [...]} through the chat template."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list of {role, content} objects")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+                raise ValueError("each message needs a 'role' and a string 'content'")
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if "prompt" in record:
+        prompt = record["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError("'prompt' must be a string")
+        if prompt == "":
+            raise ValueError("prompt is empty")
+        return tokenizer(prompt)["input_ids"]
+    raise ValueError("each record needs a 'prompt' string or a 'messages' list")

@@ -1,0 +1,191 @@
+"""The verifier: one forward pass of the target checks the token trees of every request in a batch.
+
+Per request it keeps a preallocated KV cache holding every committed token except the root (the
+last committed token). A step feeds, for each request, the root followed by its tree nodes:
+
+    row 0      = the root, at position L (L = committed KV length)
+    row i + 1  = tree node i, at position L + depth(i), seeing the context, the root and its ancestors
+
+The logits at row r predict the token after row r, so row 0 checks the root's children and the
+bonus comes from the deepest accepted row. After acceptance the root and the accepted nodes' KV are
+kept in place (`KVCache.commit`), the rest is forgotten, and the bonus token becomes the new root.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from workers.acceptance import Acceptance, SamplingParams, accept_greedy, accept_sampling, warp
+from workers.llama_forward import LlamaForward, Segment
+from workers.tree import TokenTree, ancestor_mask, depths, truncate
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    request_id: str
+    tree: TokenTree
+
+
+@dataclass(frozen=True)
+class StepResult:
+    request_id: str
+    tokens: tuple[int, ...]   # committed by this step: accepted draft tokens, then the bonus
+    accepted: int             # draft tokens accepted
+    drafted: int              # tree nodes verified (after fitting the tree to the request's room)
+
+    @property
+    def tau(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tree_tokens(self) -> int:
+        """Verifier work for this request in this step: the root row plus every tree node."""
+        return self.drafted + 1
+
+
+@dataclass
+class _Slot:
+    cache: object
+    root: int
+    sampling: SamplingParams
+    rng: np.random.Generator
+    max_positions: int
+
+
+@dataclass
+class StepTimings:
+    """Where a step's wall time went, accumulated over steps (seconds)."""
+    forward_s: float = 0.0
+    other_s: float = 0.0
+    steps: int = 0
+    per_step_other_s: list[float] = field(default_factory=list)
+
+
+class ContextLengthError(ValueError):
+    pass
+
+
+class Verifier:
+    def __init__(self, target: LlamaForward, *, max_tree_nodes: int = 64):
+        self.target = target
+        self.max_tree_nodes = max_tree_nodes
+        self.timings = StepTimings()
+        self._slots: dict[str, _Slot] = {}
+
+    @property
+    def context_limit(self) -> int:
+        return self.target.max_positions
+
+    def active(self) -> list[str]:
+        return list(self._slots)
+
+    def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
+                max_new_tokens: int) -> None:
+        """Admit a request: compute the KV of every token but the last, which becomes the root.
+
+        `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
+        (restart recovery re-prefills, it never replays steps).
+        """
+        if request_id in self._slots:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if len(token_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(token_ids) >= self.context_limit:
+            raise ContextLengthError(
+                f"prompt has {len(token_ids)} tokens; the model's context is {self.context_limit} tokens")
+        # Room for the whole output plus one tree beyond it, capped by the model's positions.
+        capacity = min(len(token_ids) + max_new_tokens + self.max_tree_nodes + 1, self.context_limit)
+        cache = self.target.new_cache(capacity)
+        seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        slot = _Slot(cache, int(token_ids[-1]), sampling, np.random.default_rng(seed), self.context_limit)
+        context = list(token_ids[:-1])
+        if context:
+            n = len(context)
+            causal = torch.full((n, n), float("-inf")).triu(1)
+            self.target.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal)], None)
+            cache.length = n
+        self._slots[request_id] = slot
+
+    def release(self, request_id: str) -> None:
+        """Forget a request and free its KV (idempotent)."""
+        self._slots.pop(request_id, None)
+
+    def verify(self, batch: Sequence[VerifyItem]) -> list[StepResult]:
+        """One forward pass over the roots and trees of every request in `batch`."""
+        t0 = time.perf_counter()
+        slots = [self._slot(item.request_id) for item in batch]
+        trees = [self._fit(slot, item.tree) for slot, item in zip(slots, batch)]
+        ids, pos, segments = [], [], []
+        start = 0
+        for slot, tree in zip(slots, trees):
+            rows = 1 + len(tree)
+            ids += [slot.root, *tree.tokens]
+            L = slot.cache.length
+            pos += [L] + [L + d for d in depths(tree)]
+            segments.append(Segment(slot.cache, start, rows, _tree_mask(tree)))
+            start += rows
+        ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
+        t1 = time.perf_counter()
+        logits = self.target.forward(ids_t, pos_t, segments, torch.arange(start))  # [T, V]
+        t2 = time.perf_counter()
+        results = []
+        greedy_rows = logits.argmax(-1).tolist() if any(s.sampling.greedy for s in slots) else None
+        for item, slot, tree, seg in zip(batch, slots, trees, segments):
+            acc = self._accept(slot, tree, seg, logits, greedy_rows)
+            slot.cache.commit(1, list(acc.path))
+            slot.root = acc.tokens[-1]
+            results.append(StepResult(item.request_id, acc.tokens, acc.accepted, len(tree)))
+        t3 = time.perf_counter()
+        self.timings.forward_s += t2 - t1
+        self.timings.other_s += (t1 - t0) + (t3 - t2)
+        self.timings.per_step_other_s.append((t1 - t0) + (t3 - t2))
+        self.timings.steps += 1
+        return results
+
+    def _slot(self, request_id: str) -> _Slot:
+        try:
+            return self._slots[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} was not prefilled (or was released)") from None
+
+    def _fit(self, slot: _Slot, tree: TokenTree) -> TokenTree:
+        # The root takes one KV slot and one position; the tree gets what is left of both.
+        room = min(slot.cache.capacity, slot.max_positions) - slot.cache.length - 1
+        max_nodes = min(self.max_tree_nodes, room)
+        if len(tree) <= max_nodes and (len(tree) == 0 or max(depths(tree)) <= room):
+            return tree
+        return truncate(tree, max(max_nodes, 0), max(room, 0))
+
+    def _accept(self, slot: _Slot, tree: TokenTree, seg: Segment, logits: torch.Tensor,
+                greedy_rows: list[int] | None) -> Acceptance:
+        lo = seg.start
+        if slot.sampling.greedy:
+            return accept_greedy(tree, greedy_rows[lo: lo + seg.rows])
+        rows = logits[lo: lo + seg.rows]
+
+        def target_probs(row: int) -> np.ndarray:
+            return warp(rows[row].double().numpy(), slot.sampling)
+
+        return accept_sampling(tree, target_probs, slot.rng)
+
+
+def _tree_mask(tree: TokenTree) -> torch.Tensor:
+    """Additive mask among a step's new rows: [1 + n, 1 + n]; row 0 is the root.
+
+    Example: tree tokens (a, b, c), parents (-1, 0, -1) -> row 0 sees {root}; row 1 (a) sees
+    {root, a}; row 2 (b) sees {root, a, b}; row 3 (c) sees {root, c}.
+    """
+    n = len(tree)
+    visible = np.zeros((n + 1, n + 1), dtype=bool)
+    visible[:, 0] = True
+    if n:
+        visible[1:, 1:] = ancestor_mask(tree)
+    mask = torch.zeros(n + 1, n + 1)
+    mask[~torch.from_numpy(visible)] = float("-inf")
+    return mask
