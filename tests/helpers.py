@@ -8,7 +8,7 @@ from workers.drafters.base import DraftContext, TreeBudget
 from workers.tree import TokenTree, truncate
 
 
-def hf_greedy(model, prompt_ids, max_new_tokens: int, eos: int | None = None) -> list[int]:
+def hf_greedy(model, prompt_ids, max_new_tokens: int, eos: int | list[int] | None = None) -> list[int]:
     """Plain greedy decoding with transformers `generate`: the reference output."""
     inp = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():

@@ -1,0 +1,132 @@
+"""`specgate bench engine`: specgate's speculative engine vs transformers, side by side in one run.
+
+For each prompt of a workload, in turn (so machine noise hits every system alike): transformers
+`generate` plain greedy, transformers `generate` with prompt lookup, and specgate. All float32,
+batch 1, the same prompt ids and the same number of new tokens. Ratios are the figures to read;
+absolute tokens/s vary run to run on shared machines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gateway.generate_cmd import DEFAULT_BUDGET
+from loadtest.workload import WORKLOADS, load_workload
+from workers.acceptance import SamplingParams
+from workers.drafters.base import TreeBudget
+from workers.drafters.registry import create_drafter
+from workers.engine import Engine, GenerationRequest
+from workers.loader import DEFAULT_MODEL
+from workers.runtime import encode_record, load_runtime
+from workers.verifier import StepTimings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", required=True, choices=WORKLOADS)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=8, help="prompts to run (0 = all)")
+    p.add_argument("--drafter", default="ngram")
+    p.add_argument("--tree-nodes", type=int, default=DEFAULT_BUDGET.max_nodes)
+    p.add_argument("--tree-depth", type=int, default=DEFAULT_BUDGET.max_depth)
+    p.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--json", type=Path, help="write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
+                          drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
+                          prompt_lookup=args.prompt_lookup)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
+                 drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10) -> dict:
+    records = load_workload(workload)
+    if limit:
+        records = records[:limit]
+    rt = load_runtime(model, dtype="float32", keep_hf=True)
+    hf = rt.hf_model
+    prompts = [encode_record(rt.tokenizer, r) for r in records]
+    engine = Engine(rt.verifier(), create_drafter(drafter), budget)
+    # The same engine without drafts: separates what the lean forward gives from what speculation gives.
+    plain = Engine(rt.verifier(), create_drafter("none"), TreeBudget(0, 0), adaptive=False)
+
+    def hf_generate(ids: list[int], lookup: int | None) -> tuple[list[int], float]:
+        inp = torch.tensor([ids])
+        kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=rt.tokenizer.eos_token_id, **kwargs)
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+    def ours(i: int, ids: list[int], eng: Engine = engine):
+        req = GenerationRequest(f"b{i}", tuple(ids), max_tokens, SamplingParams(), rt.stop_token_ids)
+        t0 = time.perf_counter()
+        res = eng.generate([req])[0]
+        return res, time.perf_counter() - t0
+
+    # Warm-up: first calls pay one-off allocation and dispatch costs.
+    hf_generate(prompts[0][:32], None)
+    ours(-1, prompts[0][:32])
+    engine.verifier.timings = StepTimings()
+    engine.draft_s = 0.0
+
+    rows = []
+    for i, ids in enumerate(prompts):
+        greedy_ids, t_greedy = hf_generate(ids, None)
+        lookup_ids, t_lookup = hf_generate(ids, prompt_lookup)
+        plain_res, t_plain = ours(i, ids, plain)
+        res, t_ours = ours(i, ids)
+        rows.append({
+            "id": records[i].get("id", str(i)), "prompt_tokens": len(ids), "new_tokens": len(greedy_ids),
+            "hf_greedy_s": t_greedy, "hf_prompt_lookup_s": t_lookup, "specgate_s": t_ours,
+            "specgate_plain_s": t_plain, "specgate_plain_tokens": len(plain_res.token_ids),
+            "specgate_tokens": len(res.token_ids), "steps": res.steps, "tau_mean": res.tau_mean,
+            "alpha": res.alpha, "identical": res.token_ids == greedy_ids,
+            "lookup_identical": lookup_ids == greedy_ids,
+        })
+        print(f"[{i + 1}/{len(prompts)}] {rows[-1]['id']}: greedy {len(greedy_ids) / t_greedy:.1f} tok/s, "
+              f"lookup {len(lookup_ids) / t_lookup:.1f}, specgate {len(res.token_ids) / t_ours:.1f} "
+              f"(tau {res.tau_mean:.2f}, identical {rows[-1]['identical']})", file=sys.stderr)
+    return summarize(workload, rows, engine, max_tokens, budget, drafter)
+
+
+def summarize(workload: str, rows: list[dict], engine: Engine, max_tokens: int, budget: TreeBudget,
+              drafter: str) -> dict:
+    def rate(tokens_key: str, time_key: str) -> float:
+        return sum(r[tokens_key] for r in rows) / sum(r[time_key] for r in rows)
+
+    greedy = rate("new_tokens", "hf_greedy_s")
+    lookup = rate("new_tokens", "hf_prompt_lookup_s")
+    spec = rate("specgate_tokens", "specgate_s")
+    plain = rate("specgate_plain_tokens", "specgate_plain_s")
+    steps = sum(r["steps"] for r in rows)
+    timings = engine.verifier.timings
+    return {
+        "workload": workload, "prompts": len(rows), "max_tokens": max_tokens, "dtype": "float32", "batch": 1,
+        "drafter": drafter, "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
+        "hf_greedy_tok_s": round(greedy, 2), "hf_prompt_lookup_tok_s": round(lookup, 2),
+        "specgate_tok_s": round(spec, 2), "specgate_plain_tok_s": round(plain, 2),
+        "speedup_vs_specgate_plain": round(spec / plain, 3),
+        "speedup_vs_hf_greedy": round(spec / greedy, 3),
+        "speedup_vs_hf_prompt_lookup": round(spec / lookup, 3),
+        "hf_prompt_lookup_vs_hf_greedy": round(lookup / greedy, 3),
+        "tau_mean": round(sum(r["specgate_tokens"] for r in rows) / steps, 3),
+        "alpha": round(sum(r["alpha"] for r in rows) / len(rows), 3),
+        "identical": all(r["identical"] for r in rows),
+        "step_forward_ms": round(1000 * timings.forward_s / max(1, timings.steps), 2),
+        "step_outside_forward_ms": round(1000 * timings.other_s / max(1, timings.steps), 3),
+        "step_draft_ms": round(1000 * engine.draft_s / max(1, timings.steps), 3),
+        "per_prompt": rows,
+    }
