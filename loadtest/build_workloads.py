@@ -20,12 +20,13 @@ Only the sentences that frame each task ("Repeat the text after ...") are ours.
 Why the copy/extract framing looks the way it does: SmolLM2-135M-Instruct (the default model) does
 not copy when the instruction comes first ("Repeat the following text exactly, without adding or
 changing anything:\n\n<passage>"): it answers with its own prose or code, so the copy workload
-measured nothing about copying (mean ``copied`` 0.16 on 4 prompts, 32 tokens; ``copied`` = share of
-greedy tokens whose 3-gram, with the two tokens before, occurs in the prompt ids). Instruction-first
-with a system message ("you are an echo/copying tool"), a proofreading task, triple-quoted passages
-and giving the passage's first words all did no better (0.03-0.36). What works is the passage
-*between* an announcing sentence and a closing instruction, with a ``Text:`` label the model echoes
-and then continues from::
+measured nothing about copying. ``copied`` = share of greedy tokens whose 3-gram (with the two
+tokens before) occurs in the prompt ids; probes on 4 copy prompts, 40 new tokens: instruction first
+0.16; same plus a "you are a copying tool" system message 0.17; user text = bare passage with an
+"echo" system message 0.15; "fix the spelling mistakes" 0.14; passage in triple quotes with the
+instruction after it 0.45 (0.24-0.34 when the instruction also gave the passage's first words).
+What works best is the passage *between* an announcing sentence and a closing instruction, with a
+``Text:`` label the model echoes and then continues from::
 
     Repeat the text after "Text:" exactly, word for word.
 
@@ -35,10 +36,12 @@ and then continues from::
 
     End of text. Now write the text above again, exactly as it is.
 
-Extract prompts use the same sandwich with the task-specific instruction at the end. Measured mean
-``copied`` over the 14 prompts, 128 greedy tokens, float32, CPU: copy COPY_FIGURE, extract
-EXTRACT_FIGURE (instruction-first framing: copy ~0.2, extract ~0.3). Summarize, chat and code
-prompts are unchanged.
+Extract prompts use the same sandwich with the task-specific instruction at the end. With 32 new
+tokens this framing scored 0.82 over the 14 copy prompts (instruction first: 0.16 on 4 prompts).
+Mean ``copied`` over the 14 prompts, 128 greedy tokens, float32, CPU (one padded batch): copy
+0.60, extract 0.50. The model starts copying nearly every passage but drifts into paraphrase after
+a few sentences, often where it re-wraps the docstrings' hard line breaks; asyncio.gather (0.05) and
+random.Random.sample (0.27) never start. Summarize, chat and code prompts are unchanged.
 
 The output is deterministic for a given CPython minor version: docstrings change between Python
 releases, so rebuild with the interpreter named in ``PYTHON_VERSION`` to reproduce the shipped
@@ -133,10 +136,11 @@ SUMMARIZE_INSTRUCTION = "Summarize the following documentation in three sentence
 EXTRACT_INSTRUCTIONS = {
     "keyword": 'End of text. Now write out every sentence of the text above that contains the word '
                '"{word}", exactly as written, one per line.',
-    "parameters": "End of text. Now write out, exactly as written, every sentence of the text above "
-                  "that describes one of these parameters: {names}. One sentence per line.",
-    "examples": "End of text. Now copy out every interactive example (the lines that start with >>> "
-                "and the output lines that follow them) from the text above, exactly as written.",
+    "parameters": "End of text. Now write out, exactly as written, every sentence of the text "
+                  "above that describes one of these parameters: {names}. One sentence per line.",
+    "examples": "End of text. Now copy out every interactive example (the lines that start with "
+                ">>> and the output lines that follow them) from the text above, exactly as "
+                "written.",
     "firsts": "End of text. Now write out the first sentence of each paragraph of the text above, "
               "exactly as written, one per line.",
 }
