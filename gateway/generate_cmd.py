@@ -14,7 +14,8 @@ from workers.engine import Engine, GenerationRequest
 from workers.loader import DEFAULT_MODEL
 from workers.runtime import encode_record, load_runtime
 
-DEFAULT_BUDGET = TreeBudget(max_nodes=24, max_depth=10)
+# The ceiling; each step sizes each request's tree below it from its acceptance and the cost curve.
+DEFAULT_BUDGET = TreeBudget(max_nodes=32, max_depth=24)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         # Each prompt gets its own seed so its output does not depend on its neighbours.
         req_sampling = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, args.seed + i)
         requests.append(GenerationRequest(f"p{i}", tuple(ids), args.max_tokens, req_sampling, rt.stop_token_ids))
-    engine = Engine(rt.verifier(), create_drafter(args.drafter), budget)
+    engine = Engine(rt.verifier(), create_drafter(args.drafter), budget, speculation=rt.speculation_config())
     t0 = time.perf_counter()
     results = engine.generate(requests)
     elapsed = time.perf_counter() - t0

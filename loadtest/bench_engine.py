@@ -57,7 +57,7 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     rt = load_runtime(model, dtype="float32", keep_hf=True)
     hf = rt.hf_model
     prompts = [encode_record(rt.tokenizer, r) for r in records]
-    engine = Engine(rt.verifier(), create_drafter(drafter), budget)
+    engine = Engine(rt.verifier(), create_drafter(drafter), budget, speculation=rt.speculation_config())
     # The same engine without drafts: separates what the lean forward gives from what speculation gives.
     plain = Engine(rt.verifier(), create_drafter("none"), TreeBudget(0, 0), adaptive=False)
 
@@ -116,6 +116,7 @@ def summarize(workload: str, rows: list[dict], engine: Engine, max_tokens: int, 
     return {
         "workload": workload, "prompts": len(rows), "max_tokens": max_tokens, "dtype": "float32", "batch": 1,
         "drafter": drafter, "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
+        "step_cost": [list(p) for p in engine.speculation.step_cost],
         "hf_greedy_tok_s": round(greedy, 2), "hf_prompt_lookup_tok_s": round(lookup, 2),
         "specgate_tok_s": round(spec, 2), "specgate_plain_tok_s": round(plain, 2),
         "speedup_vs_specgate_plain": round(spec / plain, 3),

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from workers.acceptance import SamplingParams
 from workers.drafters.base import DraftContext, Drafter, TreeBudget
-from workers.speculation import SpeculationState, next_budget, record
+from workers.speculation import SpeculationConfig, SpeculationState, next_budget, record
 from workers.verifier import ContextLengthError, Verifier, VerifyItem
 
 
@@ -57,11 +57,13 @@ def validate_request(req: GenerationRequest, context_limit: int) -> None:
 
 
 class Engine:
-    def __init__(self, verifier: Verifier, drafter: Drafter, budget: TreeBudget, *, adaptive: bool = True):
+    def __init__(self, verifier: Verifier, drafter: Drafter, budget: TreeBudget, *, adaptive: bool = True,
+                 speculation: SpeculationConfig | None = None):
         self.verifier = verifier
         self.drafter = drafter
         self.budget = budget
-        self.adaptive = adaptive
+        self.adaptive = adaptive   # size each request's tree from its acceptance; else always `budget`
+        self.speculation = speculation or SpeculationConfig()
         self.draft_s = 0.0
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -72,7 +74,7 @@ class Engine:
             raise ValueError("request ids must be unique within a batch")
         results = {r.request_id: GenerationResult(r.request_id) for r in requests}
         contexts = {r.request_id: list(r.prompt_ids) for r in requests}
-        spec = {r.request_id: SpeculationState() for r in requests}
+        spec = {r.request_id: SpeculationState(self.speculation) for r in requests}
         live = list(requests)
         try:
             for req in requests:

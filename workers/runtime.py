@@ -8,6 +8,8 @@ import torch
 
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
+from workers.speculation import SpeculationConfig
+from workers.step_cost import measure_step_cost
 from workers.verifier import Verifier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -19,9 +21,16 @@ class Runtime:
     forward: LlamaForward
     hf_model: Any | None          # kept only when a caller needs the transformers reference
     stop_token_ids: frozenset[int]
+    _speculation: SpeculationConfig | None = None
 
     def verifier(self, max_tree_nodes: int = 64) -> Verifier:
         return Verifier(self.forward, max_tree_nodes=max_tree_nodes)
+
+    def speculation_config(self) -> SpeculationConfig:
+        """Speculation sizing from this machine's measured step-cost curve (measured once)."""
+        if self._speculation is None:
+            self._speculation = SpeculationConfig(step_cost=measure_step_cost(self.forward))
+        return self._speculation
 
 
 def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", keep_hf: bool = False,

@@ -1,106 +1,85 @@
-"""Per-request speculation backoff: shrink the tree when it does not pay, probe, grow back.
+"""Per-request speculation sizing: draft as deep as pays, down to zero when nothing does.
 
-A step over a tree costs more than a plain one-token step, so speculation only pays when enough is
-accepted. On CPU fp32 (FINDINGS.md) a pass over a 16-node tree costs ≈ 2× a 1-token pass, so a tree
-must average well above ~1 accepted token per step to win; a short chain of ≤ 4 nodes costs
-~1.3–1.9×. The planner picks a ``base`` budget; this controller only guards each request against
-being slower than plain decoding:
+A verification pass over n tree nodes costs `cost(n)` plain one-token passes, measured on the
+machine (`LlamaForward.measure_step_cost`). On a 2-core CPU in float32 the curve is steep — one
+extra row already costs ~1.6x (gemm instead of gemv), 16 nodes ~2.5x, 32 nodes ~4.6x — so a tree
+pays only when enough of it is accepted, and how deep to go depends on the request's acceptance.
 
-* Over a window of recent steps that drafted something, estimate the speedup
-  Σ(1 + accepted) ÷ Σ cost(drafted) (τ per unit of step cost). Below ``shrink_below`` the node cap
-  halves (depth ≤ nodes); a window with nothing accepted at all goes straight to zero, since a
-  smaller best-first tree cannot accept more than a bigger one.
-* At zero, every step is plain decoding; after ``probe_after`` steps the controller allows one small
-  tree (``probe_nodes``). A probe that does not pay doubles the wait (up to ``max_probe_after``), so
-  a request whose text stays unpredictable pays a vanishing price; one whose text becomes
-  predictable regains speculation.
-* When the window's τ would still pay for a tree twice the current cap (at twice the cost), the cap
-  doubles, back up to ``base``.
-* A step whose drafter proposed nothing (empty tree) cost nothing extra and is no rejection: it is
-  not evidence, it only counts toward the wait for a probe.
+Model: the drafter's tokens along the path are accepted one after another, each with probability
+`a` (the request's per-token acceptance). A chain of depth d then commits, in expectation,
 
-Everything is pure: ``next_budget(state, base)`` and ``record(state, drafted, accepted)`` return new
-values; the state is a frozen dataclass the scheduler keeps with the request.
+    E[tau](d) = 1 + a + a^2 + ... + a^d          (the 1 is the bonus token)
+
+and the step's goodput relative to plain decoding is E[tau](d) / cost(d). Each step picks the d
+that maximises it (d = 0, no drafting, has goodput 1 by definition), within the planner's budget.
+
+`a` is estimated per request from what its own steps accepted: every accepted token is a success,
+a step that stopped before the end of its path is one failure (the geometric likelihood), with
+counts that decay so the estimate follows the text (prompt lookup is bursty: long copied runs,
+then free text). While speculation is off there is no evidence, so the counts relax towards the
+prior and the request probes again after a while; a probe that fails pushes it back down.
+A step where the drafter proposed nothing is no evidence either way.
+
+Everything is pure: `next_budget(state, base)` and `record(state, drafted, accepted)` return new
+values; the state is a small frozen dataclass kept with the request.
 """
-
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field, replace
-from typing import Optional
 
 from workers.drafters.base import NO_SPECULATION, TreeBudget
 
-__all__ = [
-    "CPU_FP32_STEP_COST",
-    "SpeculationConfig",
-    "SpeculationState",
-    "step_cost",
-    "next_budget",
-    "record",
-]
+__all__ = ["CPU_FP32_STEP_COST", "SpeculationConfig", "SpeculationState", "expected_tau", "best_depth",
+           "step_cost", "next_budget", "record"]
 
-# (tree nodes, cost of the verification pass ÷ cost of a plain 1-token pass), SmolLM2-135M, fp32,
-# 2 CPU threads (FINDINGS.md; a pass over n nodes feeds n + 1 tokens: the root and the nodes).
-# Planners that measure their own step cost (GPU, bf16, batch size) pass their own table.
-CPU_FP32_STEP_COST: tuple[tuple[int, float], ...] = ((0, 1.0), (1, 1.3), (4, 1.8), (8, 1.9), (16, 2.0), (64, 3.5))
+# (tree nodes, cost of the pass ÷ cost of a plain 1-token pass), SmolLM2-135M, fp32, on a 2-core AMD
+# EPYC (AVX2) machine, 2026-11-30. A default only: engines measure their own curve at start-up.
+CPU_FP32_STEP_COST: tuple[tuple[int, float], ...] = (
+    (0, 1.0), (1, 1.63), (3, 1.72), (7, 2.08), (11, 2.24), (15, 2.51), (23, 3.21), (31, 4.58), (63, 7.93))
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    window: int = 4  # steps that drafted something, per decision
-    shrink_below: float = 1.0  # estimated speedup under which the tree shrinks
-    grow_above: float = 1.2  # estimated speedup of a twice-as-big tree needed to grow
-    probe_after: int = 8  # plain steps at zero before the first probe
-    probe_growth: float = 2.0  # each failed probe multiplies the wait
-    max_probe_after: int = 512
-    probe_nodes: int = 2
     step_cost: tuple[tuple[int, float], ...] = CPU_FP32_STEP_COST
+    # Prior pseudo-counts: a = 2/3 before any evidence. The drafter only proposes where its
+    # context matched (an n-gram of >= 2 tokens), which is itself evidence of copying.
+    prior_accepted: float = 2.0
+    prior_rejected: float = 1.0
+    decay: float = 0.85             # weight kept by old evidence per step (~7 steps of memory)
+    idle_relax: float = 0.95        # per plain step, evidence relaxes towards the prior by this factor
+    min_gain: float = 1.05          # speculate only when predicted goodput beats plain decoding by 5%
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.probe_after < 0 or self.max_probe_after < self.probe_after:
-            raise ValueError("need 0 <= probe_after <= max_probe_after")
-        if self.probe_growth < 1:
-            raise ValueError(f"probe_growth must be >= 1, got {self.probe_growth}")
-        if self.probe_nodes < 1:
-            raise ValueError(f"probe_nodes must be >= 1, got {self.probe_nodes}")
         nodes = [n for n, _ in self.step_cost]
         if len(nodes) < 2 or nodes[0] != 0 or nodes != sorted(set(nodes)):
             raise ValueError("step_cost needs >= 2 points with increasing node counts, starting at 0")
+        if not (0 < self.decay <= 1 and 0 < self.idle_relax <= 1):
+            raise ValueError("decay and idle_relax must be in (0, 1]")
+        if self.prior_accepted <= 0 or self.prior_rejected <= 0:
+            raise ValueError("prior pseudo-counts must be > 0")
 
 
 @dataclass(frozen=True)
 class SpeculationState:
-    """One request's controller state.
-
-    ``cap``: node cap on the planner's base budget; ``None`` = no cap (the base), ``0`` = off.
-    ``recent``: (drafted, accepted) of the latest steps that drafted, since the cap last changed.
-    ``idle_steps``: plain steps since speculation went off. ``failed_probes``: probes in a row that
-    did not pay. ``probing``: the current cap comes from a probe not yet judged.
-    """
-
+    """Decayed evidence about one request's per-token acceptance (prior counts excluded)."""
     config: SpeculationConfig = field(default_factory=SpeculationConfig)
-    cap: Optional[int] = None
-    recent: tuple[tuple[int, int], ...] = ()
-    idle_steps: int = 0
-    failed_probes: int = 0
-    probing: bool = False
+    accepted: float = 0.0
+    rejected: float = 0.0
 
     @property
-    def probe_wait(self) -> int:
-        """Plain steps to wait at zero before the next probe."""
+    def acceptance(self) -> float:
         c = self.config
-        return int(min(c.max_probe_after, c.probe_after * c.probe_growth**self.failed_probes))
+        return (self.accepted + c.prior_accepted) / (
+            self.accepted + self.rejected + c.prior_accepted + c.prior_rejected)
 
 
 def step_cost(nodes: int, table: tuple[tuple[int, float], ...] = CPU_FP32_STEP_COST) -> float:
-    """Cost of a pass over ``nodes`` tree nodes relative to a 1-token pass: linear between the points
-    of ``table``, extended past the last point with the last segment's slope.
+    """Cost of a pass over `nodes` tree nodes relative to a 1-token pass: linear between the points
+    of `table`, extended past the last point with the last segment's slope.
 
-    >>> step_cost(16), round(step_cost(2), 3), step_cost(112)
-    (2.0, 1.467, 5.0)
+    >>> step_cost(0), step_cost(2, ((0, 1.0), (4, 2.0)))
+    (1.0, 1.5)
     """
     xs = [n for n, _ in table]
     i = min(max(bisect.bisect_right(xs, nodes), 1), len(table) - 1)
@@ -108,64 +87,67 @@ def step_cost(nodes: int, table: tuple[tuple[int, float], ...] = CPU_FP32_STEP_C
     return y0 + (y1 - y0) * (nodes - x0) / (x1 - x0)
 
 
-def next_budget(state: SpeculationState, base: TreeBudget) -> TreeBudget:
-    """The budget for this request's next step: ``base`` under the state's cap (or a probe).
+def expected_tau(a: float, depth: int) -> float:
+    """Expected tokens committed by a chain of `depth` drafts each accepted with probability `a`.
 
-    >>> base = TreeBudget(16, 6)
-    >>> next_budget(SpeculationState(), base), next_budget(SpeculationState(cap=4), base)
-    (TreeBudget(max_nodes=16, max_depth=6), TreeBudget(max_nodes=4, max_depth=4))
-    >>> next_budget(SpeculationState(cap=0), base)  # off, probe not due yet
+    >>> expected_tau(0.5, 2), expected_tau(1.0, 3), expected_tau(0.0, 5)
+    (1.75, 4.0, 1.0)
+    """
+    return sum(a ** i for i in range(depth + 1))
+
+
+def best_depth(a: float, table: tuple[tuple[int, float], ...], max_depth: int, min_gain: float = 1.0) -> int:
+    """The depth in [0, max_depth] with the highest predicted goodput E[tau](d) / cost(d); 0 unless
+    some depth beats plain decoding by `min_gain`.
+
+    >>> table = ((0, 1.0), (1, 1.6), (4, 1.8), (8, 2.1), (16, 2.5), (32, 4.6))
+    >>> best_depth(0.2, table, 16), best_depth(0.8, table, 16), best_depth(0.97, table, 32)
+    (0, 10, 16)
+    """
+    best, best_gain = 0, min_gain
+    tau = 1.0
+    for d in range(1, max_depth + 1):
+        tau += a ** d
+        gain = tau / step_cost(d, table)
+        if gain > best_gain:
+            best, best_gain = d, gain
+    return best
+
+
+def next_budget(state: SpeculationState, base: TreeBudget) -> TreeBudget:
+    """The budget for this request's next step: the goodput-best depth within `base`.
+
+    >>> base = TreeBudget(24, 16)
+    >>> next_budget(SpeculationState(accepted=30, rejected=1), base)
+    TreeBudget(max_nodes=16, max_depth=16)
+    >>> next_budget(SpeculationState(accepted=0, rejected=8), base)
     TreeBudget(max_nodes=0, max_depth=0)
     """
-    if state.cap == 0:
-        if state.idle_steps < state.probe_wait:
-            return NO_SPECULATION
-        nodes = min(base.max_nodes, state.config.probe_nodes)
-    else:
-        nodes = base.max_nodes if state.cap is None else min(base.max_nodes, state.cap)
-    if nodes == 0:
+    if not base.speculates:
         return NO_SPECULATION
-    return TreeBudget(nodes, min(base.max_depth, nodes))
+    cfg = state.config
+    depth = best_depth(state.acceptance, cfg.step_cost, base.max_depth, cfg.min_gain)
+    if depth == 0:
+        return NO_SPECULATION
+    # The node budget follows the depth: spare nodes let the drafter branch where its matches
+    # disagree, but every node is paid for, so they stay within the depth the curve chose.
+    return TreeBudget(min(base.max_nodes, depth), depth)
 
 
 def record(state: SpeculationState, drafted: int, accepted: int) -> SpeculationState:
-    """The state after a step that verified ``drafted`` tree nodes and accepted ``accepted`` of them.
+    """The state after a step that verified `drafted` tree nodes and accepted `accepted` of them.
 
-    Worked example (defaults: window 4, CPU cost table): four steps with 16 drafted and 0 accepted
-    estimate a speedup of 4 ÷ (4 × 2.0) = 0.5 and turn speculation off; four steps with 16 drafted
-    and 1 accepted each estimate 8 ÷ 8 = 1.0, which is not below ``shrink_below``, so the base stays.
+    Worked example (prior 2/1, decay 0.85): from no evidence, a step that drafted 8 and accepted 3
+    adds 3 successes and 1 failure: a = (3 + 2) / (4 + 3) = 0.71. A step that drafted nothing relaxes
+    the evidence towards the prior instead.
     """
     if drafted < 0 or not 0 <= accepted <= drafted:
         raise ValueError(f"need 0 <= accepted <= drafted, got drafted={drafted}, accepted={accepted}")
-    if drafted == 0:  # plain step: no evidence either way
-        return replace(state, idle_steps=state.idle_steps + 1) if state.cap == 0 else state
-    if state.cap == 0:  # this step was a probe
-        state = replace(state, cap=state.config.probe_nodes, recent=(), idle_steps=0, probing=True)
-    recent = (state.recent + ((drafted, accepted),))[-state.config.window :]
-    if len(recent) < state.config.window:
-        return replace(state, recent=recent)
-    return _decide(state, recent)
-
-
-def _decide(state: SpeculationState, recent: tuple[tuple[int, int], ...]) -> SpeculationState:
-    """Shrink, grow or keep the cap, given a full window of evidence."""
     cfg = state.config
-    gain = sum(1 + a for _, a in recent)  # tokens committed (τ summed)
-    speedup = gain / sum(step_cost(d, cfg.step_cost) for d, _ in recent)
-    largest = max(d for d, _ in recent)
-    if speedup < cfg.shrink_below:
-        size = largest if state.cap is None else min(state.cap, largest)
-        nothing = all(a == 0 for _, a in recent)
-        cap = 0 if (nothing or state.probing) else size // 2
-        if cap == 0:
-            return replace(
-                state, cap=0, recent=(), idle_steps=0, probing=False,
-                failed_probes=state.failed_probes + 1 if state.probing else 0,
-            )
-        return replace(state, cap=cap, recent=())
-    # The cap binds (some step drafted up to it) and τ would pay for a tree twice as big.
-    if state.cap is not None and largest >= state.cap:
-        bigger = gain / (len(recent) * step_cost(2 * state.cap, cfg.step_cost))
-        if bigger >= cfg.grow_above:
-            return replace(state, cap=2 * state.cap, recent=(), probing=False, failed_probes=0)
-    return replace(state, recent=recent, probing=False, failed_probes=0)
+    if drafted == 0:  # nothing proposed, or speculation off: relax towards the prior
+        return replace(state, accepted=state.accepted * cfg.idle_relax, rejected=state.rejected * cfg.idle_relax)
+    # NOTE: a path that ended because the tree ended (all accepted) is no failure; otherwise the
+    # target rejected the next draft. For a tree, `accepted == drafted` only when it was a chain.
+    failed = 0.0 if accepted == drafted else 1.0
+    return replace(state, accepted=state.accepted * cfg.decay + accepted,
+                   rejected=state.rejected * cfg.decay + failed)

@@ -16,9 +16,15 @@ __all__ = ["DrafterFactory", "BUILTIN_DRAFTERS", "Registry", "register_drafter",
 
 DrafterFactory = Callable[..., Drafter]
 
+
+def _ngram(**options) -> NgramDrafter:
+    # One-token matches are nearly always wrong on free text, and a wrong tree is not free.
+    return NgramDrafter(**{"min_ngram": 2, **options})
+
+
 BUILTIN_DRAFTERS: Mapping[str, DrafterFactory] = {
     "none": NoneDrafter,
-    "ngram": NgramDrafter,
+    "ngram": _ngram,
 }
 
 
