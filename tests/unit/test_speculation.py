@@ -69,7 +69,7 @@ def test_record_validates_and_treats_empty_trees_as_no_evidence():
     with pytest.raises(ValueError):
         record(s, 2, 3)
     idle = record(s, 0, 0)
-    assert idle.acceptance == pytest.approx((4 * 0.95 + 2) / (6 * 0.95 + 3))
+    assert idle.acceptance == pytest.approx((4 * 0.95 + 3) / (6 * 0.95 + 4))
     full = record(s, 5, 5)
     assert full.rejected == pytest.approx(2 * 0.85)  # a path accepted to its end is no failure
 
@@ -79,3 +79,16 @@ def test_config_validation():
         SpeculationConfig(step_cost=((1, 1.0), (2, 2.0)))
     with pytest.raises(ValueError):
         SpeculationConfig(decay=0)
+
+
+def test_failed_probes_become_exponentially_rarer():
+    state = SpeculationState(SpeculationConfig(step_cost=STEEP))
+    probes = []
+    for step in range(400):
+        b = next_budget(state, BASE)
+        if b.max_nodes:
+            probes.append(step)
+        state = record(state, b.max_nodes, 0)  # nothing is ever accepted
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) < 12  # a tiny fraction of 400 steps pays for a tree
+    assert gaps[-1] > 4 * gaps[1]
