@@ -19,6 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from loadtest import bench_engine
     bench_engine.add_arguments(bench.add_parser("engine", help="specgate vs transformers on one workload"))
+    from scheduler import bench_plan
+    bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
+
+    from scheduler import sim
+    sim.add_arguments(sub.add_parser("sim", help="discrete-event simulation of the scheduling policies"))
     return parser
 
 
@@ -42,9 +47,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "model":
         from workers.loader import model_path_cli
         return model_path_cli(args)
-    if args.command == "bench":
+    if args.command == "bench" and args.bench_command == "engine":
         from loadtest import bench_engine
         return bench_engine.run(args)
+    if args.command == "bench" and args.bench_command == "plan":
+        from scheduler import bench_plan
+        return bench_plan.run(args)
+    if args.command == "sim":
+        from scheduler import sim
+        return sim.run(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

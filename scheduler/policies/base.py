@@ -1,0 +1,325 @@
+"""The policy interface and the machinery every policy shares.
+
+A policy is one number per request: `key(stats)`, lower served first. Everything else is shared:
+
+    plan(state, now):   1. requests about to pass the aging bound, oldest first (aging.py);
+                        2. priority classes in order (0 first); inside a class, tenants' queues
+                           merged by key under weighted fair sharing (fairness.py);
+                        3. up to max_batch requests, one root token each within token_budget;
+                        4. each chosen request's tree budget from its α estimate (budget.py).
+    update(state, records, now, step_s):
+                        record each request's step (τ, attained service, wait), charge its
+                        tenant, retire finished ones, let the policy move the others (`refresh`:
+                        levels, perceptible, predicted remaining time) and re-key them; requests
+                        that ran last step and not this one are preempted.
+
+Both are pure bookkeeping: no I/O, no clock (time comes in as arguments), no randomness.
+
+Speed: keys change only when a request is served, so each (class, tenant) queue is a heap of
+(key, seq, id) and `update` pushes a new entry for a served request whose key changed; an entry
+whose seq is no longer its request's live seq is stale and dropped when it reaches the top.
+`plan()` looks at the top few entries only: O(batch · log n), not O(n log n). While every live
+request fits in one batch, nobody needs ranking: the plan takes them all (in admission order),
+and served requests are only marked dirty, to be re-ranked by the first plan that must choose.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Mapping, NamedTuple
+
+from scheduler.budget import StepCost, TreeBudget, TreeBudgeter
+from scheduler.policies.aging import AgingIndex
+from scheduler.policies.fairness import TenantFairness
+from scheduler.request import RequestStats, Status, StepRecord, alpha_estimate
+from scheduler.state import SchedulerState
+
+BAND = 1e12   # keys of the form band · BAND + value order by band first (levels, perceptible)
+
+Entry = tuple[float, int, str]   # (key, seq, request id)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    max_batch: int = 8
+    token_budget: int = 64                 # per step: Σ over chosen of (1 + tree nodes)
+    aging_bound_s: float | None = 60.0     # None: no aging
+    aging_margin_steps: float = 2.0
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    fair_lag_tokens: float = 256.0
+    max_nodes: int = 8                     # per request per step
+    max_depth: int = 8
+    min_gain: float = 0.1                  # a draft node must be worth ≥ this many tokens
+    step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
+    step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
+
+
+class PlanEntry(NamedTuple):
+    request_id: str
+    budget: TreeBudget
+
+
+@dataclass(slots=True)
+class Plan:
+    """One step's batch: request ids (best first, unless everyone fit) and their tree budgets."""
+    request_ids: list[str]
+    budgets: list[TreeBudget]
+    aged: int = 0                          # how many of them were promoted by aging
+
+    @property
+    def entries(self) -> list[PlanEntry]:
+        return [PlanEntry(r, b) for r, b in zip(self.request_ids, self.budgets)]
+
+    @property
+    def tokens(self) -> int:
+        """Σ over the batch of (1 root token + tree nodes): at most the token budget."""
+        return len(self.request_ids) + sum(b.max_nodes for b in self.budgets)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, config: PolicyConfig | None = None, **overrides) -> None:
+        cfg = config or PolicyConfig()
+        self.config = replace(cfg, **overrides) if overrides else cfg
+        c = self.config
+        if c.max_batch < 1 or c.token_budget < 1:
+            raise ValueError("max_batch and token_budget must be ≥ 1")
+        self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
+        self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps)
+        self.budgeter = TreeBudgeter(c.step_cost, max_nodes=c.max_nodes, max_depth=c.max_depth,
+                                     min_gain=c.min_gain)
+        self._nominal_cost = c.token_budget / c.max_batch
+        self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
+        self._reset()
+
+    # ---- what a policy defines ---------------------------------------------------------------
+    def key(self, s: RequestStats) -> float:
+        raise NotImplementedError
+
+    def refresh(self, state: SchedulerState, s: RequestStats) -> None:
+        """Move a request that was served since it was last ranked (levels, perceptible, predicted
+        remaining time); called just before it is re-keyed."""
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def add(self, state: SchedulerState, s: RequestStats) -> None:
+        """Admit a request into the state and the queues."""
+        state.requests[s.request_id] = s
+        self._index(state, s)
+
+    def remove(self, state: SchedulerState, request_id: str, status: Status,
+               cause: str | None, now: float) -> RequestStats | None:
+        """End a live request early (cancelled, failed). Returns it, or None if not live."""
+        s = state.requests.get(request_id)
+        if s is not None:
+            self._retire(state, s, status, cause, now)
+        return s
+
+    def rebuild(self, state: SchedulerState) -> None:
+        """Recreate the queues from `state` alone (e.g. after a restart)."""
+        self._reset()
+        for s in state.requests.values():
+            self._index(state, s)
+        self.aging.rebuild(state.requests.values())
+
+    # ---- the two calls of the step loop ------------------------------------------------------
+    def plan(self, state: SchedulerState, now: float) -> Plan:
+        c, limit = self.config, self._limit
+        requests = state.requests
+        if len(requests) <= limit:              # everyone fits: order cannot matter
+            chosen, aged = list(requests), 0
+        else:
+            if self._dirty:
+                self._rekey(state)
+            promoted = self.aging.overdue(state, now, limit)
+            chosen = self._choose(state, promoted, limit)
+            longer = self._prefill_step_s(state, chosen)
+            if longer is not None:              # a prefill makes this step the longest yet
+                again = self.aging.overdue(state, now, limit, longest_step_s=longer)
+                if again != promoted:
+                    promoted, chosen = again, self._choose(state, again, limit)
+            aged = len(promoted)
+        budgets = self.budgeter([alpha_estimate(requests[r]) for r in chosen],
+                                c.token_budget - len(chosen))
+        return Plan(chosen, budgets, aged)
+
+    def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,
+               step_s: float) -> list[RequestStats]:
+        """Record one step that ended at `now` and took `step_s`. Returns the finished requests."""
+        a = self.config.step_s_smoothing
+        state.step_s = step_s if state.step_s is None else (1 - a) * state.step_s + a * step_s
+        state.step_s_max = max(state.step_s_max, step_s)
+        start = now - step_s
+        requests, served, finished = state.requests, set(), []
+        vt, weight = state.virtual_time, self.fairness.weight
+        for rec in records:
+            s = requests.get(rec.request_id)
+            if s is None:                       # cancelled while its step ran
+                continue
+            s.record_step(rec, start, now)
+            account = (s.priority, s.tenant)
+            vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)
+            cause = rec.finish or ("length" if s.committed >= s.max_tokens else None)
+            if cause is not None:
+                self._retire(state, s, Status.FINISHED, cause, now)
+                finished.append(s)
+            else:
+                served.add(rec.request_id)
+        self.aging.served(served)
+        self._dirty |= served
+        if len(requests) > self._limit:
+            self._rekey(state)                  # else: re-ranked by the next plan that must choose
+        for rid in state.running - served:
+            s = requests.get(rid)
+            if s is not None:                   # left out of this step
+                s.status = Status.PREEMPTED
+        state.running = served
+        return finished
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _choose(self, state: SchedulerState, promoted: list[str], limit: int) -> list[str]:
+        chosen, taken = list(promoted), set(promoted)
+        for cls in self._classes:
+            if len(chosen) >= limit:
+                break
+            self._pick_class(state, cls, chosen, taken, limit)
+        return chosen
+
+    def _prefill_step_s(self, state: SchedulerState, chosen: list[str]) -> float | None:
+        """The estimated duration of a step that prefills prompts, if longer than any seen."""
+        cost = self.config.step_cost
+        if cost is None or self.aging.bound_s is None:
+            return None
+        requests = state.requests
+        prompts = sum(requests[r].prompt_len for r in chosen if requests[r].n_steps == 0)
+        if not prompts:
+            return None
+        est = cost(len(chosen), self.config.token_budget + prompts)
+        return est if est > state.step_s_max else None
+
+
+    def _reset(self) -> None:
+        self._queues: dict[int, dict[str, list[Entry]]] = {}
+        self._counts: dict[int, dict[str, int]] = {}
+        self._classes: list[int] = []
+        self._live: dict[str, int] = {}       # request id -> seq of its live heap entry
+        self._keys: dict[str, float] = {}
+        self._seq = itertools.count()
+        self._dirty: set[str] = set()         # served since last ranked
+        self.aging.clear()
+
+    def _index(self, state: SchedulerState, s: RequestStats) -> None:
+        cls, tenant = s.priority, s.tenant
+        if cls not in self._queues:
+            self._queues[cls], self._counts[cls] = {}, {}
+            self._classes = sorted(self._queues)
+        counts = self._counts[cls]
+        counts[tenant] = counts.get(tenant, 0) + 1
+        self._queues[cls].setdefault(tenant, [])
+        if counts[tenant] == 1:
+            self.fairness.activate(state, cls, tenant, counts)
+        self.refresh(state, s)
+        self._push(s, self.key(s))
+        self.aging.add(s)
+
+    def _rekey(self, state: SchedulerState) -> None:
+        requests, keys = state.requests, self._keys
+        for rid in self._dirty:
+            s = requests[rid]
+            self.refresh(state, s)
+            key = self.key(s)
+            if key != keys[rid]:
+                self._push(s, key)
+        self._dirty.clear()
+
+    def _push(self, s: RequestStats, key: float) -> None:
+        rid, seq = s.request_id, next(self._seq)
+        heap = self._queues[s.priority][s.tenant]
+        heapq.heappush(heap, (key, seq, rid))
+        self._live[rid], self._keys[rid] = seq, key
+        if len(heap) > 2 * self._counts[s.priority][s.tenant] + 32:
+            live = self._live
+            heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(heap)
+
+    def _retire(self, state: SchedulerState, s: RequestStats, status: Status,
+                cause: str | None, now: float) -> None:
+        rid = s.request_id
+        s.end(status, cause, now)
+        del state.requests[rid]
+        state.running.discard(rid)
+        self._dirty.discard(rid)
+        self.aging.remove(rid)
+        del self._live[rid], self._keys[rid]
+        counts = self._counts[s.priority]
+        counts[s.tenant] -= 1
+        if counts[s.tenant] == 0:
+            del counts[s.tenant]
+            del self._queues[s.priority][s.tenant]   # its entries are all stale now
+
+    def _pick_class(self, state: SchedulerState, cls: int, chosen: list[str], taken: set[str],
+                    limit: int) -> None:
+        """Append this class's best requests to `chosen`, tenants merged under fair sharing."""
+        queues, counts = self._queues[cls], self._counts[cls]
+        back: list[tuple[list[Entry], Entry]] = []
+        cand: list[tuple[float, int, str, str]] = []
+        if len(counts) == 1:                     # one tenant: nobody to be fair to
+            (tenant,) = counts
+            heap = queues[tenant]
+            while len(chosen) < limit and self._offer(heap, tenant, taken, back, cand):
+                rid = heapq.heappop(cand)[2]
+                chosen.append(rid)
+                taken.add(rid)
+        else:
+            self._merge_tenants(state, cls, queues, counts, chosen, taken, limit, back, cand)
+        for heap, entry in back:
+            heapq.heappush(heap, entry)
+
+    def _merge_tenants(self, state, cls, queues, counts, chosen, taken, limit, back,
+                       cand) -> None:
+        vt, cap = self.fairness.split(state, cls, counts)
+        deferred: list[str] = []
+        for tenant in counts:
+            if vt[tenant] <= cap:
+                self._offer(queues[tenant], tenant, taken, back, cand)
+            else:
+                deferred.append(tenant)
+        requests, nominal, weight = state.requests, self._nominal_cost, self.fairness.weight
+        fair_phase = True
+        while len(chosen) < limit:
+            if not cand:
+                if not (fair_phase and deferred):
+                    return
+                fair_phase = False              # work conserving: tenants that ran ahead
+                for tenant in deferred:
+                    self._offer(queues[tenant], tenant, taken, back, cand)
+                continue
+            _, _, rid, tenant = heapq.heappop(cand)
+            chosen.append(rid)
+            taken.add(rid)
+            s = requests[rid]
+            vt[tenant] += (s.attained / s.n_steps if s.n_steps else nominal) / weight(tenant)
+            if not fair_phase or vt[tenant] <= cap:
+                self._offer(queues[tenant], tenant, taken, back, cand)
+            else:
+                deferred.append(tenant)
+
+    def _offer(self, heap: list[Entry], tenant: str, taken: set[str],
+               back: list[tuple[list[Entry], Entry]], cand: list) -> bool:
+        """Put the tenant's best live, untaken entry into the candidate heap (it stays on top of
+        the tenant's heap; taken entries are popped into `back`, stale ones dropped)."""
+        live = self._live
+        while heap:
+            key, seq, rid = heap[0]
+            if live.get(rid) != seq:
+                heapq.heappop(heap)             # stale: dropped for good
+            elif rid in taken:
+                back.append((heap, heapq.heappop(heap)))
+            else:
+                heapq.heappush(cand, (key, seq, rid, tenant))
+                return True
+        return False

@@ -1,0 +1,51 @@
+"""Weighted fair sharing of verifier work between the tenants of one priority class.
+
+Each (class, tenant) has a virtual time: the tree tokens verified for it (rejected drafts
+included) divided by its weight. A tenant is *eligible* for a step while its virtual time is at
+most `lag_tokens` ahead of the least-served active tenant of its class; eligible tenants' requests
+compete by the policy's order, and tenants that ran ahead get only the slots nobody eligible
+wants (work conserving). A tenant that becomes active after idling starts at the class's floor
+(the least virtual time among active tenants), so idle time cannot be banked as credit.
+
+`lag_tokens` trades fairness for policy order: 0 is strict weighted round robin between tenants,
+∞ is no fairness. A few steps' worth of tokens keeps the policy's order when tenants are balanced
+and still stops a flooding tenant after it has run `lag_tokens` ahead.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from scheduler.state import SchedulerState
+
+
+class TenantFairness:
+    def __init__(self, weights: Mapping[str, float] | None = None, lag_tokens: float = 256.0,
+                 default_weight: float = 1.0) -> None:
+        self.weights = dict(weights or {})
+        if any(w <= 0 for w in self.weights.values()) or default_weight <= 0:
+            raise ValueError("tenant weights must be > 0")
+        self.default_weight = default_weight
+        self.lag_tokens = lag_tokens
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, self.default_weight)
+
+    def activate(self, state: SchedulerState, cls: int, tenant: str,
+                 active: Mapping[str, int]) -> None:
+        """`tenant` got its first live request in class `cls`; `active` = the class's tenants."""
+        vt = state.virtual_time
+        others = [vt.get((cls, t), 0.0) for t in active if t != tenant]
+        floor = min(others) if others else vt.get((cls, tenant), 0.0)
+        vt[(cls, tenant)] = max(vt.get((cls, tenant), 0.0), floor)
+
+    def charge(self, state: SchedulerState, cls: int, tenant: str, tokens: float) -> None:
+        key = (cls, tenant)
+        state.virtual_time[key] = state.virtual_time.get(key, 0.0) + tokens / self.weight(tenant)
+
+    def split(self, state: SchedulerState, cls: int,
+              tenants: Mapping[str, int]) -> tuple[dict[str, float], float]:
+        """Virtual times of the active tenants (a copy the planner may advance) and the limit
+        above which a tenant is not eligible."""
+        vt = state.virtual_time
+        local = {t: vt.get((cls, t), 0.0) for t in tenants}
+        return local, min(local.values()) + self.lag_tokens

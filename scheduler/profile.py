@@ -1,0 +1,75 @@
+"""Step-cost model: the duration of one verification step as a function of batch size and total
+tree tokens, by piecewise-linear interpolation over measured points (a profile JSON).
+
+A profile holds one curve per measured batch size: tokens (ascending) → step seconds:
+
+    {"source": "...", "curves": [{"batch": 1, "tokens": [1, 8, 16, 64],
+                                  "step_s": [0.040, 0.076, 0.080, 0.140]}, ...]}
+
+`StepCostModel(batch, tokens)` interpolates along tokens within the two curves whose batch sizes
+bracket `batch`, then linearly between them; outside the measured range it extends the nearest
+segment (the cost of tokens past the last point grows at the last segment's slope).
+
+>>> m = StepCostModel([(1, [1, 9], [0.04, 0.08]), (8, [8, 64], [0.09, 0.17])])
+>>> round(m(1, 5), 3), round(m(8, 36), 3)
+(0.06, 0.13)
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+Curve = tuple[int, Sequence[float], Sequence[float]]   # (batch, tokens, step_s)
+
+MIN_STEP_S = 1e-4
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_right(xs, x) - 1
+    i = min(max(i, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class StepCostModel:
+    def __init__(self, curves: Sequence[Curve], source: str = "") -> None:
+        if not curves:
+            raise ValueError("a profile needs at least one curve")
+        curves = sorted(curves, key=lambda c: c[0])
+        for b, xs, ys in curves:
+            if len(xs) != len(ys) or not xs or list(xs) != sorted(xs) or len(set(xs)) != len(xs):
+                raise ValueError(f"curve for batch {b}: tokens must be ascending, one step_s each")
+        self.batches = [c[0] for c in curves]
+        self.curves = [(list(map(float, c[1])), list(map(float, c[2]))) for c in curves]
+        self.source = source
+        self._cache: dict[tuple[int, int], float] = {}
+
+    @classmethod
+    def from_json(cls, path: str | Path | None = None) -> "StepCostModel":
+        """Load a profile; None loads the shipped `scheduler/profiles/default.json`."""
+        if path is None:
+            text = resources.files("scheduler").joinpath("profiles/default.json").read_text()
+        else:
+            text = Path(path).read_text()
+        doc = json.loads(text)
+        curves = [(c["batch"], c["tokens"], c["step_s"]) for c in doc["curves"]]
+        return cls(curves, doc.get("source", ""))
+
+    def __call__(self, batch: int, tokens: int) -> float:
+        key = (batch, tokens)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._compute(batch, tokens)
+        return hit
+
+    def _compute(self, batch: int, tokens: int) -> float:
+        bs = self.batches
+        at = [_interp(xs, ys, tokens) for xs, ys in self.curves]
+        if len(bs) == 1:
+            return max(at[0], MIN_STEP_S)
+        return max(_interp(bs, at, batch), MIN_STEP_S)

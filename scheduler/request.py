@@ -1,0 +1,192 @@
+"""Request lifecycle: states, the per-request statistics a policy sees, and the full record.
+
+A request moves through
+
+    queued ──plan──▶ running ──not planned──▶ preempted ──plan──▶ running ─▶ … ─▶ finished
+       └────────────────────────┴──────────────────────┴──▶ cancelled / failed
+
+Preemption happens only at step boundaries: a request is *running* while it is in the current
+step's batch and *preempted* when it was running and the next plan left it out.
+
+Policies see `RequestStats` only (no prompt ids, no sampling parameters): a small record of
+numbers, updated in one place (`RequestStats.record_step`) from what one step did for the request.
+The full `Request` wraps the same `RequestStats` object and carries the model-side data.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Status(str, enum.Enum):
+    QUEUED = "queued"          # admitted, never served
+    RUNNING = "running"        # in the current step's batch
+    PREEMPTED = "preempted"    # served before, left out of the latest plan
+    FINISHED = "finished"      # stop or length
+    CANCELLED = "cancelled"    # the client went away or asked to stop
+    FAILED = "failed"          # an error ended it
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset({Status.FINISHED, Status.CANCELLED, Status.FAILED})
+
+# Why a FINISHED request finished, as the step loop reports it → OpenAI `finish_reason`.
+_FINISHED_REASONS = {
+    "stop": "stop", "eos": "stop", "stop_string": "stop", "stop_token": "stop",
+    "length": "length", "max_tokens": "length",
+    "content_filter": "content_filter", "tool_calls": "tool_calls",
+}
+
+
+def finish_reason(status: Status, cause: str | None = None) -> str | None:
+    """The one mapping from a request's state (and cause) to an OpenAI `finish_reason`.
+
+    >>> finish_reason(Status.FINISHED, "eos"), finish_reason(Status.FINISHED, "max_tokens")
+    ('stop', 'length')
+    >>> finish_reason(Status.RUNNING) is None
+    True
+
+    NOTE: OpenAI has no reason for a cancelled or failed generation; like vLLM we report "abort"
+    and "error" (clients that only know the standard values treat them as unknown, not as "stop").
+    """
+    if status is Status.FINISHED:
+        if cause is None:
+            return "stop"
+        try:
+            return _FINISHED_REASONS[cause]
+        except KeyError:
+            raise ValueError(f"unknown finish cause {cause!r}") from None
+    if status is Status.CANCELLED:
+        return "abort"
+    if status is Status.FAILED:
+        return "error"
+    return None
+
+
+class StepRecord(NamedTuple):
+    """What one step did for one request, as the step loop reports it to `Policy.update`.
+
+    verified:  tree tokens the verifier processed for it (1 root position + draft nodes), the unit
+               of attained service: rejected drafts count, speculation that fails is not free.
+    committed: τ, tokens committed (accepted + the bonus token; ≥ 1 unless the step failed).
+    finish:    None, or the cause the request finished with ("stop", "eos", "length", …).
+    tried:     draft tokens compared on the path the acceptance walk followed (accepted, plus one
+               if it stopped at a rejection); None when unknown. Feeds the α estimate.
+    """
+    request_id: str
+    verified: int
+    committed: int
+    finish: str | None = None
+    tried: int | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RequestStats:
+    """What a policy may look at for one request. Updated by `record_step` only."""
+    request_id: str
+    tenant: str
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    priority: int = 0                      # priority class: 0 before 1 before 2 …
+    predicted_len: int | None = None       # predicted output tokens; None when no predictor
+    status: Status = Status.QUEUED
+    cause: str | None = None               # why it ended (see finish_reason)
+    committed: int = 0                     # output tokens committed so far
+    attained: int = 0                      # attained service: tree tokens verified so far
+    n_steps: int = 0
+    tau_sum: float = 0.0
+    tau_sq_sum: float = 0.0
+    tau_history: list[int] = field(default_factory=list)   # τ per step
+    accepted_sum: int = 0                  # α estimate = accepted ÷ tried (when tried is known)
+    tried_sum: int = 0
+    level: int = 0                         # multi-level queue level (las, laps)
+    perceptible: bool = False              # acceptance estimate stable enough to predict time
+    predicted_remaining_s: float | None = None
+    last_served_s: float = 0.0             # end of the last step it was in; arrival before that
+    first_served_s: float | None = None    # start of its first step (time to first token)
+    finished_s: float | None = None
+    max_wait_s: float = 0.0                # longest gap between arrival/steps seen so far
+
+    def __post_init__(self) -> None:
+        self.last_served_s = self.arrival_s
+
+    @property
+    def mean_tau(self) -> float | None:
+        return self.tau_sum / self.n_steps if self.n_steps else None
+
+    @property
+    def tau_stderr(self) -> float:
+        """Standard error of mean τ (inf below two steps)."""
+        n = self.n_steps
+        if n < 2:
+            return math.inf
+        var = (self.tau_sq_sum - self.tau_sum * self.tau_sum / n) / (n - 1)
+        return math.sqrt(max(var, 0.0) / n)
+
+    def alpha_estimate(self) -> float:
+        return alpha_estimate(self)
+
+    def wait_s(self, now: float) -> float:
+        return now - self.last_served_s
+
+    def record_step(self, rec: StepRecord, start_s: float, end_s: float) -> None:
+        """Account one served step that ran from start_s to end_s."""
+        gap = start_s - self.last_served_s
+        if gap > self.max_wait_s:
+            self.max_wait_s = gap
+        if self.first_served_s is None:
+            self.first_served_s = start_s
+        tau = rec.committed
+        self.committed += tau
+        self.attained += rec.verified
+        self.n_steps += 1
+        self.tau_sum += tau
+        self.tau_sq_sum += tau * tau
+        self.tau_history.append(tau)
+        if rec.tried is not None:
+            self.accepted_sum += tau - 1 if tau > 1 else 0
+            self.tried_sum += rec.tried
+        self.last_served_s = end_s
+        self.status = Status.RUNNING
+
+
+    def end(self, status: Status, cause: str | None, now: float) -> None:
+        if not status.terminal:
+            raise ValueError(f"{status} is not a terminal state")
+        self.status, self.cause, self.finished_s = status, cause, now
+
+    @property
+    def finish_reason(self) -> str | None:
+        return finish_reason(self.status, self.cause)
+
+
+def alpha_estimate(s: RequestStats) -> float:
+    """α = accepted ÷ tried, shrunk towards the prior 1 ÷ 2 while there is little evidence."""
+    return (s.accepted_sum + 1.0) / (s.tried_sum + 2.0)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """The full record: the policy's `stats` plus what the drafters and the verifier need."""
+    stats: RequestStats
+    prompt_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.stats.request_id

@@ -1,0 +1,20 @@
+"""The scheduler state a policy plans over: live requests, the current batch, tenant accounts.
+
+This is the data a state store persists (memory or Redis). A policy's own indexes (heaps) are
+derived from it and can be rebuilt from it (`Policy.rebuild`), e.g. after a restart.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import RequestStats
+
+
+@dataclass(slots=True)
+class SchedulerState:
+    requests: dict[str, RequestStats] = field(default_factory=dict)   # live requests only
+    running: set[str] = field(default_factory=set)       # ids in the latest step's batch
+    # Tenant fairness, per (priority class, tenant): virtual time = verified tree tokens ÷ weight.
+    virtual_time: dict[tuple[int, str], float] = field(default_factory=dict)
+    step_s: float | None = None                          # moving average of a step's duration
+    step_s_max: float = 0.0                              # longest step seen

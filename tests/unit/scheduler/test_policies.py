@@ -1,0 +1,224 @@
+"""Each policy's order on hand-built queues, levels, the perceptible switch, aging, priority."""
+import random
+
+import pytest
+
+from sched_helpers import build, stats, step
+from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
+from scheduler.request import Status, StepRecord
+
+NO_AGING = dict(aging_bound_s=None)
+
+
+def order(policy, requests, now=100.0):
+    state = build(policy, requests)
+    return policy.plan(state, now).request_ids
+
+
+def ranked(name, requests, **opts):
+    """The policy's order: the plan when all but one request fit (a plan that takes everyone
+    does not rank them)."""
+    batch = max(1, len(requests) - 1)
+    return order(make_policy(name, max_batch=batch, **NO_AGING, **opts), requests)
+
+
+ORDER_CASES = [
+    # (policy, options, requests, expected order; the plan leaves out the last)
+    ("fcfs", {}, [stats("late", arrival=3), stats("first", arrival=1), stats("mid", arrival=2),
+                  stats("last", arrival=4)], ["first", "mid", "late"]),
+    ("sjf", {}, [stats("long", predicted=900), stats("none", predicted=None),
+                 stats("short", predicted=10), stats("mid", predicted=100)],
+     ["short", "mid", "long"]),
+    ("sjf", {}, [stats("none", predicted=None, arrival=0), stats("a", predicted=50, arrival=1)],
+     ["a", "none"]),
+    ("fcfs", {}, [stats("b", arrival=2), stats("a", arrival=1)], ["a", "b"]),
+    # las: levels by attained service (16, 64, 256 …), least attained first within a level
+    ("las", {}, [stats("l1_small", attained=40), stats("l0_big", attained=30),
+                 stats("l0_small", attained=5), stats("l2", attained=200)],
+     ["l0_small", "l0_big", "l1_small"]),
+    # srpt: the oracle's remaining work, whatever the prediction says
+    ("srpt", {"oracle": lambda s: {"a": 30, "b": 10, "c": 20, "d": 40}[s.request_id]},
+     [stats(r, predicted=1) for r in "abcd"], ["b", "c", "a"]),
+]
+
+
+@pytest.mark.parametrize("name, opts, requests, expected", ORDER_CASES,
+                         ids=[c[0] for c in ORDER_CASES])
+def test_policy_order(name, opts, requests, expected):
+    assert ranked(name, requests, **opts) == expected[:len(requests) - 1]
+
+
+def stable(rid, **kw):          # 4 steps of τ = 2: mean 2, stderr 0 → perceptible at once
+    return stats(rid, taus=(2, 2, 2, 2), **kw)
+
+
+def noisy(rid, **kw):           # τ alternating 1, 5: stderr/mean ≈ 0.38 → not perceptible
+    return stats(rid, taus=(1, 5, 1, 5), **kw)
+
+
+LAPS_CASES = [
+    # perceptible requests ranked by predicted remaining steps = remaining tokens ÷ mean τ
+    ("strict", [stable("p_far", predicted=400), stable("p_near", predicted=20),
+                stable("p_mid", predicted=100)], ["p_near", "p_mid", "p_far"]),
+    # strict: level 0 first, then perceptible, then lower levels
+    ("strict", [noisy("np_l1", attained=40), stable("p", predicted=400),
+                stats("new")], ["new", "p", "np_l1"]),
+    # unified: a non-perceptible request counts as the steps left in its level (32 − 16 = 16
+    # tokens at 4 per step = 4 steps); perceptible ones compete on remaining steps
+    ("unified", [stats("np", taus=(1, 5, 1, 5)), stable("p_2", predicted=12),
+                 stable("p_50", predicted=108)], ["p_2", "np", "p_50"]),
+    # a prediction already overrun counts as half as much again as committed: 10 tokens, 5 steps
+    ("strict", [stable("overrun", predicted=5, committed=20), stable("p_30", predicted=68)],
+     ["overrun", "p_30"]),
+]
+
+
+@pytest.mark.parametrize("interleave, requests, expected", LAPS_CASES)
+def test_laps_order(interleave, requests, expected):
+    got = ranked("laps", requests, interleave=interleave, min_steps=4, max_rel_stderr=0.2)
+    assert got == expected[:len(requests) - 1]
+
+
+def test_laps_perceptible_switch_needs_steps_and_a_small_stderr():
+    policy = make_policy("laps", max_batch=1, min_steps=4, max_rel_stderr=0.2, **NO_AGING)
+    state = build(policy, [stats("a"), stats("b", arrival=1.0)])
+    a = state.requests["a"]
+    taus = [3, 3, 3, 3]
+    for i, tau in enumerate(taus):
+        a.record_step(StepRecord("a", 4, tau), i, i + 0.1)
+        policy.refresh(state, a)
+        assert a.perceptible == (i + 1 >= 4)
+    b = state.requests["b"]
+    for i, tau in enumerate([1, 5] * 3):
+        b.record_step(StepRecord("b", 4, tau), i, i + 0.1)
+        policy.refresh(state, b)
+    assert not b.perceptible                          # stderr/mean = 0.8/3 > 0.2
+    b_stats = stats("c", taus=(1, 5) * 20)            # 40 steps: stderr/mean ≈ 0.1
+    policy.refresh(state, b_stats)
+    assert b_stats.perceptible
+
+
+def test_laps_without_prediction_stays_in_the_levels():
+    policy = make_policy("laps", min_steps=2, **NO_AGING)
+    s = stats("x", predicted=None, taus=(2, 2, 2))
+    policy.refresh(None, s)
+    assert not s.perceptible
+
+
+@pytest.mark.parametrize("name", ["las", "laps"])
+def test_demotion_across_levels(name):
+    # quanta: level 0 below 10 tokens, level 1 below 20, level 2 below 40, level 3 above
+    policy = make_policy(name, max_batch=1, first_quantum=10, growth=2, n_levels=4,
+                         **({"min_steps": 10**6} if name == "laps" else {}), **NO_AGING)
+    state = build(policy, [stats("old")])
+    levels = []
+    for i in range(12):                                # each step verifies 1 + 3 = 4 tokens
+        plan = policy.plan(state, i)
+        policy.update(state, [StepRecord("old", 4, 1)], i + 0.1, 0.1)
+        policy.refresh(state, state.requests["old"])
+        levels.append(state.requests["old"].level)
+    assert levels == [0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3]
+    policy.add(state, stats("new", arrival=20))
+    assert policy.plan(state, 21).request_ids == ["new"]   # a fresh request preempts it
+
+
+def test_priority_class_zero_first():
+    policy = make_policy("fcfs", max_batch=2, **NO_AGING)
+    reqs = [stats("c1_early", arrival=0, priority=1), stats("c0_late", arrival=5, priority=0),
+            stats("c2", arrival=-1, priority=2)]
+    assert order(policy, reqs) == ["c0_late", "c1_early"]
+    # and within the batch the plan keeps that order when not everyone fits
+
+
+@pytest.mark.parametrize("name", ["fcfs", "sjf", "las", "laps"])
+def test_aging_bound_lets_a_starved_request_jump_ahead(name):
+    # max_batch 1; "starved" has the worst key in every policy; each step a better request
+    # arrives (and finishes in one step, so the engine is not overloaded)
+    bound = 5.0
+    policy = make_policy(name, max_batch=1, aging_bound_s=bound, aging_margin_steps=1)
+    state = build(policy, [stats("starved", arrival=0.0, predicted=10_000, attained=10**5)])
+    state.requests["starved"].arrival_s = 1e9 if name == "fcfs" else 0.0   # last for fcfs
+    policy.rebuild(state)
+    served_at, now = [], 0.0
+    for i in range(200):
+        policy.add(state, stats(f"n{i}", arrival=now, predicted=1))
+        plan = step(policy, state, now, step_s=0.1, finish=set(state.requests) - {"starved"})
+        if plan.request_ids == ["starved"]:
+            served_at.append(now)
+            assert plan.aged == 1
+        now += 0.1
+    assert served_at, "never served"
+    assert state.requests["starved"].max_wait_s <= bound + 1e-9
+    gaps = [b - a for a, b in zip([0.0] + served_at, served_at)]
+    assert max(gaps) <= bound
+
+
+def test_plan_respects_batch_and_token_budget():
+    rng = random.Random(7)
+    for trial in range(200):
+        name = rng.choice(["fcfs", "sjf", "las", "laps"])
+        budget, batch = rng.randint(1, 80), rng.randint(1, 16)
+        policy = make_policy(name, max_batch=batch, token_budget=budget,
+                             max_nodes=rng.randint(0, 16), **NO_AGING)
+        reqs = [stats(f"r{i}", tenant=rng.choice("abc"), arrival=rng.random(),
+                      predicted=rng.randint(1, 500),
+                      taus=tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 6))))
+                for i in range(rng.randint(0, 40))]
+        p = policy.plan(build(policy, reqs), 1.0)
+        assert len(p) == min(len(reqs), batch, budget) and len(set(p.request_ids)) == len(p)
+        assert p.tokens <= budget
+        assert all(b.max_depth <= b.max_nodes for _, b in p.entries)
+
+
+def test_update_tracks_running_preempted_and_finished():
+    policy = make_policy("fcfs", max_batch=1, **NO_AGING)
+    state = build(policy, [stats("a", arrival=0), stats("b", arrival=1)])
+    step(policy, state, 2.0)
+    assert state.running == {"a"} and state.requests["a"].status is Status.RUNNING
+    policy.add(state, stats("c", arrival=-1))                   # jumps ahead of a (fcfs key)
+    step(policy, state, 3.0)
+    assert state.requests["a"].status is Status.PREEMPTED and state.running == {"c"}
+    plan = policy.plan(state, 4.0)
+    finished = policy.update(state, [StepRecord("c", 1, 1, "eos")], 4.1, 0.1)
+    assert [s.request_id for s in finished] == ["c"] and "c" not in state.requests
+    assert finished[0].finish_reason == "stop" and plan.request_ids == ["c"]
+
+
+def test_max_tokens_finishes_with_length():
+    policy = make_policy("fcfs", **NO_AGING)
+    state = build(policy, [stats("a", max_tokens=3)])
+    finished = policy.update(state, [StepRecord("a", 4, 3)], 1.0, 0.1)
+    assert finished[0].status is Status.FINISHED and finished[0].finish_reason == "length"
+
+
+def test_cancel_removes_from_queue_and_plan():
+    policy = make_policy("sjf", **NO_AGING)
+    state = build(policy, [stats("a", predicted=1), stats("b", predicted=2)])
+    s = policy.remove(state, "a", Status.CANCELLED, "client_disconnected", 1.0)
+    assert s.finish_reason == "abort" and policy.plan(state, 1.0).request_ids == ["b"]
+    assert policy.remove(state, "a", Status.CANCELLED, None, 1.0) is None
+    # a record for a request cancelled during its step is ignored
+    assert policy.update(state, [StepRecord("a", 3, 2)], 2.0, 0.1) == []
+
+
+def test_rebuild_restores_the_same_order():
+    policy = make_policy("laps", max_batch=5, **NO_AGING)
+    reqs = [stable(f"p{i}", predicted=10 * i + 5) for i in range(4)] + [stats("new")]
+    state = build(policy, reqs)
+    before = policy.plan(state, 1.0).request_ids
+    fresh = make_policy("laps", max_batch=5, **NO_AGING)
+    fresh.rebuild(state)
+    assert fresh.plan(state, 1.0).request_ids == before
+
+
+def test_factory():
+    assert set(POLICIES) == {"fcfs", "sjf", "las", "laps", "srpt"}
+    p = make_policy("laps", PolicyConfig(max_batch=4), n_levels=3, token_budget=32)
+    assert (p.config.max_batch, p.config.token_budget, p.levels.n_levels) == (4, 32, 3)
+    with pytest.raises(ValueError):
+        make_policy("lottery")
+    with pytest.raises(TypeError):
+        make_policy("fcfs", no_such_option=1)
+    with pytest.raises(ValueError):
+        make_policy("laps", interleave="sideways")
+    assert BAND > 1e9
