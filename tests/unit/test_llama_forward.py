@@ -15,6 +15,23 @@ def causal(n: int) -> torch.Tensor:
     return torch.full((n, n), float("-inf")).triu(1)
 
 
+def prefilled(lf: LlamaForward, context: list[int]):
+    """A cache holding `context`'s KV, as the verifier's prefill leaves it."""
+    cache = lf.new_cache(64)
+    n = len(context)
+    lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
+    cache.length = n
+    return cache
+
+
+def tree_pass(lf: LlamaForward, cache, root: int, tree: TokenTree) -> torch.Tensor:
+    """One verification pass of root + tree; logits for every row ([1 + n, V])."""
+    n = cache.length
+    ids = torch.tensor([root, *tree.tokens])
+    pos = torch.tensor([n] + [n + d for d in depths(tree)])
+    return lf.forward(ids, pos, [Segment(cache, 0, len(ids), _tree_mask(tree))], torch.arange(len(ids)))
+
+
 def hf_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
@@ -47,13 +64,7 @@ def test_tree_logits_equal_each_branch_alone(tiny_model):
     context = list(range(10, 40))
     root = 7
     tree = TokenTree(tokens=(5, 9, 11, 6, 13, 17, 19), parents=(-1, 0, 0, -1, 3, 4, 1))
-    cache = lf.new_cache(64)
-    n = len(context)
-    lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
-    cache.length = n
-    ids = torch.tensor([root, *tree.tokens])
-    pos = torch.tensor([n] + [n + d for d in depths(tree)])
-    out = lf.forward(ids, pos, [Segment(cache, 0, len(ids), _tree_mask(tree))], torch.arange(len(ids)))
+    out = tree_pass(lf, prefilled(lf, context), root, tree)
     mask = ancestor_mask(tree)
     for i in range(len(tree)):
         branch = [tree.tokens[j] for j in range(len(tree)) if mask[i, j]]
@@ -66,12 +77,10 @@ def test_packed_requests_of_different_lengths_match_alone(tiny_model):
     lf = LlamaForward(tiny_model)
     contexts = [list(range(3, 20)), list(range(30, 35)), list(range(50, 90))]
     trees = [TokenTree((4, 6, 8), (-1, 0, 0)), TokenTree.empty(), TokenTree.chain([9, 10, 11, 12])]
-    caches, segments, ids, pos, start = [], [], [], [], 0
+    segments, ids, pos, start = [], [], [], 0
     for ctx, tree in zip(contexts, trees):
-        cache = lf.new_cache(64)
-        m = len(ctx) - 1
-        lf.forward(torch.tensor(ctx[:-1]), torch.arange(m), [Segment(cache, 0, m, causal(m))], None)
-        cache.length = m
+        cache = prefilled(lf, ctx[:-1])
+        m = cache.length
         rows = 1 + len(tree)
         segments.append(Segment(cache, start, rows, _tree_mask(tree)))
         ids += [ctx[-1], *tree.tokens]
@@ -91,13 +100,9 @@ def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model):
     context = list(range(20, 32))
     root = 3
     tree = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, -1, 1, 2, 0))  # path 1 -> 2 -> 3 is "accepted"
-    cache = lf.new_cache(64)
-    n = len(context)
-    lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
-    cache.length = n
-    ids = torch.tensor([root, *tree.tokens])
-    pos = torch.tensor([n] + [n + d for d in depths(tree)])
-    lf.forward(ids, pos, [Segment(cache, 0, len(ids), _tree_mask(tree))], None)
+    cache = prefilled(lf, context)
+    n = cache.length
+    tree_pass(lf, cache, root, tree)
     cache.commit(1, [1, 2, 3])
     assert cache.length == n + 4
     bonus = 50
