@@ -48,7 +48,7 @@ class LlamaForward:
         self.device = inner.embed_tokens.weight.device
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()              # [V, H]
-            self.lm_head = hf_model.lm_head.weight.detach()              # [V, H] (tied: same storage)
+            self.lm_head = _t(hf_model.lm_head.weight)                   # [H, V]
             self.final_norm = inner.norm.weight.detach()                 # [H]
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.cos, self.sin = self._rope_tables(inner.rotary_emb)     # [P, D] each
@@ -56,18 +56,20 @@ class LlamaForward:
     @staticmethod
     def _layer_weights(layer) -> dict:
         att, mlp = layer.self_attn, layer.mlp
-        # Fusing q/k/v and gate/up into one matmul each halves the per-layer op count.
+        # Fusing q/k/v and gate/up into one matmul each halves the per-layer op count. Weights are
+        # stored transposed ([in, out], contiguous): on the 2-core AVX2 machines here MKL reads
+        # them ~1.6x faster for one row and ~1.3-2x faster for a few rows than nn.Linear's layout.
         qkv_bias = None
         if att.q_proj.bias is not None:
             qkv_bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
         return {
             "ln1": layer.input_layernorm.weight.detach(),
-            "wqkv": torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach(),
+            "wqkv": _t(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])),  # [H, (Hq+2Hkv)D]
             "bqkv": qkv_bias,
-            "wo": att.o_proj.weight.detach(),
+            "wo": _t(att.o_proj.weight),                                                         # [HqD, H]
             "ln2": layer.post_attention_layernorm.weight.detach(),
-            "wgu": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-            "wdown": mlp.down_proj.weight.detach(),
+            "wgu": _t(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),                    # [H, 2I]
+            "wdown": _t(mlp.down_proj.weight),                                                   # [I, H]
         }
 
     def _rope_tables(self, rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,21 +102,21 @@ class LlamaForward:
         nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
         for li, w in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), w["ln1"], self.eps)
-            qkv = F.linear(h, w["wqkv"], w["bqkv"]).view(-1, nq + 2 * nkv, d)   # [T, Hq+2Hkv, D]
+            qkv = _mm(h, w["wqkv"], w["bqkv"]).view(-1, nq + 2 * nkv, d)       # [T, Hq+2Hkv, D]
             qk = qkv[:, : nq + nkv]
             qk = qk * cos + _rotate_half(qk) * sin                               # [T, Hq+Hkv, D]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
             for seg, mask in zip(segments, masks):
                 att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, k, v)
-            x = x + F.linear(att.view(-1, nq * d), w["wo"])
+            x = x + att.view(-1, nq * d) @ w["wo"]
             h = F.rms_norm(x, (self.hidden,), w["ln2"], self.eps)
-            gate, up = F.linear(h, w["wgu"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w["wdown"])
+            gate, up = (h @ w["wgu"]).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ w["wdown"]
         if logit_rows is None:
             return None
         h = F.rms_norm(x[logit_rows], (self.hidden,), self.final_norm, self.eps)
-        return F.linear(h, self.lm_head)                            # [R, V]
+        return h @ self.lm_head                                     # [R, V]
 
     def _attend(self, li: int, seg: Segment, mask: torch.Tensor, q, k, v) -> torch.Tensor:
         cache, lo, n = seg.cache, seg.start, seg.rows
@@ -136,6 +138,15 @@ class LlamaForward:
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    """nn.Linear's [out, in] weight as a contiguous [in, out] copy."""
+    return weight.detach().t().contiguous()
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
