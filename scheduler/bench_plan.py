@@ -101,14 +101,3 @@ def run(args) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="specgate bench plan", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -337,14 +337,3 @@ def run(args) -> int:
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="specgate sim", description=__doc__.split("\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -76,6 +76,7 @@ class Engine:
         contexts = {r.request_id: list(r.prompt_ids) for r in requests}
         spec = {r.request_id: SpeculationState(self.speculation) for r in requests}
         live = list(requests)
+        by_id = {r.request_id: r for r in requests}
         try:
             for req in requests:
                 max_new = min(req.max_new_tokens, self.verifier.context_limit - len(req.prompt_ids))
@@ -83,7 +84,7 @@ class Engine:
             while live:
                 items = [VerifyItem(r.request_id, self._draft(r, contexts, spec)) for r in live]
                 for step in self.verifier.verify(items):
-                    req = next(r for r in live if r.request_id == step.request_id)
+                    req = by_id[step.request_id]
                     res = results[step.request_id]
                     res.steps += 1
                     res.drafted += step.drafted

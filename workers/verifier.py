@@ -13,7 +13,7 @@ kept in place (`KVCache.commit`), the rest is forgotten, and the bonus token bec
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -62,7 +62,6 @@ class StepTimings:
     forward_s: float = 0.0
     other_s: float = 0.0
     steps: int = 0
-    per_step_other_s: list[float] = field(default_factory=list)
 
 
 class ContextLengthError(ValueError):
@@ -144,7 +143,6 @@ class Verifier:
         t3 = time.perf_counter()
         self.timings.forward_s += t2 - t1
         self.timings.other_s += (t1 - t0) + (t3 - t2)
-        self.timings.per_step_other_s.append((t1 - t0) + (t3 - t2))
         self.timings.steps += 1
         return results
 
