@@ -1,0 +1,202 @@
+"""RedisStore: scheduler state in a Redis server, so a restarted scheduler recovers every request.
+
+Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
+
+    P live       sorted set   live request ids, scored by admission sequence (load order)
+    P seq        string       admission sequence counter (INCR)
+    P vt         hash         "<priority class>:<tenant>" -> virtual time (float as text)
+    P rec:ID     hash         v       record format version (1)
+                              seq     admission sequence
+                              prompt  JSON list of prompt token ids          (written once, at add)
+                              params  JSON: sampling, stop_token_ids, stop,  (written once, at add)
+                                      drafter, max_tree_nodes
+                              stats   JSON: RequestStats without tau_history (rewritten per step)
+    P out:ID     list         committed output tokens                        (RPUSH per step)
+    P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)
+
+The kind comes before the id (`rec:ID`, not `ID:rec`), so no id can make one request's key equal
+another's. A step therefore writes O(what it did): a few tokens, one small JSON and a τ per served
+request. An ended request leaves `live` and its three keys get a TTL (PEXPIRE).
+
+Round trips: `commit_step` is one MULTI/EXEC; `add` is one EVALSHA (a Lua script, because the
+duplicate check, the sequence number and the writes must be one atomic step); `get` is one
+MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests.
+
+One writer: the scheduler. `commit_step` checks ids against the live ids this object knows (from
+its own `add`s and its last `load`) instead of asking the server, which keeps a step at one round
+trip; a new scheduler process opens a new store and calls `load` first. Other processes (gateways)
+may open stores over the same prefix to `get` results. Keys for one request live in different
+hash slots, so this is for a single Redis server (or a replicated one), not Redis Cluster.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import redis
+
+from scheduler.request import Request
+from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
+                                  StoredState, account_from_str, account_to_str, check_step,
+                                  params_to_dict, request_from_dict, stats_to_dict)
+
+FORMAT_VERSION = 1
+_LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
+
+# KEYS: rec, out, tau, live, seq.  ARGV: id, prompt, params, stats, n_out, out..., tau...
+# Returns 0 if the id is already stored (live or ended within its TTL), else its sequence number.
+_ADD_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local seq = redis.call('INCR', KEYS[5])
+redis.call('HSET', KEYS[1], 'v', '%d', 'seq', seq, 'prompt', ARGV[2], 'params', ARGV[3],
+           'stats', ARGV[4])
+local function push(key, first, last)
+  -- unpack() is bounded by Lua's C stack: push long lists in slices
+  for i = first, last, 1000 do
+    redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + 999, last)))
+  end
+end
+local n_out = tonumber(ARGV[5])
+push(KEYS[2], 6, 5 + n_out)
+push(KEYS[3], 6 + n_out, #ARGV)
+redis.call('ZADD', KEYS[4], seq, ARGV[1])
+return seq
+""" % FORMAT_VERSION
+
+
+def _dumps(obj: Any) -> str:
+    # Compact, and numpy scalars (workers may hand them over) become plain numbers.
+    return json.dumps(obj, separators=(",", ":"), default=_plain)
+
+
+def _plain(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+class RedisStore:
+    def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
+                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False) -> None:
+        """`client`: any redis-py client (not connected until first used). `owns_client`: close it
+        in `close()`."""
+        if ended_ttl_s <= 0:
+            raise ValueError("ended_ttl_s must be > 0")
+        self.prefix = prefix
+        self.ended_ttl_ms = max(1, round(ended_ttl_s * 1000))
+        self._r = client
+        self._owns_client = owns_client
+        self._add_script = client.register_script(_ADD_LUA)
+        self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
+        # The writer's view: live id -> τ entries already stored (what the next step appends after).
+        self._taus: dict[str, int] = {}
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, *,
+                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S) -> "RedisStore":
+        return cls(redis.Redis.from_url(url), prefix, ended_ttl_s=ended_ttl_s, owns_client=True)
+
+    def _keys(self, rid: str) -> tuple[str, str, str]:
+        p = self.prefix
+        return p + "rec:" + rid, p + "out:" + rid, p + "tau:" + rid
+
+    # ---- writes -----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        rid, s = req.request_id, req.stats
+        rec, out, tau = self._keys(rid)
+        outputs, taus = [int(t) for t in req.output_ids], [int(t) for t in s.tau_history]
+        seq = self._add_script(
+            keys=[rec, out, tau, self._live_key, self._seq_key],
+            args=[rid, _dumps([int(t) for t in req.prompt_ids]), _dumps(params_to_dict(req)),
+                  _dumps(stats_to_dict(s, tau_history=False)), len(outputs), *outputs, *taus])
+        if not seq:
+            raise ValueError(f"request {rid!r} is already stored")
+        self._taus[rid] = len(taus)
+
+    def commit_step(self, step: StepWrite) -> None:
+        if not step:
+            return                              # nothing to write: no round trip
+        known = self._taus
+        check_step(step, known)                 # before any write: all or nothing
+        pipe = self._r.pipeline(transaction=True)
+        for rid, tokens in step.appended.items():
+            if tokens:
+                pipe.rpush(self._keys(rid)[1], *[int(t) for t in tokens])
+        new_counts = {}
+        for rid, s in step.stats_by_id().items():
+            rec, _, tau = self._keys(rid)
+            pipe.hset(rec, "stats", _dumps(stats_to_dict(s, tau_history=False)))
+            new_counts[rid] = self._push_history(pipe, tau, known[rid], s.tau_history)
+        for s in step.ended:
+            pipe.zrem(self._live_key, s.request_id)
+            for key in self._keys(s.request_id):
+                pipe.pexpire(key, self.ended_ttl_ms)
+        if step.virtual_time:
+            pipe.hset(self._vt_key, mapping={account_to_str(a): repr(float(v))
+                                             for a, v in step.virtual_time.items()})
+        pipe.execute()
+        known.update(new_counts)                # only once the server has it
+        for s in step.ended:
+            known.pop(s.request_id, None)
+
+    @staticmethod
+    def _push_history(pipe, key: str, stored: int, history: list[int]) -> int:
+        """Queue the τ values beyond the `stored` ones; returns the new stored count. The history
+        only grows; if it shrank, someone reset it, and the stored list is rewritten."""
+        if len(history) < stored:
+            pipe.delete(key)
+            stored = 0
+        if len(history) > stored:
+            pipe.rpush(key, *[int(t) for t in history[stored:]])
+        return len(history)
+
+    # ---- reads ------------------------------------------------------------------------------
+    def load(self) -> StoredState:
+        ids = [_text(x) for x in self._r.zrange(self._live_key, 0, -1)]
+        requests: list[Request] = []
+        vt: dict[Account, float] = {}
+        for start in range(0, max(len(ids), 1), _LOAD_CHUNK):
+            chunk = ids[start:start + _LOAD_CHUNK]
+            pipe = self._r.pipeline(transaction=False)
+            if start == 0:
+                pipe.hgetall(self._vt_key)
+            for rid in chunk:
+                self._queue_read(pipe, rid)
+            replies = pipe.execute()
+            if start == 0:
+                vt = {account_from_str(_text(k)): float(v) for k, v in replies[0].items()}
+                replies = replies[1:]
+            for i, rid in enumerate(chunk):
+                req = self._decode(replies[3 * i:3 * i + 3])
+                if req is not None:             # evicted by a maxmemory policy: nothing to do
+                    requests.append(req)
+        self._taus = {r.request_id: len(r.stats.tau_history) for r in requests}
+        return StoredState(requests, vt)
+
+    def get(self, request_id: str) -> Request | None:
+        pipe = self._r.pipeline(transaction=True)   # one consistent snapshot of the three keys
+        self._queue_read(pipe, request_id)
+        return self._decode(pipe.execute())
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._r.close()
+
+    def _queue_read(self, pipe, rid: str) -> None:
+        rec, out, tau = self._keys(rid)
+        pipe.hmget(rec, "prompt", "params", "stats")
+        pipe.lrange(out, 0, -1)
+        pipe.lrange(tau, 0, -1)
+
+    @staticmethod
+    def _decode(replies: Iterable[Any]) -> Request | None:
+        (prompt, params, stats), outputs, taus = replies
+        if prompt is None:
+            return None
+        return request_from_dict({"prompt_ids": json.loads(prompt), **json.loads(params),
+                                  "stats": {**json.loads(stats), "tau_history": taus},
+                                  "output_ids": outputs})
