@@ -80,7 +80,7 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     hf_generate(prompts[0][:32], None)
     ours(-1, prompts[0][:32])
     engine.verifier.timings = StepTimings()
-    engine.draft_s = 0.0
+    engine.worker.draft_s = 0.0
 
     rows = []
     for i, ids in enumerate(prompts):
@@ -128,6 +128,6 @@ def summarize(workload: str, rows: list[dict], engine: Engine, max_tokens: int, 
         "identical": all(r["identical"] for r in rows),
         "step_forward_ms": round(1000 * timings.forward_s / max(1, timings.steps), 2),
         "step_outside_forward_ms": round(1000 * timings.other_s / max(1, timings.steps), 3),
-        "step_draft_ms": round(1000 * engine.draft_s / max(1, timings.steps), 3),
+        "step_draft_ms": round(1000 * engine.worker.draft_s / max(1, timings.steps), 3),
         "per_prompt": rows,
     }

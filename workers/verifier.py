@@ -52,7 +52,7 @@ class _Slot:
     cache: object
     root: int
     sampling: SamplingParams
-    rng: np.random.Generator
+    seed: int                 # with the root's position, seeds each step's RNG (see _accept)
     max_positions: int
 
 
@@ -101,8 +101,9 @@ class Verifier:
         # Room for the whole output plus one tree beyond it, capped by the model's positions.
         capacity = min(len(token_ids) + max_new_tokens + self.max_tree_nodes + 1, self.context_limit)
         cache = self.target.new_cache(capacity)
-        seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-        slot = _Slot(cache, int(token_ids[-1]), sampling, np.random.default_rng(seed), self.context_limit)
+        # numpy seeds must be >= 0; an unseeded request draws its own seed once, at (re-)admission.
+        seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+        slot = _Slot(cache, int(token_ids[-1]), sampling, seed, self.context_limit)
         context = list(token_ids[:-1])
         if context:
             n = len(context)
@@ -170,7 +171,11 @@ class Verifier:
         def target_probs(row: int) -> np.ndarray:
             return warp(rows[row].double().numpy(), slot.sampling)
 
-        return accept_sampling(tree, target_probs, slot.rng)
+        # One RNG per (seed, position): a request's draws depend on where it is in its output, not
+        # on how it got there, so its sampled text is the same alone, batched, after being evicted
+        # and re-prefilled, or after a restart (positions never repeat, so draws stay independent).
+        rng = np.random.default_rng([slot.seed, slot.cache.length])
+        return accept_sampling(tree, target_probs, rng)
 
 
 def _tree_mask(tree: TokenTree) -> torch.Tensor:

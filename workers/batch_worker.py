@@ -1,0 +1,117 @@
+"""Draft + verify for a batch of admitted requests: what one step of any loop asks of the workers.
+
+Both loops drive this one class: `workers.engine.Engine` (whole generations, `specgate generate`
+and the benches) and the scheduler's step loop (serving, which picks the batch and a tree budget
+per request each step). The worker owns what lives next to the KV cache: each request's context
+(prompt + committed output), its drafter and its speculation state (`workers.speculation`), so a
+request's drafting backs off on its own evidence whichever loop drives it.
+
+A step: for each item, size the tree (the goodput-best depth for this request's acceptance, within
+the budget the caller allows), let the request's drafter propose it, then verify every tree in one
+forward pass and extend the contexts with what was committed.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from workers.acceptance import SamplingParams
+from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, TreeBudget
+from workers.drafters.registry import create_drafter
+from workers.speculation import SpeculationConfig, SpeculationState, next_budget, record
+from workers.tree import TokenTree
+from workers.verifier import StepResult, Verifier, VerifyItem
+
+_EMPTY = TokenTree.empty()
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    request_id: str
+    budget: TreeBudget        # the most this step may draft for the request (NO_SPECULATION: none)
+
+
+@dataclass
+class _Resident:
+    tenant: str
+    context: list[int]        # prompt + committed output; the last token is the root
+    prompt_len: int
+    drafter: Drafter
+    spec: SpeculationState
+
+
+class BatchWorker:
+    def __init__(self, verifier: Verifier, *, default_drafter: str = "ngram", adaptive: bool = True,
+                 speculation: SpeculationConfig | None = None,
+                 drafters: Mapping[str, Drafter] | None = None):
+        """`drafters`: instances by name (created from the registry on first use otherwise); one
+        instance serves every request that names it, keyed by request id inside."""
+        self.verifier = verifier
+        self.default_drafter = default_drafter
+        self.adaptive = adaptive          # else every step drafts the full budget it is given
+        self.speculation = speculation or SpeculationConfig()
+        self._drafters: dict[str, Drafter] = dict(drafters or {})
+        self._resident: dict[str, _Resident] = {}
+        self.draft_s = 0.0                # time spent proposing trees, accumulated
+
+    @property
+    def context_limit(self) -> int:
+        return self.verifier.context_limit
+
+    def drafter(self, name: str | None) -> Drafter:
+        """The shared instance for a drafter name (ValueError for an unknown name)."""
+        name = name or self.default_drafter
+        if name not in self._drafters:
+            self._drafters[name] = create_drafter(name)
+        return self._drafters[name]
+
+    def resident(self) -> list[str]:
+        """Requests whose KV is held, in admission order."""
+        return list(self._resident)
+
+    def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
+                sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
+                drafter: str | None = None) -> None:
+        """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
+        evicted request re-prefills; its drafter rebuilds its index from the context)."""
+        chosen = self.drafter(drafter)
+        self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens)
+        self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
+                                               SpeculationState(self.speculation))
+
+    def release(self, request_id: str) -> None:
+        """Free a request's KV and drafter state (idempotent)."""
+        res = self._resident.pop(request_id, None)
+        self.verifier.release(request_id)
+        if res is not None:
+            res.drafter.release(request_id)
+
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
+        """Draft for every item, verify all trees in one pass, commit. Results in item order."""
+        trees = []
+        t0 = time.perf_counter()
+        for item in items:
+            res = self._resident_for(item.request_id)
+            budget = self._budget(res, item.budget)
+            ctx = DraftContext(item.request_id, res.tenant, res.context, res.prompt_len)
+            trees.append(VerifyItem(item.request_id, res.drafter.propose(ctx, budget)
+                                    if budget.speculates else _EMPTY))
+        self.draft_s += time.perf_counter() - t0
+        results = self.verifier.verify(trees)
+        for step in results:
+            res = self._resident[step.request_id]
+            res.spec = record(res.spec, step.drafted, step.accepted)
+            res.context.extend(step.tokens)
+        return results
+
+    def _budget(self, res: _Resident, allowed: TreeBudget) -> TreeBudget:
+        if not allowed.speculates:
+            return NO_SPECULATION
+        return next_budget(res.spec, allowed) if self.adaptive else allowed
+
+    def _resident_for(self, request_id: str) -> _Resident:
+        try:
+            return self._resident[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not resident (not prefilled, or released)") from None
