@@ -87,6 +87,11 @@ class AdmissionControl:
             self.live_by_tenant[tenant] = self.live_by_tenant.get(tenant, 0) + 1
         return result
 
+    def restore(self, tenant: str) -> None:
+        """Count a request admitted before a restart (recovered, never refused: it was admitted)."""
+        self.live += 1
+        self.live_by_tenant[tenant] = self.live_by_tenant.get(tenant, 0) + 1
+
     def release(self, tenant: str) -> None:
         n = self.live_by_tenant.get(tenant, 0)
         if n <= 0:

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from workers.acceptance import SamplingParams
+
 
 class Status(str, enum.Enum):
     QUEUED = "queued"          # admitted, never served
@@ -171,20 +173,20 @@ def alpha_estimate(s: RequestStats) -> float:
     return (s.accepted_sum + 1.0) / (s.tried_sum + 2.0)
 
 
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-
 @dataclass(slots=True, eq=False)
 class Request:
-    """The full record: the policy's `stats` plus what the drafters and the verifier need."""
+    """The full record: the policy's `stats` plus what the drafters and the verifier need.
+
+    `output_ids` are the committed output tokens (a stop token included when one ended it);
+    restart recovery re-prefills `prompt_ids + output_ids` and never re-sends `output_ids`.
+    """
     stats: RequestStats
     prompt_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()             # stop strings, never emitted (the step loop checks text)
+    drafter: str | None = None             # None: the deployment's default; "none": no speculation
+    max_tree_nodes: int | None = None      # the tenant's cap on nodes per step; None: no cap
     output_ids: list[int] = field(default_factory=list)
 
     @property

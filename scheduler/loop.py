@@ -1,0 +1,332 @@
+"""The step loop: plan → draft → verify → record, one verification step per iteration.
+
+    plan     the policy picks the batch and each request's tree budget (pure, no I/O);
+    admit    planned requests without KV are prefilled (prompt + committed output), evicting the
+             KV of preempted requests first when more than `max_resident` would be held;
+    step     the worker drafts every tree and verifies them all in one forward pass;
+    commit   tokens are cut at a stop token or the length limit; the policy records the step;
+    persist  the step's changes go to the state store in one round trip, *then*
+    stream   the new tokens go to each request's sink.
+
+Persisting before streaming is what makes restart recovery exact: every token a client has seen
+is in the store, so a new loop over the same store re-prefills prompt + committed tokens and only
+ever streams what comes after them (none lost, none re-sent).
+
+Threads: `submit`, `cancel` and `attach` may be called from any thread (the gateway's); they only
+enqueue, and the loop applies them at the next step boundary, so the policy, the state and the
+worker are touched by the loop's thread alone. A cancelled request's KV is freed at the next
+boundary: within one step. Sinks are called on the loop's thread and must not block.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence, Union
+
+from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
+from scheduler.policies.base import Policy
+from scheduler.request import Request, RequestStats, Status, StepRecord
+from scheduler.state import SchedulerState
+from scheduler.store import MemoryStore, StateStore, StepWrite
+from workers.acceptance import SamplingParams
+from workers.batch_worker import WorkItem
+from workers.drafters.base import NO_SPECULATION, TreeBudget
+from workers.verifier import StepResult
+
+log = logging.getLogger(__name__)
+
+
+class Worker(Protocol):
+    """What the loop drives: `workers.batch_worker.BatchWorker`, or a fake with the same calls."""
+    context_limit: int
+
+    def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
+                sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
+                drafter: str | None = None) -> None: ...
+
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens a step committed for one request, in order (never re-sent)."""
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request ended; `stats` is its final record (τ history, attained service, …)."""
+    request_id: str
+    status: Status
+    finish_reason: str | None      # OpenAI finish_reason ("stop", "length", "abort", "error")
+    stats: RequestStats
+    error: str | None = None       # a message for the client when status is FAILED
+
+
+Event = Union[Delta, Finished]
+Sink = Callable[[Event], None]
+
+
+class StepLoop:
+    def __init__(self, policy: Policy, worker: Worker, store: StateStore | None = None, *,
+                 admission: AdmissionControl | None = None, max_resident: int = 32,
+                 clock: Callable[[], float] = time.time):
+        """`clock` must be wall time (not monotonic) when the store outlives the process: arrival
+        and service times are persisted and compared after a restart."""
+        if max_resident < policy.config.max_batch:
+            raise ValueError("max_resident must hold at least one full batch")
+        self.policy = policy
+        self.worker = worker
+        self.store = store if store is not None else MemoryStore()
+        self.admission = admission or AdmissionControl()
+        self.max_resident = max_resident
+        self.clock = clock
+        self.state = SchedulerState()
+        self.steps = 0
+        self._requests: dict[str, Request] = {}
+        self._limits: dict[str, int] = {}              # request id -> output token limit
+        self._sinks: dict[str, Sink] = {}
+        self._resident: dict[str, None] = {}           # ids with KV, least recently served first
+        self._finish_times: collections.deque = collections.deque(maxlen=64)
+        self._inbox: collections.deque = collections.deque()
+        self._lock = threading.Lock()                  # admission counts and sinks
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread ------------------------------------------------------------------------------
+    def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
+        """Admit a request (or refuse it: queue full). Raises ValueError for a request that can
+        never run (empty prompt, max_tokens < 1, prompt at or past the model's context)."""
+        s = req.stats
+        if not req.prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        if s.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {s.max_tokens}")
+        room = self.worker.context_limit - len(req.prompt_ids) - len(req.output_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model's context is "
+                             f"{self.worker.context_limit} tokens")
+        with self._lock:
+            verdict = self.admission.admit(s.tenant, self._drain_per_s())
+            if verdict is not ADMITTED:
+                return verdict
+            if sink is not None:
+                self._sinks[s.request_id] = sink
+        try:
+            self.store.add(req)                        # persisted before anyone is told "admitted"
+        except Exception:
+            with self._lock:
+                self.admission.release(s.tenant)
+                self._sinks.pop(s.request_id, None)
+            raise
+        self._inbox.append(("submit", req))
+        self._wake.set()
+        return ADMITTED
+
+    def cancel(self, request_id: str, *, status: Status = Status.CANCELLED,
+               cause: str | None = None) -> None:
+        """End a request at the next step boundary: cancelled (client gone), or finished early
+        (`status=FINISHED, cause="stop_string"` when the gateway saw a stop string)."""
+        if not status.terminal:
+            raise ValueError(f"{status} is not a terminal state")
+        self._inbox.append(("cancel", request_id, status, cause))
+        self._wake.set()
+
+    def attach(self, request_id: str, sink: Sink) -> None:
+        """Follow a request from now on (e.g. a recovered one): only tokens committed after this."""
+        with self._lock:
+            self._sinks[request_id] = sink
+
+    def start(self) -> threading.Thread:
+        """Run the loop on a daemon thread until `stop()`."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="specgate-step-loop", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # ---- the loop's thread -----------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def recover(self) -> list[str]:
+        """Take over every live request from the store (after a restart). Returns their ids.
+
+        Call once, before the first step. Their KV is rebuilt lazily: a recovered request is
+        prefilled with prompt + committed output when a plan first picks it."""
+        stored = self.store.load()
+        self.state.virtual_time.update(stored.virtual_time)
+        for req in stored.requests:
+            s = req.stats
+            if s.status is Status.RUNNING:
+                s.status = Status.PREEMPTED            # no batch is running any more
+            self._requests[s.request_id] = req
+            self._limits[s.request_id] = self._limit(req)
+            self.state.requests[s.request_id] = s
+            with self._lock:
+                self.admission.restore(s.tenant)
+        self.policy.rebuild(self.state)
+        return [r.request_id for r in stored.requests]
+
+    def step(self) -> bool:
+        """One iteration. Returns False when there was nothing to do."""
+        self._apply_inbox()
+        if not self.state.requests:
+            return False
+        start = self.clock()
+        plan = self.policy.plan(self.state, start)
+        keep = set(plan.request_ids)
+        planned = [rid for rid in plan.request_ids if self._ensure_resident(rid, keep)]
+        if not planned:
+            return True
+        items = [WorkItem(rid, self._budget(rid, b))
+                 for rid, b in zip(plan.request_ids, plan.budgets) if rid in self._resident]
+        try:
+            results = self.worker.step(items)
+        except Exception as exc:                       # a step failure ends its batch, not the loop
+            log.exception("verification step failed")
+            for item in items:
+                self._end(item.request_id, Status.FAILED, "error", f"step failed: {exc}")
+            return True
+        now = self.clock()
+        self.steps += 1
+        self._record(results, now, now - start)
+        return True
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _record(self, results: list[StepResult], now: float, step_s: float) -> None:
+        records, appended = [], {}
+        for res in results:
+            rid = res.request_id
+            req = self._requests[rid]
+            tokens, cause = self._cut(req, res.tokens)
+            req.output_ids.extend(tokens)
+            appended[rid] = tokens
+            # The path tried: accepted drafts, plus the one rejected where the walk stopped.
+            tried = res.accepted + (1 if res.drafted > res.accepted else 0) if res.drafted else 0
+            records.append(StepRecord(rid, res.tree_tokens, len(tokens), cause, tried))
+            self._resident[rid] = self._resident.pop(rid)        # most recently served last
+        before = set(self.state.running)
+        finished = self.policy.update(self.state, records, now, step_s)
+        ended_ids = {s.request_id for s in finished}
+        touched = (set(appended) | before) - ended_ids
+        updated = [self.state.requests[r] for r in touched if r in self.state.requests]
+        self.store.commit_step(StepWrite(appended=appended, updated=updated, ended=finished,
+                                         virtual_time=dict(self.state.virtual_time)))
+        for rid, tokens in appended.items():
+            self._emit(Delta(rid, tuple(tokens)))
+        for s in finished:
+            self._forget(s.request_id)
+            self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
+
+    def _cut(self, req: Request, tokens: Sequence[int]) -> tuple[list[int], str | None]:
+        """The tokens to commit (up to and including a stop token, up to the length limit)."""
+        out, limit, stops = [], self._limits[req.request_id], req.stop_token_ids
+        done = len(req.output_ids)
+        for tok in tokens:
+            out.append(tok)
+            if tok in stops:
+                return out, "stop_token"
+            if done + len(out) >= limit:
+                return out, "length"
+        return out, None
+
+    def _budget(self, request_id: str, planned: TreeBudget) -> TreeBudget:
+        req = self._requests[request_id]
+        if req.drafter == "none":
+            return NO_SPECULATION
+        cap = req.max_tree_nodes
+        if cap is not None and planned.max_nodes > cap:
+            return TreeBudget(cap, min(planned.max_depth, cap)) if cap > 0 else NO_SPECULATION
+        return planned
+
+    def _ensure_resident(self, request_id: str, keep: set[str]) -> bool:
+        if request_id in self._resident:
+            return True
+        while len(self._resident) >= self.max_resident:
+            victim = next((r for r in self._resident if r not in keep), None)
+            if victim is None:
+                break
+            self.worker.release(victim)                # evicted: re-prefilled when planned again
+            del self._resident[victim]
+        req = self._requests[request_id]
+        try:
+            self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
+                                prompt_len=len(req.prompt_ids), sampling=req.sampling,
+                                max_new_tokens=self._limits[request_id] - len(req.output_ids),
+                                tenant=req.stats.tenant, drafter=req.drafter)
+        except Exception as exc:
+            log.warning("prefill of %s failed: %s", request_id, exc)
+            self._end(request_id, Status.FAILED, "error", str(exc))
+            return False
+        self._resident[request_id] = None
+        return True
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            msg = self._inbox.popleft()
+            if msg[0] == "submit":
+                req = msg[1]
+                rid = req.request_id
+                self._requests[rid] = req
+                self._limits[rid] = self._limit(req)
+                self.policy.add(self.state, req.stats)
+            else:
+                _, rid, status, cause = msg
+                if rid in self.state.requests:
+                    self._end(rid, status, cause)
+
+    def _end(self, request_id: str, status: Status, cause: str | None, error: str | None = None) -> None:
+        s = self.policy.remove(self.state, request_id, status, cause, self.clock())
+        if s is None:
+            return
+        self.store.commit_step(StepWrite(ended=[s]))
+        self._forget(request_id)
+        self._emit(Finished(request_id, s.status, s.finish_reason, s, error))
+
+    def _forget(self, request_id: str) -> None:
+        self._finish_times.append(self.clock())
+        self.worker.release(request_id)
+        self._resident.pop(request_id, None)
+        req = self._requests.pop(request_id)
+        self._limits.pop(request_id, None)
+        with self._lock:
+            self.admission.release(req.stats.tenant)
+
+    def _emit(self, event: Event) -> None:
+        with self._lock:
+            sink = self._sinks.get(event.request_id)
+            if isinstance(event, Finished):
+                self._sinks.pop(event.request_id, None)
+        if sink is not None:
+            try:
+                sink(event)
+            except Exception:                          # a broken consumer must not stop the loop
+                log.exception("sink for %s failed", event.request_id)
+
+    def _limit(self, req: Request) -> int:
+        """Output tokens the request may have in all: max_tokens, capped by the context."""
+        return min(req.stats.max_tokens, self.worker.context_limit - len(req.prompt_ids))
+
+    def _drain_per_s(self) -> float | None:
+        """Requests leaving per second over the last (up to) 64 departures, for Retry-After."""
+        times = self._finish_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        return (len(times) - 1) / (times[-1] - times[0])
