@@ -38,10 +38,14 @@ What works best is the passage *between* an announcing sentence and a closing in
 
 Extract prompts use the same sandwich with the task-specific instruction at the end. With 32 new
 tokens this framing scored 0.82 over the 14 copy prompts (instruction first: 0.16 on 4 prompts).
-Mean ``copied`` over the 14 prompts, 128 greedy tokens, float32, CPU (one padded batch): copy
-0.60, extract 0.50. The model starts copying nearly every passage but drifts into paraphrase after
-a few sentences, often where it re-wraps the docstrings' hard line breaks; asyncio.gather (0.05) and
-random.Random.sample (0.27) never start. Summarize, chat and code prompts are unchanged.
+Mean ``copied`` over the 14 prompts, 128 greedy tokens, float32, CPU: copy 0.60, extract 0.50.
+The model starts copying nearly every passage but drifts into paraphrase after a few sentences,
+often where it re-wraps the docstrings' hard line breaks. So copy passages have each prose
+paragraph's lines joined (``unwrap_paragraphs``; the wrapping is layout, not text): copy 0.76
+(probes, same setup: the same with "repeat the text above, word for word" as the closing
+sentence 0.68; with "Do not change, shorten or explain anything." added 0.53; passages of
+60-140 words 0.54). Extract passages keep their line breaks (unwrapped: 0.48 vs 0.50).
+Summarize, chat and code prompts are unchanged.
 
 The output is deterministic for a given CPython minor version: docstrings change between Python
 releases, so rebuild with the interpreter named in ``PYTHON_VERSION`` to reproduce the shipped
@@ -222,6 +226,23 @@ def cut_passage(doc: str, min_words: int = MIN_WORDS, max_words: int = MAX_WORDS
     return passage
 
 
+def unwrap_paragraphs(text: str) -> str:
+    """Join the hard-wrapped lines of each prose paragraph into one line; paragraphs holding code,
+    examples or lists (lines that start with a space, ">>>", "...", "-" or "*") stay as they are.
+
+    >>> unwrap_paragraphs("a b\\nc d\\n\\n  code\\n  more")
+    'a b c d\\n\\n  code\\n  more'
+    """
+    out = []
+    for para in text.split("\n\n"):
+        lines = para.split("\n")
+        if any(line.startswith((" ", ">>>", "...", "-", "*")) for line in lines):
+            out.append(para)
+        else:
+            out.append(" ".join(line.strip() for line in lines))
+    return "\n\n".join(out)
+
+
 def sentences(text: str) -> list[str]:
     """Sentences of prose, split on '. ' style boundaries; lines of code and '>>>' are skipped."""
     prose = " ".join(
@@ -267,7 +288,7 @@ def build_copy() -> list[dict]:
     out = []
     for name in COPY_SOURCES:
         source, doc, _ = stdlib_doc(name)
-        user = f"{COPY_INTRO}\n\nText:\n\n{cut_passage(doc)}\n\n{COPY_INSTRUCTION}"
+        user = f"{COPY_INTRO}\n\nText:\n\n{unwrap_paragraphs(cut_passage(doc))}\n\n{COPY_INSTRUCTION}"
         out.append(record(f"copy/{name}", source, user))
     return out
 
