@@ -1,0 +1,564 @@
+"""Tenants: who owns an API key, and what that owner may do.
+
+A tenant is the unit of quotas, fairness and isolation (DESIGN.md). Its record holds the scheduler's
+view (weight and priority class), its limits (RPM, TPM, concurrent and queued requests), the models
+it may use and its speculation policy. API keys are never stored: only `sha256:<hex>` digests are,
+and a presented key is always hashed before it is looked up (so a leaked digest is not a key).
+
+Where tenants live: `TenantRegistry(store_url, prefix)` keeps them in process memory (None or
+"memory://") or in Redis ("redis://", "rediss://", "unix://"), where every gateway replica sees an
+add, a removal or a key rotation on its next request: nothing is cached. Redis layout (`P` = prefix):
+
+    P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict`; no keys, no digests)
+    P tenants:owner    hash  key digest -> tenant name          (what `authenticate` reads)
+    P tenants:keys     hash  tenant name -> its key digests, space-separated (for remove/rotate)
+    P tenants:admins   set   admin key digests
+    P tenants:applied  hash  tenant name, or "@admin" -> fingerprint of the tenants-file entry
+                             last applied (see `load_config`)
+
+`authenticate` is one EVALSHA (owner lookup and config read in one step); add, replace, remove and
+rotate are one EVALSHA each, so a key is never owned by two tenants, even for a moment.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import json
+import logging
+import re
+import secrets
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+DEV_TENANT = "dev"
+KEY_PREFIX = "sk-"            # generated keys look like OpenAI's; never like a digest
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+_DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}\Z")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+# ---- the records ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    enabled: bool = True
+    drafters: tuple[str, ...] = ("ngram",)
+    max_tree_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    weight: float = 1.0                 # share of verifier work within its priority class
+    priority: int = 0                   # 0 = most urgent class
+    rpm: int | None = None              # None = unlimited
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+    models: tuple[str, ...] = ("*",)
+    speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+
+    def allows_model(self, model: str) -> bool:
+        """fnmatch patterns, case-sensitive: "*" allows every model, "llama-*" a family."""
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+def tenant_to_dict(t: Tenant) -> dict[str, Any]:
+    """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show)."""
+    s = t.speculation
+    return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
+            "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
+            "models": list(t.models),
+            "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
+                            "max_tree_tokens": s.max_tree_tokens}}
+
+
+# ---- keys -------------------------------------------------------------------------------------------
+def hash_key(api_key: str) -> str:
+    """A key as configured -> "sha256:<hex>". A "sha256:<hex>" digest passes through (lowercased),
+    so a tenants file need not hold plaintext keys.
+
+    >>> hash_key("sk-acme-1")[:15]
+    'sha256:81968561'
+    """
+    if not isinstance(api_key, str) or not api_key:
+        raise ValueError("an API key must be a non-empty string")
+    if api_key.startswith("sha256:"):
+        if not _DIGEST_RE.match(api_key):
+            raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
+        return api_key.lower()
+    return _digest(api_key)
+
+
+def _digest(presented: str) -> str:
+    # NOTE: a key presented by a client is always hashed, even if it looks like a digest: otherwise
+    # anyone who saw a digest (the tenants file, the store) could send it as a key.
+    return "sha256:" + hashlib.sha256(presented.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+# ---- parsing: pure, every field checked, errors name the field ----------------------------------------
+class TenantsConfigError(ValueError):
+    """A bad tenants file or tenant object. `path` locates the field (("tenants", 1, "rpm")),
+    `field` spells it ("tenants[1].rpm")."""
+
+    def __init__(self, path: tuple = (), problem: str = "invalid", *, location: str = "") -> None:
+        self.path, self.problem = tuple(path), problem
+        self.field = _spell(self.path)
+        text = f"{self.field}: {problem}" if self.field else problem
+        super().__init__(f"{location}: {text}" if location else text)
+
+
+def _spell(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+_TOP_FIELDS = frozenset({"tenants", "admin_keys"})
+_TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
+                            "max_concurrent", "max_queued", "models", "speculation"})
+_SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
+
+
+def _mapping(obj: Any, allowed: frozenset, path: tuple) -> Mapping:
+    if not isinstance(obj, Mapping):
+        raise TenantsConfigError(path, f"must be a mapping, got {type(obj).__name__}")
+    for k in obj:
+        if k not in allowed:
+            raise TenantsConfigError(path + (str(k),), "unknown field; expected one of "
+                                     + ", ".join(sorted(allowed)))
+    return obj
+
+
+def _int(obj: Mapping, key: str, path: tuple, default: int | None, *, minimum: int,
+         nullable: bool = False) -> int | None:
+    v = obj.get(key, default)
+    if v is None and nullable:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum}"
+                                 + (" or null" if nullable else "") + f", got {v!r}")
+    return v
+
+
+def _strings(obj: Mapping, key: str, path: tuple, default: Sequence[str]) -> list[str]:
+    v = obj.get(key, default)
+    if not isinstance(v, (list, tuple)):
+        raise TenantsConfigError(path + (key,), f"must be a list of strings, got {type(v).__name__}")
+    for i, s in enumerate(v):
+        if not isinstance(s, str) or not s:
+            raise TenantsConfigError(path + (key, i), "must be a non-empty string")
+    return list(v)
+
+
+def _speculation(obj: Any, path: tuple) -> SpeculationPolicy:
+    if obj is None:
+        return SpeculationPolicy()
+    _mapping(obj, _SPEC_FIELDS, path)
+    enabled = obj.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise TenantsConfigError(path + ("enabled",), f"must be true or false, got {enabled!r}")
+    drafters = _strings(obj, "drafters", path, SpeculationPolicy.drafters)
+    if enabled and not drafters:
+        raise TenantsConfigError(path + ("drafters",), "must name a drafter when enabled")
+    max_tree = _int(obj, "max_tree_tokens", path, SpeculationPolicy.max_tree_tokens, minimum=1)
+    return SpeculationPolicy(enabled, tuple(dict.fromkeys(drafters)), max_tree)
+
+
+def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
+    """One tenant object (a tenants-file entry, or an admin API body) -> (tenant, key digests)."""
+    _mapping(obj, _TENANT_FIELDS, path)
+    name = obj.get("name")
+    if name is None:
+        raise TenantsConfigError(path + ("name",), "is required")
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise TenantsConfigError(path + ("name",), "must be 1-64 letters, digits, '.', '_' or '-', "
+                                 f"starting with a letter or digit; got {name!r}")
+    weight = obj.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise TenantsConfigError(path + ("weight",), f"must be a number > 0, got {weight!r}")
+    digests: list[str] = []
+    for i, key in enumerate(_strings(obj, "api_keys", path, ())):
+        try:
+            digests.append(hash_key(key))
+        except ValueError as exc:
+            raise TenantsConfigError(path + ("api_keys", i), str(exc)) from None
+    tenant = Tenant(
+        name=name, weight=float(weight),
+        priority=_int(obj, "priority", path, 0, minimum=0),
+        rpm=_int(obj, "rpm", path, None, minimum=1, nullable=True),
+        tpm=_int(obj, "tpm", path, None, minimum=1, nullable=True),
+        max_concurrent=_int(obj, "max_concurrent", path, None, minimum=1, nullable=True),
+        max_queued=_int(obj, "max_queued", path, None, minimum=1, nullable=True),
+        models=tuple(_strings(obj, "models", path, ("*",))),
+        speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
+    return tenant, list(dict.fromkeys(digests))
+
+
+def parse_tenants(doc: Mapping) -> tuple[list[tuple[Tenant, list[str]]], list[str]]:
+    """A tenants file's document -> ([(tenant, key digests)], admin key digests). Pure. Rejects
+    duplicate names and a key given twice (to two tenants, or to a tenant and the admins)."""
+    _mapping(doc, _TOP_FIELDS, ())
+    entries = doc.get("tenants") or []
+    if not isinstance(entries, list):
+        raise TenantsConfigError(("tenants",), f"must be a list, got {type(entries).__name__}")
+    parsed: list[tuple[Tenant, list[str]]] = []
+    names: dict[str, int] = {}
+    owners: dict[str, tuple] = {}
+    for i, entry in enumerate(entries):
+        tenant, digests = parse_tenant(entry, ("tenants", i))
+        if tenant.name in names:
+            raise TenantsConfigError(("tenants", i, "name"), f"duplicate tenant name {tenant.name!r}"
+                                     f" (also tenants[{names[tenant.name]}])")
+        names[tenant.name] = i
+        keys = entry.get("api_keys") or []
+        for digest in digests:
+            j = next(j for j, k in enumerate(keys) if hash_key(k) == digest)
+            if digest in owners:
+                raise TenantsConfigError(("tenants", i, "api_keys", j),
+                                         f"key is also an API key of {_spell(owners[digest])}")
+            owners[digest] = ("tenants", i)
+        parsed.append((tenant, digests))
+    admins = []
+    for j, key in enumerate(_strings(doc, "admin_keys", (), ())):
+        try:
+            digest = hash_key(key)
+        except ValueError as exc:
+            raise TenantsConfigError(("admin_keys", j), str(exc)) from None
+        if digest in owners:
+            raise TenantsConfigError(("admin_keys", j),
+                                     f"key is also an API key of {_spell(owners[digest])}")
+        admins.append(digest)
+    return parsed, list(dict.fromkeys(admins))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tenant_from_json(text: str) -> Tenant:
+    # Stored records were validated on the way in; parsing again is cheap and cached by content.
+    return parse_tenant(json.loads(text))[0]
+
+
+def _to_json(t: Tenant) -> str:
+    return json.dumps(tenant_to_dict(t), separators=(",", ":"), sort_keys=True)
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+# ---- where tenants live ---------------------------------------------------------------------------
+OK, NOT_EMPTY, NO_TENANT, KEY_CONFLICT = 1, 0, -1, -2      # what a backend's `put` answers
+
+
+def connect_store(store_url: str | None):
+    """None or "memory://" -> None (in process); a Redis URL -> a redis-py client (connects on
+    first use). Shared with `gateway.limits`."""
+    if store_url is None or store_url == "memory://":
+        return None
+    if store_url.startswith(_REDIS_SCHEMES):
+        import redis
+        return redis.Redis.from_url(store_url)
+    raise ValueError(f"unknown state store URL {store_url!r}; expected memory:// or redis://…")
+
+
+class _MemoryBackend:
+    """Same semantics as `_RedisBackend`, for one process. One lock makes each call atomic."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cfg: dict[str, str] = {}
+        self._owner: dict[str, str] = {}
+        self._keys: dict[str, list[str]] = {}
+        self._admins: set[str] = set()
+        self._applied: dict[str, str] = {}
+
+    def lookup(self, digest: str) -> str | None:
+        with self._lock:
+            name = self._owner.get(digest)
+            return self._cfg.get(name) if name else None
+
+    def get(self, name: str) -> str | None:
+        return self._cfg.get(name)
+
+    def all(self) -> list[str]:
+        with self._lock:
+            return list(self._cfg.values())
+
+    def put(self, name: str, cfg: str | None, digests: list[str] | None,
+            only_if_empty: bool = False) -> int:
+        with self._lock:
+            if only_if_empty and self._cfg:
+                return NOT_EMPTY
+            if cfg is None and name not in self._cfg:
+                return NO_TENANT
+            if digests is not None:
+                if any(self._owner.get(d, name) != name for d in digests):
+                    return KEY_CONFLICT
+                for d in self._keys.pop(name, []):
+                    del self._owner[d]
+                self._owner.update((d, name) for d in digests)
+                self._keys[name] = list(digests)
+            if cfg is not None:
+                self._cfg[name] = cfg
+            return OK
+
+    def remove(self, name: str) -> bool:
+        with self._lock:
+            if self._cfg.pop(name, None) is None:
+                return False
+            for d in self._keys.pop(name, []):
+                del self._owner[d]
+            return True
+
+    def is_admin(self, digest: str) -> bool:
+        return digest in self._admins
+
+    def add_admins(self, digests: list[str], replace: bool = False) -> None:
+        with self._lock:
+            self._admins = set(digests) | (set() if replace else self._admins)
+
+    def applied(self) -> dict[str, str]:
+        return dict(self._applied)
+
+    def mark_applied(self, name: str, fingerprint: str) -> None:
+        self._applied[name] = fingerprint
+
+
+# KEYS: cfg, owner, keys.  ARGV: name, config JSON ("" = keep; the tenant must exist),
+# "1" to replace the tenant's keys with ARGV[5:] / "0" to keep them, "1" = only if no tenant exists.
+_PUT_LUA = """
+local name, cfg, replace = ARGV[1], ARGV[2], ARGV[3] == '1'
+if ARGV[4] == '1' and redis.call('HLEN', KEYS[1]) > 0 then return 0 end
+if cfg == '' and redis.call('HEXISTS', KEYS[1], name) == 0 then return -1 end
+if replace then
+  for i = 5, #ARGV do
+    local owner = redis.call('HGET', KEYS[2], ARGV[i])
+    if owner and owner ~= name then return -2 end
+  end
+  local old = redis.call('HGET', KEYS[3], name)
+  if old then
+    for d in string.gmatch(old, '%S+') do redis.call('HDEL', KEYS[2], d) end
+  end
+  local new = {}
+  for i = 5, #ARGV do
+    redis.call('HSET', KEYS[2], ARGV[i], name)
+    new[#new + 1] = ARGV[i]
+  end
+  redis.call('HSET', KEYS[3], name, table.concat(new, ' '))
+end
+if cfg ~= '' then redis.call('HSET', KEYS[1], name, cfg) end
+return 1
+"""
+
+# KEYS: cfg, owner, keys.  ARGV: name.  Returns 1 if the tenant existed.
+_REMOVE_LUA = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local old = redis.call('HGET', KEYS[3], ARGV[1])
+if old then
+  for d in string.gmatch(old, '%S+') do redis.call('HDEL', KEYS[2], d) end
+end
+redis.call('HDEL', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: cfg, owner.  ARGV: digest.  The owning tenant's config JSON, or nil.
+_LOOKUP_LUA = """
+local name = redis.call('HGET', KEYS[2], ARGV[1])
+if not name then return false end
+return redis.call('HGET', KEYS[1], name)
+"""
+
+
+class _RedisBackend:
+    def __init__(self, client, prefix: str) -> None:
+        self._r = client
+        p = prefix + "tenants:"
+        self._cfg, self._owner, self._keys = p + "cfg", p + "owner", p + "keys"
+        self._admins, self._applied = p + "admins", p + "applied"
+        self._put = client.register_script(_PUT_LUA)
+        self._remove = client.register_script(_REMOVE_LUA)
+        self._lookup = client.register_script(_LOOKUP_LUA)
+
+    def lookup(self, digest: str) -> str | None:
+        v = self._lookup(keys=[self._cfg, self._owner], args=[digest])
+        return v.decode() if v else None
+
+    def get(self, name: str) -> str | None:
+        v = self._r.hget(self._cfg, name)
+        return v.decode() if v else None
+
+    def all(self) -> list[str]:
+        return [v.decode() for v in self._r.hvals(self._cfg)]
+
+    def put(self, name: str, cfg: str | None, digests: list[str] | None,
+            only_if_empty: bool = False) -> int:
+        return int(self._put(keys=[self._cfg, self._owner, self._keys],
+                             args=[name, cfg or "", "0" if digests is None else "1",
+                                   "1" if only_if_empty else "0", *(digests or ())]))
+
+    def remove(self, name: str) -> bool:
+        return bool(self._remove(keys=[self._cfg, self._owner, self._keys], args=[name]))
+
+    def is_admin(self, digest: str) -> bool:
+        return bool(self._r.sismember(self._admins, digest))
+
+    def add_admins(self, digests: list[str], replace: bool = False) -> None:
+        pipe = self._r.pipeline(transaction=True)
+        if replace:
+            pipe.delete(self._admins)
+        if digests:
+            pipe.sadd(self._admins, *digests)
+        pipe.execute()
+
+    def applied(self) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in self._r.hgetall(self._applied).items()}
+
+    def mark_applied(self, name: str, fingerprint: str) -> None:
+        self._r.hset(self._applied, name, fingerprint)
+
+
+# ---- the registry ---------------------------------------------------------------------------------
+class TenantRegistry:
+    """Tenants and their keys in a state store. Every method but `load_config` is one store round
+    trip, and nothing is cached, so what one replica changes the next request anywhere sees. Safe
+    to share between threads."""
+
+    def __init__(self, store_url: str | None = None, prefix: str = "specgate:") -> None:
+        client = connect_store(store_url)
+        self._store = _MemoryBackend() if client is None else _RedisBackend(client, prefix)
+
+    @classmethod
+    def from_file(cls, path, store_url: str | None = None,
+                  prefix: str = "specgate:") -> "TenantRegistry":
+        """A registry over the store, with the tenants file `path` (YAML) applied to it."""
+        registry = cls(store_url, prefix)
+        tenants, admins = load_tenants_file(path)
+        registry.load_config(tenants, admins)
+        return registry
+
+    def load_config(self, tenants: Sequence[tuple[Tenant, Sequence[str]]],
+                    admin_digests: Sequence[str]) -> None:
+        """Apply a parsed tenants file: each tenant named in it is replaced (config and keys), and
+        the admin keys become the file's.
+
+        NOTE: an entry is applied only when it differs from the one last applied from a file.
+        Without this, a replica restarting with the same file would undo what the admin API did
+        since (bring back a tenant's rotated-out key, or a removed tenant). Editing an entry in the
+        file applies it again at the next start."""
+        applied = self._store.applied()
+        for tenant, digests in tenants:
+            fp = _fingerprint([tenant_to_dict(tenant), sorted(digests)])
+            if applied.get(tenant.name) != fp:
+                self.put_digests(tenant, list(digests))
+                self._store.mark_applied(tenant.name, fp)
+                log.info("tenant %r applied from the tenants file", tenant.name)
+        fp = _fingerprint(sorted(admin_digests))
+        if applied.get("@admin") != fp:
+            self._store.add_admins(list(admin_digests), replace=True)
+            self._store.mark_applied("@admin", fp)
+
+    def ensure_dev_tenant(self) -> str | None:
+        """If the store holds no tenant at all, create "dev" (no limits) with a random key and
+        return that key: the one time it is ever seen. Otherwise None. Atomic across replicas."""
+        key = new_api_key()
+        created = self._store.put(DEV_TENANT, _to_json(Tenant(DEV_TENANT)), [_digest(key)],
+                                  only_if_empty=True)
+        return key if created == OK else None
+
+    def authenticate(self, api_key: str | None) -> Tenant | None:
+        """The tenant owning `api_key`, or None. Found by the key's digest, never by comparing keys."""
+        if not api_key:
+            return None
+        cfg = self._store.lookup(_digest(api_key))
+        return _tenant_from_json(cfg) if cfg else None
+
+    def is_admin(self, api_key: str | None) -> bool:
+        return bool(api_key) and self._store.is_admin(_digest(api_key))
+
+    def get(self, name: str) -> Tenant | None:
+        cfg = self._store.get(name)
+        return _tenant_from_json(cfg) if cfg else None
+
+    def list(self) -> list[Tenant]:
+        return sorted((_tenant_from_json(c) for c in self._store.all()), key=lambda t: t.name)
+
+    def put(self, tenant: Tenant, api_keys: Sequence[str] = ()) -> None:
+        """Add or replace `tenant`. Given keys (plaintext or "sha256:" digests) replace the
+        tenant's keys; with none, a replaced tenant keeps its keys (a new one has none until
+        `rotate_key`). ValueError if a key belongs to another tenant; then nothing changes."""
+        self.put_digests(tenant, [hash_key(k) for k in api_keys] or None)
+
+    def put_digests(self, tenant: Tenant, digests: Sequence[str] | None) -> None:
+        """`put` with key digests already computed; None keeps the tenant's keys."""
+        _tenant_from_json(_to_json(tenant))       # validates a Tenant built by hand
+        result = self._store.put(tenant.name, _to_json(tenant),
+                                 None if digests is None else list(dict.fromkeys(digests)))
+        if result == KEY_CONFLICT:
+            raise ValueError(f"an API key given for tenant {tenant.name!r} belongs to another tenant")
+
+    def remove(self, name: str) -> bool:
+        """Remove a tenant; its keys stop working at once, on every replica. False if unknown."""
+        removed = self._store.remove(name)
+        if removed:
+            log.info("tenant %r removed", name)
+        return removed
+
+    def rotate_key(self, name: str) -> str:
+        """Give tenant `name` one new random key (returned, the one time it is seen); its old keys
+        stop working at once. KeyError if there is no such tenant."""
+        key = new_api_key()
+        if self._store.put(name, None, [_digest(key)]) == NO_TENANT:
+            raise KeyError(name)
+        log.info("tenant %r: API key rotated", name)
+        return key
+
+    def add_admin_key(self, api_key: str) -> None:
+        self._store.add_admins([hash_key(api_key)])
+
+
+def load_tenants_file(path) -> tuple[list[tuple[Tenant, list[str]]], list[str]]:
+    """Read and parse a tenants file; an error names the file and the line of the bad field."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise TenantsConfigError((), f"not valid YAML: {exc}", location=str(path)) from None
+    try:
+        return parse_tenants({} if doc is None else doc)
+    except TenantsConfigError as exc:
+        line = _line_of(node, exc.path)
+        where = f"{path}:{line}" if line else str(path)
+        raise TenantsConfigError(exc.path, exc.problem, location=where) from None
+
+
+def _line_of(node, path: tuple) -> int | None:
+    """The 1-based line of the deepest node of the YAML tree that `path` reaches."""
+    line = None
+    for step in path:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            match = [(k, v) for k, v in node.value if k.value == step]
+            node = match[0][1] if match else None
+            if match:
+                line = match[0][0].start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(step, int) and step < len(node.value):
+            node = node.value[step]
+            line = node.start_mark.line + 1
+        else:
+            node = None
+    return line

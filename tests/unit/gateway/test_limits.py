@@ -1,0 +1,279 @@
+"""Rate limits and concurrency caps: the pure arithmetic on hand-worked cases, then the Limiter in
+memory and in a real Redis, where two Limiter objects (two replicas) must enforce one limit."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import redis
+
+from gateway.limits import (CONCURRENCY_RETRY_S, WINDOW_S, Grant, LimitExceeded, Limiter, Usage,
+                            check, gcra_adjust, gcra_take)
+from gateway.tenants import Tenant
+
+T0 = 1_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---- pure arithmetic --------------------------------------------------------------------------------
+def test_gcra_take_rpm5_burst_then_steady():
+    tat, now = 0.0, T0
+    for i in range(5):                                  # a full bucket takes a burst of 5
+        tat, wait = gcra_take(tat, now, 1, 5)
+        assert (tat, wait) == (now + 12.0 * (i + 1), 0.0)
+    assert gcra_take(tat, now, 1, 5) == (None, 12.0)    # the 6th: one interval too early
+    assert gcra_take(tat, now + 11.0, 1, 5) == (None, 1.0)
+    assert gcra_take(tat, now + 12.0, 1, 5) == (now + 72.0, 0.0)
+
+
+@pytest.mark.parametrize("per_minute", [3, 7, 11, 13, 600, 999])
+def test_gcra_take_allows_exactly_the_limit_per_window(per_minute):
+    tat, allowed = 0.0, 0
+    while True:
+        new, _ = gcra_take(tat, T0, 1, per_minute)
+        if new is None:
+            break
+        tat, allowed = new, allowed + 1
+    assert allowed == per_minute                        # float rounding does not cost one
+
+
+def test_gcra_take_idle_bucket_refills_but_never_beyond_full():
+    # TAT long past: the bucket is full, and only full (no credit saved up).
+    assert gcra_take(T0 - 3600, T0, 5, 5) == (T0 + 60.0, 0.0)
+    assert gcra_take(T0 - 3600, T0, 6, 5) == (None, 12.0)
+
+
+def test_gcra_adjust():
+    # tpm=600: 0.1 s per token.
+    assert gcra_adjust(T0 + 50, T0, -400, 600) == pytest.approx(T0 + 10)   # refund
+    assert gcra_adjust(T0 + 50, T0, +100, 600) == pytest.approx(T0 + 60)   # used more than charged
+    assert gcra_adjust(T0 + 50, T0 + 45, -400, 600) == T0 + 45             # no more than full
+    assert gcra_adjust(T0 - 10, T0, +100, 600) == pytest.approx(T0 + 10)   # from a full bucket
+
+
+def test_check_names_the_limit_that_frees_last():
+    t = Tenant("t", rpm=60, tpm=600, max_concurrent=2)
+    fresh = Usage()
+    ok = check(t, fresh, T0, 100)
+    assert ok.allowed and ok.rpm_tat == T0 + 1 and ok.tpm_tat == pytest.approx(T0 + 10)
+    rpm_full = Usage(rpm_tat=T0 + 60, tpm_tat=0.0)
+    assert (check(t, rpm_full, T0, 1).kind, check(t, rpm_full, T0, 1).retry_after_s) == ("rpm", 1.0)
+    both = Usage(rpm_tat=T0 + 60, tpm_tat=T0 + 55)          # rpm frees in 1 s, tpm in 5 s
+    v = check(t, both, T0, 100)
+    assert (v.allowed, v.kind, v.retry_after_s) == (False, "tpm", pytest.approx(5.0))
+    assert (v.rpm_tat, v.tpm_tat) == (both.rpm_tat, both.tpm_tat)   # a refusal charges nothing
+    busy = Usage(live=2)
+    assert check(t, busy, T0, 1).kind == "concurrency"
+    assert check(t, busy, T0, 1).retry_after_s == CONCURRENCY_RETRY_S
+    # rpm refusal of 0.5 s and a full concurrency cap: concurrency (1 s) is the longer wait.
+    v = check(t, Usage(rpm_tat=T0 + 59.5, live=2), T0, 1)
+    assert (v.kind, v.retry_after_s) == ("concurrency", CONCURRENCY_RETRY_S)
+
+
+def test_check_request_larger_than_tpm_never_fits():
+    v = check(Tenant("t", tpm=1000), Usage(), T0, 1001)
+    assert (v.allowed, v.kind, v.retry_after_s) == (False, "tpm", WINDOW_S)
+    assert check(Tenant("t", tpm=1000), Usage(), T0, 1000).allowed
+
+
+def test_check_unlimited_tenant():
+    assert check(Tenant("t"), Usage(rpm_tat=T0 + 1e6, tpm_tat=T0 + 1e6, live=10**6), T0, 10**9).allowed
+
+
+# ---- the Limiter, in memory and in Redis --------------------------------------------------------------
+def _limiter(store, clock: Clock, **kw) -> Limiter:
+    url, prefix = store
+    return Limiter(url, prefix, clock=clock, **kw)
+
+
+def _refused(limiter: Limiter, tenant: Tenant, tokens: int = 1) -> LimitExceeded:
+    with pytest.raises(LimitExceeded) as err:
+        limiter.acquire(tenant, tokens)
+    return err.value
+
+
+def test_rpm(store):
+    clock = Clock()
+    limiter = _limiter(store, clock)
+    t = Tenant("acme", rpm=5)
+    for _ in range(5):
+        limiter.acquire(t, 10)
+    err = _refused(limiter, t)
+    assert err.kind == "rpm" and err.retry_after_s == pytest.approx(12.0)
+    assert err.retry_after_header == "12" and "5 requests per minute" in err.message
+    clock.now += 11.9
+    assert _refused(limiter, t).retry_after_s == pytest.approx(0.1)
+    clock.now += 0.1                                      # the window moves with the clock
+    limiter.acquire(t, 10)
+    _refused(limiter, t)
+    clock.now += 60
+    for _ in range(5):
+        limiter.acquire(t, 10)
+    _refused(limiter, t)
+
+
+@pytest.mark.parametrize("rpm", [3, 7, 11, 13, 999])
+def test_rpm_allows_exactly_the_limit(store, rpm):
+    limiter = _limiter(store, Clock())
+    t = Tenant("acme", rpm=rpm, tpm=rpm * 7)             # tokens: 7 per request, same arithmetic
+    for _ in range(rpm):
+        limiter.acquire(t, 7)
+    assert _refused(limiter, t, 0).kind == "rpm"
+
+
+def test_tpm_and_release_correction(store):
+    clock = Clock()
+    limiter = _limiter(store, clock)
+    t = Tenant("acme", tpm=1000)                          # 0.06 s per token
+    first = limiter.acquire(t, 600)
+    err = _refused(limiter, t, 600)
+    assert err.kind == "tpm" and err.retry_after_s == pytest.approx(12.0)   # 200 tokens short
+    limiter.release(first, 100)                           # used 100: 500 back
+    second = limiter.acquire(t, 600)                      # 700 charged now
+    err = _refused(limiter, t, 400)
+    assert err.retry_after_s == pytest.approx(6.0)        # 100 tokens short
+    limiter.release(second, 900)                          # used more than estimated: charged too
+    assert _refused(limiter, t, 100).retry_after_s == pytest.approx(6.0)
+    limiter.release(second, 0)                            # a second release corrects nothing
+    assert _refused(limiter, t, 100).retry_after_s == pytest.approx(6.0)
+    clock.now += 6
+    limiter.acquire(t, 100)
+
+
+def test_request_larger_than_tpm_is_refused(store):
+    limiter = _limiter(store, Clock())
+    err = _refused(limiter, Tenant("acme", tpm=1000), 1001)
+    assert err.kind == "tpm" and "Request too large" in err.message
+    limiter.acquire(Tenant("acme", tpm=1000), 1000)
+
+
+def test_concurrency_and_release(store):
+    limiter = _limiter(store, Clock())
+    t = Tenant("acme", max_concurrent=2)
+    a, b = limiter.acquire(t, 1), limiter.acquire(t, 1)
+    err = _refused(limiter, t)
+    assert err.kind == "concurrency" and err.retry_after_s == CONCURRENCY_RETRY_S
+    limiter.release(a, 1)
+    c = limiter.acquire(t, 1)
+    limiter.release(a, 1)                                 # twice: does not free another slot
+    _refused(limiter, t)
+    limiter.release(b, 1)
+    limiter.release(c, 1)
+    limiter.acquire(t, 1), limiter.acquire(t, 1)
+
+
+def test_a_refused_request_charges_nothing(store):
+    limiter = _limiter(store, Clock())
+    t = Tenant("acme", rpm=2, tpm=100, max_concurrent=1)
+    g = limiter.acquire(t, 50)
+    assert _refused(limiter, t, 50).kind == "concurrency"   # refused: no request, no tokens taken
+    limiter.release(g, 50)
+    limiter.acquire(t, 50)                                   # so the second of 2 requests still fits
+    assert _refused(limiter, t, 1).kind in ("rpm", "concurrency")
+
+
+def test_a_dead_gateways_slots_expire(store):
+    clock = Clock()
+    limiter = _limiter(store, clock, lease_s=30)
+    t = Tenant("acme", max_concurrent=1)
+    held = limiter.acquire(t, 1)                           # never released: its gateway died
+    clock.now += 29
+    _refused(limiter, t)
+    assert limiter.renew(held)                             # a long stream renews its lease
+    clock.now += 29
+    _refused(limiter, t)
+    clock.now += 1.5
+    limiter.acquire(t, 1)
+    assert not limiter.renew(held)
+
+
+def test_tenants_are_isolated(store):
+    limiter = _limiter(store, Clock())
+    a = Tenant("a", rpm=1, tpm=10, max_concurrent=1)
+    b = Tenant("b", rpm=1, tpm=10, max_concurrent=1)
+    limiter.acquire(a, 10)
+    for kind_tokens in (1, 10, 0):
+        _refused(limiter, a, kind_tokens)
+    grant = limiter.acquire(b, 10)                         # b is untouched by a's exhaustion
+    assert grant.tenant == "b"
+    _refused(limiter, b)
+
+
+def test_grant_records_what_was_charged(store):
+    grant = _limiter(store, Clock()).acquire(Tenant("acme", tpm=500), 42)
+    assert isinstance(grant, Grant) and (grant.tenant, grant.tokens, grant.tpm) == ("acme", 42, 500)
+
+
+def test_negative_tokens_rejected(store):
+    limiter = _limiter(store, Clock())
+    with pytest.raises(ValueError):
+        limiter.acquire(Tenant("acme"), -1)
+
+
+# ---- two replicas over one Redis ----------------------------------------------------------------------
+def _pair(redis_url: str, redis_prefix: str, clock: Clock) -> tuple[Limiter, Limiter]:
+    return (Limiter(redis_url, redis_prefix, clock=clock),
+            Limiter(redis_url, redis_prefix, clock=clock))
+
+
+@pytest.mark.parametrize("sixth_on", [0, 1])
+def test_two_limiters_share_rpm(redis_url, redis_prefix, sixth_on):
+    limiters = _pair(redis_url, redis_prefix, Clock())
+    t = Tenant("acme", rpm=5)
+    for i in range(5):
+        limiters[i % 2].acquire(t, 1)
+    err = _refused(limiters[sixth_on], t)
+    assert err.kind == "rpm" and err.retry_after_s == pytest.approx(12.0)
+    _refused(limiters[1 - sixth_on], t)
+
+
+def test_two_limiters_share_tpm_and_concurrency(redis_url, redis_prefix):
+    one, two = _pair(redis_url, redis_prefix, Clock())
+    t = Tenant("acme", tpm=1000, max_concurrent=1)
+    grant = one.acquire(t, 700)
+    assert _refused(two, t, 1).kind == "concurrency"
+    two.release(grant, 700)                                # a grant is released on any replica
+    assert _refused(two, t, 400).kind == "tpm"
+    two.acquire(t, 300)
+
+
+def test_concurrency_is_atomic_across_replicas(redis_url, redis_prefix):
+    limiters = _pair(redis_url, redis_prefix, Clock())
+    t = Tenant("acme", max_concurrent=3)
+    granted, refused = [], []
+    barrier = threading.Barrier(12)
+
+    def worker(i: int) -> None:
+        barrier.wait()
+        try:
+            granted.append(limiters[i % 2].acquire(t, 1))
+        except LimitExceeded:
+            refused.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert (len(granted), len(refused)) == (3, 9)
+
+
+def test_redis_keys_expire_and_sit_under_the_prefix(redis_url, redis_prefix):
+    limiter = Limiter(redis_url, redis_prefix, clock=Clock(), lease_s=30)
+    limiter.acquire(Tenant("acme", rpm=60, tpm=600, max_concurrent=4), 100)
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        keys = sorted(r.scan_iter(match=redis_prefix + "*"))
+        assert keys == [redis_prefix + "rl:conc:acme", redis_prefix + "rl:rpm:acme",
+                        redis_prefix + "rl:tpm:acme"]
+        # rpm: TAT 1 s ahead (+1 s slack); tpm: 10 s ahead; conc: the lease (+1 s).
+        assert 0 < r.pttl(redis_prefix + "rl:rpm:acme") <= 2000
+        assert 9000 < r.pttl(redis_prefix + "rl:tpm:acme") <= 11000
+        assert 29000 < r.pttl(redis_prefix + "rl:conc:acme") <= 31000
+        assert float(r.get(redis_prefix + "rl:rpm:acme")) == T0 + 1

@@ -1,0 +1,305 @@
+"""Tenants: parsing the tenants file, hashed keys, and the registry in memory and in a real Redis."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import textwrap
+
+import pytest
+import redis
+
+from gateway.tenants import (SpeculationPolicy, Tenant, TenantRegistry, TenantsConfigError,
+                             hash_key, load_tenants_file, parse_tenant,
+                             parse_tenants)
+
+EXAMPLE = {
+    "tenants": [
+        {"name": "acme", "api_keys": ["sk-acme-1"], "weight": 2, "priority": 0, "rpm": 600,
+         "tpm": 200000, "max_concurrent": 16, "max_queued": 64, "models": ["*"],
+         "speculation": {"enabled": True, "drafters": ["ngram"], "max_tree_tokens": 32}},
+        {"name": "beta", "api_keys": ["sha256:" + hashlib.sha256(b"sk-beta-1").hexdigest()],
+         "models": ["smollm2-*"], "speculation": {"enabled": False, "drafters": []}},
+    ],
+    "admin_keys": ["sk-admin-1"],
+}
+
+
+def _sha(key: str) -> str:
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+# ---- keys and parsing -------------------------------------------------------------------------------
+def test_hash_key_hashes_plaintext_and_passes_digests_through():
+    assert hash_key("sk-acme-1") == _sha("sk-acme-1")
+    digest = _sha("x")
+    assert hash_key(digest) == digest
+    assert hash_key(digest.upper().replace("SHA256:", "sha256:")) == digest
+    for bad in ("", "sha256:abc", "sha256:" + "g" * 64):
+        with pytest.raises(ValueError):
+            hash_key(bad)
+
+
+def test_parse_example():
+    tenants, admins = parse_tenants(EXAMPLE)
+    (acme, acme_keys), (beta, beta_keys) = tenants
+    assert acme == Tenant("acme", weight=2.0, priority=0, rpm=600, tpm=200000, max_concurrent=16,
+                          max_queued=64, models=("*",),
+                          speculation=SpeculationPolicy(True, ("ngram",), 32))
+    assert acme_keys == [_sha("sk-acme-1")]
+    assert beta == Tenant("beta", models=("smollm2-*",),
+                          speculation=SpeculationPolicy(False, (), 32))
+    assert beta_keys == [_sha("sk-beta-1")]
+    assert admins == [_sha("sk-admin-1")]
+
+
+def _with(path, value):
+    doc = copy.deepcopy(EXAMPLE)
+    target = doc
+    for step in path[:-1]:
+        target = target[step]
+    if value is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return doc
+
+
+_DELETE = object()
+BAD = [
+    # (where, new value, the field the error must name, words it must contain)
+    (("tenants", 0, "name"), _DELETE, "tenants[0].name", "required"),
+    (("tenants", 1, "name"), "acme", "tenants[1].name", "duplicate"),
+    (("tenants", 0, "name"), "a:b", "tenants[0].name", "letters"),
+    (("tenants", 0, "rpm"), -5, "tenants[0].rpm", ">= 1"),
+    (("tenants", 0, "tpm"), 0, "tenants[0].tpm", ">= 1"),
+    (("tenants", 0, "max_concurrent"), 1.5, "tenants[0].max_concurrent", "integer"),
+    (("tenants", 0, "priority"), -1, "tenants[0].priority", ">= 0"),
+    (("tenants", 0, "weight"), 0, "tenants[0].weight", "> 0"),
+    (("tenants", 0, "weight"), True, "tenants[0].weight", "number"),
+    (("tenants", 0, "colour"), "red", "tenants[0].colour", "unknown field"),
+    (("tenants", 0, "models"), "*", "tenants[0].models", "list"),
+    (("tenants", 0, "models"), ["ok", ""], "tenants[0].models[1]", "non-empty"),
+    (("tenants", 0, "speculation"), {"max_tree_tokens": 0}, "tenants[0].speculation.max_tree_tokens", ">= 1"),
+    (("tenants", 0, "speculation"), {"drafterz": ["ngram"]}, "tenants[0].speculation.drafterz", "unknown field"),
+    (("tenants", 0, "speculation"), {"drafters": "ngram"}, "tenants[0].speculation.drafters", "list"),
+    (("tenants", 0, "speculation"), {"enabled": "yes please"}, "tenants[0].speculation.enabled", "true or false"),
+    (("tenants", 0, "speculation"), {"enabled": True, "drafters": []}, "tenants[0].speculation.drafters", "drafter"),
+    (("tenants", 0, "speculation"), [1], "tenants[0].speculation", "mapping"),
+    (("tenants", 1, "api_keys"), ["sk-other", "sk-acme-1"], "tenants[1].api_keys[1]", "tenants[0]"),
+    (("tenants", 0, "api_keys"), ["sha256:1234"], "tenants[0].api_keys[0]", "64 hex"),
+    (("admin_keys",), ["sk-acme-1"], "admin_keys[0]", "tenants[0]"),
+    (("tenants",), {"acme": {}}, "tenants", "list"),
+    (("tenants", 0), "acme", "tenants[0]", "mapping"),
+    (("admins",), [], "admins", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("where,value,field,words", BAD, ids=[b[2] + ":" + b[3] for b in BAD])
+def test_parse_errors_name_the_field(where, value, field, words):
+    with pytest.raises(TenantsConfigError) as err:
+        parse_tenants(_with(where, value))
+    assert err.value.field == field
+    assert str(err.value).startswith(field + ":")
+    assert words in str(err.value)
+
+
+def test_parse_error_never_echoes_a_key():
+    with pytest.raises(TenantsConfigError) as err:
+        parse_tenants(_with(("tenants", 1, "api_keys"), ["sk-acme-1"]))
+    assert "sk-acme-1" not in str(err.value)
+
+
+def test_file_error_names_file_and_line(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(textwrap.dedent("""\
+        tenants:
+          - name: acme
+            api_keys: ["sk-acme-1"]
+          - name: beta
+            rpm: -3
+        """))
+    with pytest.raises(TenantsConfigError) as err:
+        TenantRegistry.from_file(path)
+    assert str(err.value).startswith(f"{path}:5: tenants[1].rpm:")
+
+
+def test_empty_file_is_no_tenants(tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("")
+    assert TenantRegistry.from_file(path).list() == []
+
+
+def test_allows_model_patterns():
+    t = Tenant("t", models=("smollm2-*", "gpt-x"))
+    assert t.allows_model("smollm2-135m") and t.allows_model("gpt-x")
+    assert not t.allows_model("gpt-x2") and not t.allows_model("SMOLLM2-135m")
+    assert Tenant("u").allows_model("anything")
+
+
+# ---- the registry (memory and Redis) ------------------------------------------------------------------
+def _registry(store) -> TenantRegistry:
+    url, prefix = store
+    registry = TenantRegistry(url, prefix)
+    registry.load_config(*parse_tenants(EXAMPLE))
+    return registry
+
+
+def test_authenticate(store):
+    registry = _registry(store)
+    assert registry.authenticate("sk-acme-1").name == "acme"
+    assert registry.authenticate("sk-beta-1").name == "beta"      # configured as a digest
+    assert registry.authenticate("sk-acme-2") is None
+    assert registry.authenticate("") is None and registry.authenticate(None) is None
+    # A digest is not a key: sending what the store (or the file) holds gets nobody in.
+    assert registry.authenticate(_sha("sk-acme-1")) is None
+    assert registry.is_admin("sk-admin-1")
+    assert not registry.is_admin("sk-acme-1") and not registry.is_admin(None)
+    assert not registry.is_admin(_sha("sk-admin-1"))
+
+
+def test_get_list_put_remove(store):
+    registry = _registry(store)
+    assert [t.name for t in registry.list()] == ["acme", "beta"]
+    assert registry.get("acme").rpm == 600 and registry.get("nobody") is None
+    registry.put(Tenant("acme", rpm=10))                 # replace, keeping its keys
+    assert registry.authenticate("sk-acme-1").rpm == 10
+    registry.put(Tenant("acme", rpm=11), ["sk-acme-new"])  # replace keys too
+    assert registry.authenticate("sk-acme-1") is None
+    assert registry.authenticate("sk-acme-new").rpm == 11
+    assert registry.remove("acme") and not registry.remove("acme")
+    assert registry.authenticate("sk-acme-new") is None and registry.get("acme") is None
+
+
+def test_put_with_another_tenants_key_changes_nothing(store):
+    registry = _registry(store)
+    with pytest.raises(ValueError, match="another tenant"):
+        registry.put(Tenant("gamma"), ["sk-new", "sk-acme-1"])
+    assert registry.get("gamma") is None
+    assert registry.authenticate("sk-new") is None
+    assert registry.authenticate("sk-acme-1").name == "acme"
+
+
+def test_put_rejects_an_invalid_tenant(store):
+    registry = _registry(store)
+    with pytest.raises(ValueError, match="rpm"):
+        registry.put(Tenant("acme", rpm=-1))
+    assert registry.get("acme").rpm == 600
+
+
+def test_rotate_key(store):
+    registry = _registry(store)
+    new = registry.rotate_key("acme")
+    assert new.startswith("sk-") and len(new) > 40
+    assert registry.authenticate(new).name == "acme"
+    assert registry.authenticate("sk-acme-1") is None
+    assert registry.authenticate("sk-beta-1").name == "beta"     # other tenants untouched
+    assert registry.rotate_key("acme") != new
+    with pytest.raises(KeyError):
+        registry.rotate_key("nobody")
+
+
+def test_dev_tenant_created_once(store):
+    url, prefix = store
+    registry = TenantRegistry(url, prefix)
+    key = registry.ensure_dev_tenant()
+    assert key and len(key) > 40
+    assert registry.authenticate(key).name == "dev"
+    assert registry.ensure_dev_tenant() is None
+    assert [t.name for t in registry.list()] == ["dev"]
+    assert TenantRegistry(None).ensure_dev_tenant() != key          # random, not a default
+
+
+def test_no_dev_tenant_when_tenants_exist(store):
+    assert _registry(store).ensure_dev_tenant() is None
+
+
+def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
+    url, prefix = store
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1], rpm: 5}\n"
+                    "admin_keys: [sk-admin-1]\n")
+    first = TenantRegistry(url, prefix)
+
+    def start_replica() -> TenantRegistry:
+        # A replica starting with the file: a new registry over the same store (in memory, the
+        # same registry is the only one that sees the store).
+        registry = first if url is None else TenantRegistry(url, prefix)
+        registry.load_config(*load_tenants_file(path))
+        return registry
+
+    new = start_replica().rotate_key("acme")
+    second = start_replica()
+    assert second.authenticate("sk-acme-1") is None        # the rotation stands
+    assert second.authenticate(new).name == "acme"
+    assert second.remove("acme")
+    assert start_replica().get("acme") is None              # and so does a removal
+    # An edited entry is applied again: the file is the operator's word.
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1], rpm: 6}\n"
+                    "admin_keys: [sk-admin-2]\n")
+    third = start_replica()
+    assert third.authenticate("sk-acme-1").rpm == 6
+    assert third.authenticate(new) is None
+    assert third.is_admin("sk-admin-2") and not third.is_admin("sk-admin-1")
+
+
+# ---- Redis only: shared by replicas, no plaintext stored ---------------------------------------------------
+def test_two_registries_over_one_redis_see_changes_at_once(redis_url, redis_prefix):
+    a = TenantRegistry(redis_url, redis_prefix)
+    b = TenantRegistry(redis_url, redis_prefix)
+    a.put(Tenant("acme", rpm=7), ["sk-acme-1"])
+    assert b.authenticate("sk-acme-1") == Tenant("acme", rpm=7)
+    new = b.rotate_key("acme")
+    assert a.authenticate("sk-acme-1") is None and a.authenticate(new).name == "acme"
+    a.put(Tenant("acme", rpm=8))
+    assert b.get("acme").rpm == 8
+    assert b.remove("acme")
+    assert a.authenticate(new) is None and a.list() == []
+    b.add_admin_key("sk-admin-9")
+    assert a.is_admin("sk-admin-9")
+
+
+def test_two_replicas_create_one_dev_tenant(redis_url, redis_prefix):
+    keys = [TenantRegistry(redis_url, redis_prefix).ensure_dev_tenant() for _ in range(2)]
+    assert keys[0] is not None and keys[1] is None
+
+
+def test_redis_holds_no_plaintext_key(redis_url, redis_prefix, tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-plain-1]}\n"
+                    "admin_keys: [sk-admin-plain-1]\n")
+    registry = TenantRegistry.from_file(path, redis_url, redis_prefix)
+    rotated = registry.rotate_key("acme")
+    registry.put(Tenant("beta"), ["sk-beta-plain-1"])
+    dev = TenantRegistry(redis_url, redis_prefix + "dev:").ensure_dev_tenant()
+    secrets_ = ["sk-acme-plain-1", "sk-admin-plain-1", rotated, "sk-beta-plain-1", dev]
+    dump = _dump(redis_url, redis_prefix)
+    assert _sha("sk-beta-plain-1") in dump          # the dump does see the stored data
+    for secret in secrets_:
+        assert secret not in dump
+
+
+def _dump(url: str, prefix: str) -> str:
+    """Every key under `prefix` and every value it holds, as one string."""
+    parts = []
+    with redis.Redis.from_url(url, decode_responses=True) as r:
+        for key in r.scan_iter(match=prefix + "*"):
+            parts.append(key)
+            kind = r.type(key)
+            if kind == "hash":
+                parts += [f"{k}={v}" for k, v in r.hgetall(key).items()]
+            elif kind == "set":
+                parts += list(r.smembers(key))
+            elif kind == "zset":
+                parts += list(r.zrange(key, 0, -1))
+            elif kind == "string":
+                parts.append(r.get(key))
+    assert parts, "nothing stored under the prefix"
+    return "\n".join(parts)
+
+
+def test_parse_tenant_is_the_admin_body_parser():
+    tenant, digests = parse_tenant({"name": "solo", "rpm": 3})
+    assert tenant == Tenant("solo", rpm=3) and digests == []
+    with pytest.raises(TenantsConfigError) as err:
+        parse_tenant({"name": "solo", "rpm": "3"})
+    assert err.value.field == "rpm"
