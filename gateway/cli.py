@@ -9,6 +9,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgate", description="Tree speculative decoding gateway")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from gateway import serve_cmd
+    serve_cmd.add_arguments(sub.add_parser("serve", help="serve the OpenAI-compatible REST (and gRPC) API, one process"))
+
     from gateway import generate_cmd
     generate_cmd.add_arguments(sub.add_parser("generate", help="generate completions for a JSONL file of prompts"))
 
@@ -41,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "serve":
+        from gateway import serve_cmd
+        return serve_cmd.run(args)
     if args.command == "generate":
         from gateway import generate_cmd
         return generate_cmd.run(args)

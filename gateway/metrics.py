@@ -1,0 +1,186 @@
+"""Prometheus metrics, `specgate_*`, on a registry of their own (one per app, never the global one).
+
+Three sources feed them:
+  the service (event-loop side)   requests by tenant and outcome, TTFT, inter-token latency,
+                                  end-to-end latency, tokens, rate-limit and queue refusals;
+  each request's final stats      (delivered on the step loop's thread) queue time, drafted and
+                                  accepted tokens by tenant and drafter, τ per step;
+  the step loop                   step duration and batch size, preemptions (`InstrumentedWorker`,
+                                  a pass-through around the worker), and, read when scraped, live
+                                  requests per scheduler level and status and perceptible requests.
+prometheus-client's metrics are thread-safe, so both threads record directly.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
+                         0.3, 0.5, 0.75, 1.0, 2.5)
+TAU_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter("specgate_requests", "Requests by tenant and outcome "
+                                "(finished, cancelled, failed, rejected, rate_limited, "
+                                "queue_full, overloaded)", ["tenant", "status"], registry=r)
+        self.ttft = Histogram("specgate_time_to_first_token_seconds",
+                              "From arrival at the gateway to the first output token",
+                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specgate_inter_token_latency_seconds",
+                             "Gap between output tokens (a step that commits k tokens counts "
+                             "its gap ÷ k, k times)", ["tenant"], buckets=TOKEN_LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("specgate_e2e_request_latency_seconds",
+                             "From arrival at the gateway to the last token",
+                             ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("specgate_queue_time_seconds",
+                                    "From admission to the request's first step",
+                                    ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specgate_prompt_tokens", "Prompt tokens of admitted requests",
+                                     ["tenant"], registry=r)
+        self.generation_tokens = Counter("specgate_generation_tokens",
+                                         "Output tokens committed", ["tenant"], registry=r)
+        self.drafted = Counter("specgate_drafted_tokens", "Draft tokens verified (tree nodes)",
+                               ["tenant", "drafter"], registry=r)
+        self.accepted = Counter("specgate_accepted_tokens", "Draft tokens accepted by the target",
+                                ["tenant", "drafter"], registry=r)
+        self.tau = Histogram("specgate_tau", "Tokens committed per step and request "
+                             "(τ = accepted + 1)", ["tenant"], buckets=TAU_BUCKETS, registry=r)
+        self.step_duration = Histogram("specgate_step_duration_seconds",
+                                       "One verification step (draft + verify) of the batch",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("specgate_batch_size", "Requests per verification step",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.preemptions = Counter("specgate_preemptions",
+                                   "Requests in one step's batch left out of the next "
+                                   "while still live", registry=r)
+        self.refusals = Counter("specgate_rate_limit_refusals",
+                                "Requests refused by a tenant limit or a full queue",
+                                ["tenant", "reason"], registry=r)
+
+    # ---- the service ---------------------------------------------------------------------------
+    def refused(self, tenant: str, reason: str, status: str) -> None:
+        self.refusals.labels(tenant, reason).inc()
+        self.requests.labels(tenant, status).inc()
+
+    def rejected(self, tenant: str) -> None:
+        """Refused before admission for a client error (invalid field, model, context)."""
+        self.requests.labels(tenant, "rejected").inc()
+
+    def admitted(self, tenant: str, prompt_tokens: int) -> None:
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+
+    def first_token(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(tenant).observe(seconds)
+
+    def tokens(self, tenant: str, gap_s: float, n: int) -> None:
+        """`n` tokens arrived `gap_s` after the previous ones."""
+        if n <= 0:
+            return
+        per = gap_s / n
+        h = self.itl.labels(tenant)
+        for _ in range(n):
+            h.observe(per)
+
+    def done(self, tenant: str, status: str, seconds: float, completion_tokens: int) -> None:
+        self.requests.labels(tenant, status).inc()
+        self.e2e.labels(tenant).observe(seconds)
+        self.generation_tokens.labels(tenant).inc(completion_tokens)
+
+    # ---- a request's final stats (step loop thread) ---------------------------------------------
+    def request_stats(self, stats: Any, drafter: str) -> None:
+        """From `scheduler.request.RequestStats` at the end of a request."""
+        tenant = stats.tenant
+        if stats.first_served_s is not None:
+            self.queue_time.labels(tenant).observe(max(0.0, stats.first_served_s - stats.arrival_s))
+        drafted = max(0, stats.attained - stats.n_steps)     # attained = Σ (1 root + tree nodes)
+        if drafted:
+            self.drafted.labels(tenant, drafter).inc(drafted)
+            self.accepted.labels(tenant, drafter).inc(stats.accepted_sum)
+        h = self.tau.labels(tenant)
+        for tau in stats.tau_history:
+            h.observe(tau)
+
+    # ---- the step loop ----------------------------------------------------------------------------
+    def instrument(self, worker: Any) -> "InstrumentedWorker":
+        return InstrumentedWorker(worker, self)
+
+    def watch(self, step_loop: Any) -> None:
+        """Report the loop's live requests (by level and status) and steps when scraped."""
+        self.registry.register(SchedulerCollector(step_loop))
+        if isinstance(step_loop.worker, InstrumentedWorker):
+            step_loop.worker.is_live = lambda rid: rid in step_loop.state.requests
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class InstrumentedWorker:
+    """The worker with each step timed and counted; every other call passes through.
+
+    Preemptions are counted here because this is where one step's batch meets the next: a
+    request in the previous batch, absent from this one and still live, was preempted."""
+
+    def __init__(self, worker: Any, metrics: GatewayMetrics,
+                 is_live: Callable[[str], bool] | None = None) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.is_live = is_live or (lambda rid: False)
+        self._previous: set[str] = set()
+
+    def step(self, items: Sequence[Any]):
+        ids = {i.request_id for i in items}
+        left_out = sum(1 for rid in self._previous - ids if self.is_live(rid))
+        if left_out:
+            self.metrics.preemptions.inc(left_out)
+        self._previous = ids
+        t0 = time.perf_counter()
+        results = self.worker.step(items)
+        self.metrics.step_duration.observe(time.perf_counter() - t0)
+        self.metrics.batch_size.observe(len(items))
+        return results
+
+    def __getattr__(self, name: str) -> Any:    # prefill, release, context_limit, resident, …
+        return getattr(self.worker, name)
+
+
+class SchedulerCollector:
+    """Gauges read from the loop's state when scraped (a copy of the live set: the loop's thread
+    may change it meanwhile; `dict.copy` of a plain dict is atomic under the GIL)."""
+
+    def __init__(self, step_loop: Any) -> None:
+        self.step_loop = step_loop
+
+    def describe(self) -> Iterable:
+        return []                                   # collected lazily; no names to pre-check
+
+    def collect(self) -> Iterable:
+        live = list(self.step_loop.state.requests.copy().values())
+        depth = GaugeMetricFamily("specgate_queue_depth", "Live requests by scheduler level "
+                                  "and status (queued, running, preempted)", labels=["level", "status"])
+        counts: dict[tuple[str, str], int] = {}
+        perceptible = 0
+        for s in live:
+            key = (str(s.level), s.status.value)
+            counts[key] = counts.get(key, 0) + 1
+            perceptible += bool(s.perceptible)
+        for (level, status), n in sorted(counts.items()):
+            depth.add_metric([level, status], n)
+        yield depth
+        g = GaugeMetricFamily("specgate_perceptible_requests",
+                              "Live requests whose acceptance estimate is stable (LAPS-SD)")
+        g.add_metric([], perceptible)
+        yield g
+        steps = CounterMetricFamily("specgate_steps", "Verification steps run by the loop")
+        steps.add_metric([], self.step_loop.steps)
+        yield steps

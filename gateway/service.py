@@ -1,0 +1,449 @@
+"""The generation service: what REST and gRPC both call. No HTTP in here.
+
+One request, in order:
+    check     the model (404 unknown, 403 not allowed), the fields (400, naming the field);
+    tokenize  prompt or messages (chat template) → ids; the context bounds the prompt (413);
+    limit     the tenant's rate and token limits (429 with Retry-After);
+    submit    to the step loop, with the tenant's priority, weight and speculation policy
+              (a full queue: 429 for the tenant's own queue, 503 for the scheduler's);
+    stream    the loop's events, bridged from its thread into asyncio, through the incremental
+              detokenizer and the stop-string matcher; a stop string ends the request early.
+
+`stream()` admits eagerly: it raises `ApiError` before returning, so a caller can still answer
+with an error status; the iterator it returns yields `StreamChunk`s then one `GenerateOutput`.
+Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+
+from gateway import errors
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.text import IncrementalDetokenizer, StopMatcher
+from scheduler.admission import ADMITTED
+from scheduler.loop import Delta, Finished, StepLoop
+from scheduler.request import Request, RequestStats, Status
+from workers.acceptance import SamplingParams
+from workers.runtime import encode_record
+
+log = logging.getLogger(__name__)
+
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 2.0
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    tenant: Any                         # gateway.tenants.Tenant
+    model: str
+    prompt: str | None = None           # completions
+    messages: list[dict] | None = None  # chat (chat template applied)
+    max_tokens: int | None = None       # None: up to the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    speculation: bool | None = None     # per-request switch (None: tenant default)
+    max_tree_tokens: int | None = None  # per-request cap, bounded by the tenant's
+    user: str | None = None
+    prompt_ids: tuple[int, ...] | None = None   # completions given token ids instead of text
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    drafted: int        # draft tokens verified (tree nodes), rejected ones included
+    accepted: int       # draft tokens the target agreed with
+    steps: int          # verification steps the request was in
+    tau: float          # mean tokens committed per step (accepted + 1)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    text: str                       # new text, safe to show (no stop string, no half character)
+    token_ids: tuple[int, ...]      # tokens committed since the previous chunk
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    speculation: SpecStats
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A request that passed every check and is ready to submit."""
+    request: Request
+    tenant: Any
+    model: str
+    stops: tuple[str, ...]
+
+
+def new_request_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+class GenerationService:
+    def __init__(self, step_loop: StepLoop, tokenizer: Any, *, models: Sequence[str],
+                 limiter: Any | None = None, metrics: GatewayMetrics | None = None,
+                 stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
+                 ready_checks: Sequence[Callable[[], bool]] = (),
+                 request_id: Callable[[str], str] = new_request_id):
+        """`models`: the ids served (the first is the target); `drafters`: the drafter names this
+        deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
+        True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl")."""
+        if not models:
+            raise ValueError("a service needs at least one model id")
+        self.step_loop = step_loop
+        self.tokenizer = tokenizer
+        self.models = list(models)
+        self.limiter = limiter
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.stop_token_ids = tuple(sorted(stop_token_ids))
+        self.drafters = tuple(drafters)
+        self.ready_checks = tuple(ready_checks)
+        self.request_id = request_id
+        self.vocab_size = len(tokenizer)
+        self.started_s = int(time.time())      # the models' "created" time
+
+    # ---- the interface ------------------------------------------------------------------------
+    def ready(self) -> bool:
+        for check in self.ready_checks:
+            try:
+                if not check():
+                    return False
+            except Exception:                          # an unreachable store is "not ready"
+                return False
+        return True
+
+    async def generate(self, inp: GenerateInput) -> GenerateOutput:
+        stream = self.stream(inp)
+        try:
+            async for item in stream:
+                if isinstance(item, GenerateOutput):
+                    if item.finish_reason == "error":
+                        raise ApiError(500, "generation failed; retry the request",
+                                       code="generation_failed")
+                    return item
+        finally:
+            await stream.aclose()
+        raise AssertionError("a stream ends with its GenerateOutput")
+
+    def stream(self, inp: GenerateInput) -> "RequestStream":
+        """Admit the request (raises ApiError) and return its event iterator. Call it on the
+        event loop that will iterate it (the loop's thread posts events there)."""
+        t0 = time.perf_counter()
+        tenant = getattr(inp.tenant, "name", None)
+        if tenant is None:
+            raise errors.unauthorized()
+        try:
+            prep = self._prepare(inp)
+        except ApiError:
+            self.metrics.rejected(tenant)
+            raise
+        grant = self._acquire(prep)
+        try:
+            return self._submit(prep, grant, t0)
+        except BaseException:
+            if self.limiter is not None and grant is not None:
+                self.limiter.release(grant, 0)
+            raise
+
+    # ---- check and tokenize ---------------------------------------------------------------------
+    def _prepare(self, inp: GenerateInput) -> _Prepared:
+        tenant = inp.tenant
+        if inp.model not in self.models:
+            raise errors.unknown_model(inp.model)
+        if not tenant.allows_model(inp.model):
+            raise errors.forbidden_model(inp.model)
+        sampling = _sampling(inp)
+        stops = _stops(inp.stop)
+        if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
+            raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
+                                 "max_tokens")
+        drafter, tree_cap = self._speculation(inp)
+        ids, param, kind = self._tokenize(inp)
+        limit = self.step_loop.worker.context_limit
+        if len(ids) >= limit:
+            raise errors.too_large(f"the prompt has {len(ids)} tokens; this model's context is "
+                                   f"{limit} tokens (prompt and output together)", param,
+                                   code="context_length_exceeded")
+        room = limit - len(ids)
+        max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
+        rid = self.request_id(kind)
+        stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
+                             max_tokens=max_new, priority=int(getattr(tenant, "priority", 0)))
+        req = Request(stats, prompt_ids=list(ids), sampling=sampling,
+                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
+                      max_tree_nodes=tree_cap)
+        return _Prepared(req, tenant, inp.model, stops)
+
+    def _tokenize(self, inp: GenerateInput) -> tuple[list[int], str, str]:
+        given = [k for k in ("prompt", "messages", "prompt_ids") if getattr(inp, k) is not None]
+        if len(given) != 1:
+            raise ApiError(400, "send exactly one of 'prompt' or 'messages'",
+                           param="prompt" if not given else given[1],
+                           code="missing_required_parameter" if not given else "invalid_value")
+        (field,) = given
+        if field == "prompt_ids":
+            ids = list(inp.prompt_ids)
+            if not ids:
+                raise errors.invalid("prompt is empty: at least one token is needed", "prompt")
+            for i, t in enumerate(ids):
+                if not _is_int(t) or not 0 <= t < self.vocab_size:
+                    raise errors.invalid(f"token id {t!r} is outside the vocabulary "
+                                         f"(0 … {self.vocab_size - 1})", f"prompt.{i}")
+            return ids, "prompt", "cmpl"
+        record = {field: getattr(inp, field)}
+        try:
+            ids = encode_record(self.tokenizer, record)
+        except ValueError as exc:
+            raise errors.invalid(str(exc), field) from None
+        if not ids:
+            raise errors.invalid("prompt is empty: at least one token is needed", field)
+        return ids, field, "chatcmpl" if field == "messages" else "cmpl"
+
+    def _speculation(self, inp: GenerateInput) -> tuple[str, int | None]:
+        """(drafter name, tree cap) within the tenant's policy: a request may turn speculation
+        off or shrink its tree, never go past what its tenant allows."""
+        if inp.speculation not in (None, True, False):
+            raise errors.invalid("speculation must be true, false or null", "speculation")
+        cap = inp.max_tree_tokens
+        if cap is not None and (not _is_int(cap) or cap < 0):
+            raise errors.invalid(f"max_tree_tokens must be an integer >= 0, got {cap!r}",
+                                 "speculation.max_tree_tokens")
+        policy = getattr(inp.tenant, "speculation", None)
+        if policy is None:
+            return (self.drafters[0] if self.drafters else "none"), cap
+        drafter = next((d for d in policy.drafters if d in self.drafters), None)
+        if not policy.enabled or inp.speculation is False or drafter is None:
+            return "none", 0
+        tenant_cap = policy.max_tree_tokens
+        cap = tenant_cap if cap is None else min(cap, tenant_cap)
+        return ("none", 0) if cap == 0 else (drafter, cap)
+
+    # ---- limits and admission ----------------------------------------------------------------------
+    def _acquire(self, prep: _Prepared) -> Any:
+        if self.limiter is None:
+            return None
+        from gateway.limits import LimitExceeded
+        s = prep.request.stats
+        try:
+            return self.limiter.acquire(prep.tenant, s.prompt_len + s.max_tokens)
+        except LimitExceeded as exc:
+            self.metrics.refused(s.tenant, str(exc.kind), "rate_limited")
+            raise errors.rate_limited(exc.message, exc.retry_after_s,
+                                      code=f"{exc.kind}_exceeded" if exc.kind else
+                                      "rate_limit_exceeded") from None
+
+    def _submit(self, prep: _Prepared, grant: Any, t0: float) -> "RequestStream":
+        aio = asyncio.get_running_loop()
+        stream = RequestStream(self, prep, grant, aio, t0)
+        self._sync_tenant(prep.tenant)
+        req = prep.request
+        # NOTE: what the loop's submit refuses with ValueError (empty prompt, no room in the
+        # context) was refused above; a ValueError here is a server fault, not the client's.
+        verdict = self.step_loop.submit(req, stream.sink)
+        if verdict is not ADMITTED:
+            tenant = req.stats.tenant
+            if verdict.http_status == 429:
+                self.metrics.refused(tenant, verdict.reason, "queue_full")
+                raise errors.rate_limited("too many requests of this API key are waiting; "
+                                          "retry later", verdict.retry_after_s,
+                                          code="tenant_queue_full")
+            self.metrics.refused(tenant, verdict.reason, "overloaded")
+            raise errors.overloaded(retry_after_s=verdict.retry_after_s, code="queue_full")
+        self.metrics.admitted(req.stats.tenant, req.stats.prompt_len)
+        stream.admitted = True
+        return stream
+
+    def _sync_tenant(self, tenant: Any) -> None:
+        """Bring the scheduler's view of a tenant up to date (tenants change at run time).
+
+        NOTE: these are plain dict writes from the event loop's thread into maps the loop's thread
+        reads; a single dict store is atomic in CPython, and a weight or cap that lags one step is
+        harmless. A `StepLoop.set_tenant` applied at a step boundary would be the tidier home."""
+        name = tenant.name
+        weights = self.step_loop.policy.fairness.weights
+        weight = float(getattr(tenant, "weight", 1.0))
+        if weights.get(name) != weight:
+            weights[name] = weight
+        caps = self.step_loop.admission.limits.per_tenant
+        queued = getattr(tenant, "max_queued", None)
+        if isinstance(caps, dict) and caps.get(name) != queued:
+            if queued is None:
+                caps.pop(name, None)
+            else:
+                caps[name] = queued
+
+
+class RequestStream:
+    """One admitted request's events as an async iterator: `StreamChunk`s, then one
+    `GenerateOutput`. `aclose()` (or dropping it) before the end cancels the request."""
+
+    def __init__(self, service: GenerationService, prep: _Prepared, grant: Any,
+                 aio: asyncio.AbstractEventLoop, t0: float) -> None:
+        self.service = service
+        self.prep = prep
+        self.request_id = prep.request.request_id
+        self.grant = grant
+        self.admitted = False
+        self._aio = aio
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._t0 = t0
+        self._last_t: float | None = None
+        req = prep.request
+        self._detok = IncrementalDetokenizer(service.tokenizer, req.prompt_ids)
+        self._stops = StopMatcher(prep.stops)
+        self._ids: list[int] = []
+        self._pending_ids: list[int] = []
+        self._out: collections.deque = collections.deque()
+        self._ended = False          # the Finished event was handled (or the stream was closed)
+        self._closed = False
+
+    # ---- the loop's thread ----------------------------------------------------------------------
+    def sink(self, event: Delta | Finished) -> None:
+        if isinstance(event, Finished):
+            drafter = self.prep.request.drafter or "default"
+            self.service.metrics.request_stats(event.stats, drafter)
+        if self._closed:
+            return
+        try:
+            self._aio.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:                           # the event loop is gone: nobody listens
+            self._closed = True
+
+    # ---- the consumer's event loop ------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[StreamChunk | GenerateOutput]:
+        return self
+
+    async def __anext__(self) -> StreamChunk | GenerateOutput:
+        while not self._out:
+            if self._ended:
+                raise StopAsyncIteration
+            event = await self._queue.get()
+            if isinstance(event, Delta):
+                self._on_delta(event)
+            else:
+                self._on_finished(event)
+        return self._out.popleft()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening; cancel the request if it has not ended (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.admitted and not self._ended:
+            self._ended = True
+            self.service.step_loop.cancel(self.request_id)
+            self._settle("cancelled")
+
+    def __del__(self) -> None:                         # never iterated nor closed: do not leak it
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _on_delta(self, event: Delta) -> None:
+        if self._stops.stopped:
+            return                                     # committed past a stop string: not shown
+        now = time.perf_counter()
+        tenant = self.prep.request.stats.tenant
+        if self._last_t is None:
+            self.service.metrics.first_token(tenant, now - self._t0)
+        else:
+            self.service.metrics.tokens(tenant, now - self._last_t, len(event.token_ids))
+        self._last_t = now
+        self._ids.extend(event.token_ids)
+        self._pending_ids.extend(event.token_ids)
+        text, stopped = self._stops.push(self._detok.push(event.token_ids))
+        if stopped:
+            self.service.step_loop.cancel(self.request_id, status=Status.FINISHED,
+                                          cause="stop_string")
+        self._emit(text)
+
+    def _on_finished(self, event: Finished) -> None:
+        text = ""
+        if not self._stops.stopped:
+            text, _ = self._stops.push(self._detok.flush())
+            text += self._stops.flush()
+        self._emit(text)
+        s = event.stats
+        reason = "stop" if self._stops.stopped else (event.finish_reason or "error")
+        if event.status is Status.FAILED:
+            log.warning("request %s failed: %s", self.request_id, event.error)
+            reason = "error"
+        spec = SpecStats(drafted=max(0, s.attained - s.n_steps), accepted=s.accepted_sum,
+                         steps=s.n_steps, tau=(s.tau_sum / s.n_steps) if s.n_steps else 0.0)
+        self._ended = True
+        self._settle({"stop": "finished", "length": "finished", "abort": "cancelled"}
+                     .get(reason, "failed"))
+        self._out.append(GenerateOutput(
+            self.request_id, self._stops.text, tuple(self._ids), reason,
+            self.prep.request.stats.prompt_len, len(self._ids), spec))
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self._out.append(StreamChunk(text, tuple(self._pending_ids)))
+            self._pending_ids.clear()
+
+    def _settle(self, status: str) -> None:
+        s = self.prep.request.stats
+        if self.service.limiter is not None and self.grant is not None:
+            try:
+                self.service.limiter.release(self.grant, s.prompt_len + len(self._ids))
+            except Exception:
+                log.exception("limiter release failed for %s", self.request_id)
+            self.grant = None
+        self.service.metrics.done(s.tenant, status, time.perf_counter() - self._t0, len(self._ids))
+
+
+# ---- field checks (pure) -------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def _sampling(inp: GenerateInput) -> SamplingParams:
+    t, p, k = inp.temperature, inp.top_p, inp.top_k
+    if not _is_number(t) or not 0 <= t <= MAX_TEMPERATURE:
+        raise errors.invalid(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}",
+                             "temperature")
+    if not _is_number(p) or not 0 < p <= 1:
+        raise errors.invalid(f"top_p must be a number in (0, 1], got {p!r}", "top_p")
+    if not _is_int(k) or k < 0:
+        raise errors.invalid(f"top_k must be an integer >= 0 (0: off), got {k!r}", "top_k")
+    seed = inp.seed
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise errors.invalid("seed must be a 64-bit integer", "seed")
+    return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOPS:
+        raise errors.invalid(f"at most {MAX_STOPS} stop strings, got {len(stops)}", "stop")
+    for s in stops:
+        if not isinstance(s, str) or len(s) > MAX_STOP_CHARS:
+            raise errors.invalid(f"each stop string must be a string of at most "
+                                 f"{MAX_STOP_CHARS} characters", "stop")
+    return tuple(s for s in stops if s)

@@ -1,0 +1,63 @@
+"""Gateway settings: defaults, then `SPECGATE_*` environment variables, then command-line flags.
+
+    SPECGATE_PORT=9000 SPECGATE_POLICY=fcfs specgate serve --redis-url redis://localhost:6379/0
+
+Built once at start-up and passed in (`build_app(settings, …)`); nothing reads the environment
+later, and there is no module-level instance.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_MODEL = "smollm2-135m"      # = workers.loader.DEFAULT_MODEL (not imported: no torch here)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="ignore", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model: str = DEFAULT_MODEL                 # built-in name, HF directory or .gguf file
+    served_model_name: str | None = None       # the id clients send; default: `model`
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    tenants_file: Path | None = None
+    redis_url: str | None = None               # scheduler state, tenants and rate limits
+    store_prefix: str = "specgate:"
+    admin_key: SecretStr | None = None         # added to the tenants file's admin keys
+    policy: Literal["laps", "fcfs", "sjf", "las"] = "laps"
+    drafters: str = "ngram"                    # comma-separated; the first is the default
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    # the scheduler
+    max_batch: int = Field(8, ge=1)
+    token_budget: int = Field(64, ge=1)        # per step: Σ (1 root + tree nodes)
+    max_tree_nodes: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
+    max_resident: int = Field(32, ge=1)        # requests holding KV at once
+    max_live: int = Field(4096, ge=1)          # queued + running: more is 503
+    max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
+    # HTTP
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # testing and gateway benchmarks: no model, the scheduler's fake worker
+    fake_worker: bool = False
+    fake_step_ms: float = Field(0.0, ge=0)     # sleep per fake step (a stand-in step cost)
+    fake_context: int = Field(4096, ge=2)
+
+    @field_validator("drafters")
+    @classmethod
+    def _drafters(cls, v: str) -> str:
+        names = [d.strip() for d in v.split(",") if d.strip()]
+        if not names:
+            raise ValueError("name at least one drafter (e.g. 'ngram', or 'none')")
+        return ",".join(names)
+
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        return tuple(self.drafters.split(","))
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,188 @@
+"""Text out of token ids, as they stream: incremental detokenization and stop strings. Pure.
+
+A step commits τ ≥ 1 tokens at once, and neither a token nor a step boundary is a text boundary:
+a byte-level BPE token may hold half of a UTF-8 character, and a stop string may span tokens and
+steps. Two small state machines turn the token stream into text a client may see:
+
+    token ids ──IncrementalDetokenizer──▶ new text ──StopMatcher──▶ text safe to send (+ stopped?)
+
+`ToyTokenizer` is a stand-in tokenizer for the fake worker (tests, gateway benchmarks): the same
+calls as a Hugging Face tokenizer, no files, no model.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+REPLACEMENT = "\ufffd"      # what decode() gives for an incomplete UTF-8 sequence
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text chunk by chunk, never splitting a character.
+
+    The text of a span of tokens depends on its neighbours (a leading space, a multi-byte
+    character split over two tokens), so each push decodes a short window: from `prefix_offset`
+    (the start of the last text already emitted) to the end, and emits what it adds to the text of
+    `prefix_offset:read_offset`. An incomplete character at the end (U+FFFD) is held until the
+    next token completes it; the text before it goes out at once.
+    A few prompt tokens seed the window, so the first output token decodes in context.
+
+    >>> tok = ToyTokenizer()
+    >>> d = IncrementalDetokenizer(tok)
+    >>> d.push(tok.encode("Hi")), d.push(tok.encode(" there")), d.flush()
+    ('Hi', ' there', '')
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, context: int = 5,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self._sent = 0                    # characters after the prefix's text already emitted
+        self.text = ""                    # everything emitted so far
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add committed tokens; returns the new text that is complete (maybe "")."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+        if new.endswith(REPLACEMENT):
+            # An incomplete character at the end: release what comes before it, keep the window.
+            return self._emit(new.rstrip(REPLACEMENT))
+        out = self._emit(new)
+        self.prefix_offset, self.read_offset, self._sent = self.read_offset, len(self.ids), 0
+        return out
+
+    def flush(self) -> str:
+        """The text still held at the end (an incomplete character decodes as U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        out = self._emit(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self._sent = 0
+        return out
+
+    def _emit(self, window_text: str) -> str:
+        """`window_text` = all text after the prefix so far; returns the part not yet sent."""
+        out = window_text[self._sent:] if len(window_text) > self._sent else ""
+        self._sent = max(self._sent, len(window_text))
+        self.text += out
+        return out
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+
+class StopMatcher:
+    """Cuts generated text before the first stop string and never lets any of it out.
+
+    While streaming, text that could be the start of a stop string is held back until the next
+    text proves it is not (or completes the stop string).
+
+    >>> m = StopMatcher(["\\n\\n", "END"])
+    >>> m.push("one\\n"), m.push("two E"), m.push("ND three")
+    (('one', False), ('\\ntwo ', False), ('', True))
+    >>> m.text
+    'one\\ntwo '
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._longest = max((len(s) for s in self.stops), default=0)
+        self.held = ""
+        self.text = ""                    # everything released so far
+        self.stopped = False
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add new text; returns (text safe to release now, whether a stop string was seen)."""
+        if self.stopped:
+            return "", True
+        buf = self.held + text
+        cut = self._first_stop(buf)
+        if cut >= 0:
+            self.held, self.stopped = "", True
+            return self._release(buf[:cut]), True
+        keep = self._partial_suffix(buf)
+        self.held = buf[len(buf) - keep:] if keep else ""
+        return self._release(buf[:len(buf) - keep]), False
+
+    def flush(self) -> str:
+        """At the end of generation (no stop string came): release what was held."""
+        out, self.held = ("" if self.stopped else self.held), ""
+        return self._release(out)
+
+    def _first_stop(self, buf: str) -> int:
+        """Where the stop string that completes first starts (-1: none). Completes first, not
+        starts first: a generation stops as soon as one is complete, so the answer must not
+        depend on how the text was split ("aba" with stops "b" and "aba" gives "a")."""
+        best = None
+        for s in self.stops:
+            i = buf.find(s)
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best = (i + len(s), i)
+        return -1 if best is None else best[1]
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of `buf` that is a proper prefix of some stop string."""
+        for k in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def _release(self, text: str) -> str:
+        self.text += text
+        return text
+
+
+class ToyTokenizer:
+    """A stand-in tokenizer for the fake worker: no files, deterministic, ids 0 … 999.
+
+    Ids 0, 1, 2 are pad, bos and eos (special: skipped when decoding); 3 … 98 are the printable
+    ASCII characters and the newline (so any ASCII text round-trips); 99 … 999 are short words
+    with a leading space, which is what the fake worker's output mostly decodes to. Characters
+    outside ASCII encode as "?".
+    """
+
+    vocab_size = 1000
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    all_special_ids = [0, 1, 2]
+    _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+    _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+    def __init__(self) -> None:
+        words = [" " + c + v + c2 for c in self._CONSONANTS for v in self._VOWELS
+                 for c2 in ("", "n", "s", "t", "r")]
+        self._pieces = ["", "", ""] + list(self._CHARS)
+        self._pieces += words[:self.vocab_size - len(self._pieces)]
+        self._pieces += [f" w{i}" for i in range(self.vocab_size - len(self._pieces))]
+        self._char_id = {ch: 3 + i for i, ch in enumerate(self._CHARS)}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        unknown = self._char_id["?"]
+        return [self._char_id.get(ch, unknown) for ch in text]
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        special = {"0": "<pad>", "1": "<s>", "2": "</s>"}
+        out = []
+        for i in ids:
+            i = int(i)
+            if i < 3:
+                if not skip_special_tokens:
+                    out.append(special[str(i)])
+            else:
+                out.append(self._pieces[i])
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")

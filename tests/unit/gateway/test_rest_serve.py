@@ -1,0 +1,97 @@
+"""`specgate serve`'s assembly without a model: settings precedence (flags over SPECGATE_* over
+defaults), start-up checks, the dev tenant and admin keys, and the embedded gateway over a real
+Redis (tenants, limits and scheduler state shared, requests recovered after a restart)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import httpx
+import pytest
+
+from gateway import serve_cmd
+from gateway.serve_cmd import background_server, build_embedded
+from gateway.service import GenerateInput
+from gateway.settings import Settings
+from gateway.tenants import Tenant
+from scheduler.request import Status
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve_cmd.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_flags_override_the_environment_which_overrides_defaults(monkeypatch):
+    monkeypatch.setenv("SPECGATE_POLICY", "fcfs")
+    monkeypatch.setenv("SPECGATE_PORT", "9001")
+    monkeypatch.setenv("SPECGATE_DRAFTERS", "ngram, none")
+    s = serve_cmd.settings_from_args(parse(["--port", "9002", "--fake-worker"]))
+    assert (s.policy, s.port, s.drafter_names, s.fake_worker) == ("fcfs", 9002, ("ngram", "none"), True)
+    assert (s.host, s.model, s.grpc_port, s.redis_url) == ("127.0.0.1", "smollm2-135m", None, None)
+    s = serve_cmd.settings_from_args(parse(["--policy", "las", "--grpc-port", "0",
+                                            "--redis-url", "redis://h:1/0", "--tenants", "t.yaml"]))
+    assert (s.policy, s.grpc_port, s.redis_url, str(s.tenants_file)) == ("las", 0, "redis://h:1/0", "t.yaml")
+
+
+def test_bad_settings_are_refused_before_anything_loads(monkeypatch):
+    with pytest.raises(SystemExit):
+        parse(["--policy", "random"])
+    with pytest.raises(ValueError, match="unknown drafter 'medusa'"):
+        build_embedded(Settings(fake_worker=True, drafters="ngram,medusa"))
+    monkeypatch.setenv("SPECGATE_PORT", "not-a-port")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+def test_a_fresh_store_gets_a_dev_tenant_and_an_admin_key():
+    emb = build_embedded(Settings(fake_worker=True))
+    assert emb.dev_key and emb.admin_key
+    assert emb.tenants.authenticate(emb.dev_key).name == "dev"
+    assert emb.tenants.is_admin(emb.admin_key)
+    given = build_embedded(Settings(fake_worker=True, admin_key="sk-mine"))
+    assert given.admin_key is None and given.tenants.is_admin("sk-mine")
+
+
+def test_the_hidden_fake_worker_flags_stay_out_of_help(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = capsys.readouterr().out
+    assert "--redis-url" in out and "--fake-worker" not in out
+
+
+def test_redis_backed_gateway_shares_tenants_and_recovers_requests(redis_url, redis_prefix):
+    settings = Settings(fake_worker=True, redis_url=redis_url, store_prefix=redis_prefix)
+    first = build_embedded(settings)
+    first.tenants.put(Tenant("acme"), ["sk-acme"])
+
+    async def admit_one():
+        # Admitted (persisted) but never stepped: the loop is not started.
+        stream = first.service.stream(GenerateInput(Tenant("acme"), "smollm2-135m",
+                                                    prompt="left behind", max_tokens=20))
+        stream.close = lambda: None                    # the "crash": nobody cancels it
+        return stream.request_id
+
+    rid = asyncio.run(admit_one())
+    # A second gateway over the same Redis: same tenants, and the request is taken over.
+    second = build_embedded(settings)
+    assert second.dev_key is None                      # the store already has tenants
+    assert second.recovered == [rid]
+    assert second.tenants.authenticate("sk-acme").name == "acme"
+    second.start()
+    try:
+        with background_server(second.app) as url:
+            assert httpx.get(url + "/ready").status_code == 200
+            r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer sk-acme"},
+                           json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        for _ in range(500):
+            rec = second.step_loop.store.get(rid)
+            if rec.stats.status is Status.FINISHED:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert rec.stats.status is Status.FINISHED and len(rec.output_ids) == 20
+    finally:
+        second.stop()
+        first.step_loop.store.close()

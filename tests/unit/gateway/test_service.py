@@ -1,0 +1,267 @@
+"""GenerationService over a real step loop and the fake worker (no HTTP): text and stop strings,
+cancellation freeing KV, the tenant's speculation policy, limits, queues, and field checks."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from gateway.errors import ApiError
+from gateway.limits import Limiter
+from gateway.serve_cmd import PacedFakeWorker
+from gateway.service import GenerateInput, GenerateOutput, GenerationService, StreamChunk
+from gateway.tenants import SpeculationPolicy, Tenant
+from gateway.text import ToyTokenizer
+from scheduler.admission import AdmissionControl, AdmissionLimits
+from scheduler.fake_worker import token_at
+from scheduler.loop import StepLoop
+from scheduler.policies import make_policy
+
+TOK = ToyTokenizer()
+MODEL = "toy"
+
+
+def truth_text(rid: str, n: int) -> str:
+    return TOK.decode([token_at(rid, p) for p in range(n)], skip_special_tokens=True)
+
+
+class Rig:
+    """A started step loop over a (paced) fake worker, and a service over it."""
+
+    def __init__(self, *, step_s: float = 0.0, context: int = 256, limiter=None, max_batch: int = 4,
+                 admission: AdmissionLimits | None = None, alpha: float = 0.6):
+        self.worker = PacedFakeWorker(step_s, alpha=alpha, context_limit=context)
+        self.calls = []
+        real_step = self.worker.step
+
+        def spy(items):
+            self.calls.extend(items)
+            return real_step(items)
+
+        self.worker.step = spy
+        policy = make_policy("fcfs", max_batch=max_batch, token_budget=64, aging_bound_s=None)
+        self.loop = StepLoop(policy, self.worker, admission=AdmissionControl(admission or AdmissionLimits()),
+                             max_resident=max(8, max_batch))
+        counter = itertools.count()
+        self.service = GenerationService(self.loop, TOK, models=[MODEL], limiter=limiter,
+                                         drafters=("ngram",),
+                                         request_id=lambda kind: f"{kind}-{next(counter)}")
+        self.loop.start()
+
+    def close(self):
+        self.loop.stop()
+
+    def wait_gone(self, rid: str, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while rid in self.worker.resident() or rid in self.loop.state.requests:
+            assert time.monotonic() < deadline, f"{rid} still live"
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    r.close()
+
+
+def inp(tenant=None, **kw) -> GenerateInput:
+    kw.setdefault("prompt", "Hello there")
+    kw.setdefault("max_tokens", 12)
+    return GenerateInput(tenant=tenant or Tenant("t"), model=kw.pop("model", MODEL), **kw)
+
+
+async def collect(service, i: GenerateInput):
+    chunks, out = [], None
+    stream = service.stream(i)
+    async for item in stream:
+        if isinstance(item, StreamChunk):
+            chunks.append(item)
+        else:
+            out = item
+    return chunks, out
+
+
+def test_generate_returns_the_workers_tokens_as_text_with_usage_and_stats(rig):
+    out = asyncio.run(rig.service.generate(inp(max_tokens=20)))
+    assert out.request_id == "cmpl-0"
+    assert out.token_ids == tuple(token_at("cmpl-0", p) for p in range(20))
+    assert out.text == truth_text("cmpl-0", 20)
+    assert (out.finish_reason, out.prompt_tokens, out.completion_tokens) == ("length", 11, 20)
+    s = out.speculation
+    assert s.steps >= 1 and 0 <= s.accepted <= s.drafted and s.tau == pytest.approx(20 / s.steps)
+
+
+def test_stream_chunks_add_up_to_the_output(rig):
+    chunks, out = asyncio.run(collect(rig.service, inp(max_tokens=30)))
+    assert "".join(c.text for c in chunks) == out.text
+    assert sum((c.token_ids for c in chunks), ()) == out.token_ids
+    assert isinstance(out, GenerateOutput)
+
+
+@pytest.mark.parametrize("start,length", [(0, 3), (4, 9), (7, 12)])
+def test_a_stop_string_is_never_emitted_and_ends_the_request(rig, start, length):
+    # The fake worker's text for the next request id is known: pick a stop string that spans
+    # token boundaries and see it cut, streamed or not.
+    full = truth_text("cmpl-0", 40)
+    stop = full[start:start + length]
+    assert len(stop) == length
+    chunks, out = asyncio.run(collect(rig.service, inp(max_tokens=40, stop=(stop, "never-there"))))
+    assert out.finish_reason == "stop"
+    assert out.text == full[:full.find(stop)]
+    assert "".join(c.text for c in chunks) == out.text
+    assert out.completion_tokens < 40
+    rig.wait_gone("cmpl-0")
+
+
+def test_closing_a_stream_cancels_the_request_and_frees_its_kv():
+    rig = Rig(step_s=0.01, context=100_000)
+    try:
+        async def go():
+            stream = rig.service.stream(inp(max_tokens=50_000))
+            first = await stream.__anext__()
+            assert isinstance(first, StreamChunk)
+            assert stream.request_id in rig.worker.resident()
+            await stream.aclose()
+            return stream.request_id
+
+        rid = asyncio.run(go())
+        rig.wait_gone(rid)
+        assert rig.loop.store.get(rid).stats.status.value == "cancelled"
+    finally:
+        rig.close()
+
+
+def test_tenant_speculation_policy_bounds_the_request():
+    rig = Rig(alpha=0.9)
+    try:
+        off = Tenant("off", speculation=SpeculationPolicy(enabled=False))
+        capped = Tenant("capped", speculation=SpeculationPolicy(max_tree_tokens=2))
+        asyncio.run(rig.service.generate(inp(off, max_tokens=20, speculation=True)))
+        asyncio.run(rig.service.generate(inp(capped, max_tokens=20, max_tree_tokens=50)))
+        asyncio.run(rig.service.generate(inp(Tenant("t"), max_tokens=20, speculation=False)))
+        asyncio.run(rig.service.generate(inp(Tenant("t"), max_tokens=20, max_tree_tokens=1)))
+        by_id = {}
+        for item in rig.calls:
+            by_id.setdefault(item.request_id, []).append(item.budget)
+        assert all(not b.speculates for b in by_id["cmpl-0"])           # tenant: off
+        assert all(b.max_nodes <= 2 for b in by_id["cmpl-1"])           # tenant cap wins
+        assert all(not b.speculates for b in by_id["cmpl-2"])           # request: off
+        assert all(b.max_nodes <= 1 for b in by_id["cmpl-3"])           # request cap wins
+        assert rig.loop.policy.fairness.weights["t"] == 1.0
+    finally:
+        rig.close()
+
+
+def test_tenant_priority_and_weight_reach_the_scheduler(rig):
+    t = Tenant("gold", weight=3.0, priority=1, max_queued=7)
+    out = asyncio.run(rig.service.generate(inp(t)))
+    assert rig.loop.store.get(out.request_id).stats.priority == 1
+    assert rig.loop.policy.fairness.weights["gold"] == 3.0
+    assert rig.loop.admission.limits.per_tenant["gold"] == 7
+
+
+def test_chat_messages_go_through_the_chat_template(rig):
+    msgs = [{"role": "user", "content": "hi"}]
+    out = asyncio.run(rig.service.generate(inp(prompt=None, messages=msgs, max_tokens=3)))
+    assert out.request_id.startswith("chatcmpl-")
+    assert out.prompt_tokens == len(TOK.apply_chat_template(msgs))
+
+
+@pytest.mark.parametrize("fields,status,param", [
+    ({"model": "other"}, 404, "model"),
+    ({"temperature": 3.0}, 400, "temperature"),
+    ({"temperature": float("nan")}, 400, "temperature"),
+    ({"top_p": 0.0}, 400, "top_p"),
+    ({"top_k": -2}, 400, "top_k"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"seed": 2**70}, 400, "seed"),
+    ({"stop": ("x",) * 17}, 400, "stop"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": None}, 400, "prompt"),
+    ({"messages": [{"role": "user", "content": "x"}]}, 400, "messages"),
+    ({"prompt": None, "messages": []}, 400, "messages"),
+    ({"prompt": None, "prompt_ids": (5, 1000)}, 400, "prompt.1"),
+    ({"prompt": "x" * 300}, 413, "prompt"),
+    ({"max_tree_tokens": -1}, 400, "speculation.max_tree_tokens"),
+])
+def test_invalid_inputs_are_refused_naming_the_field(rig, fields, status, param):
+    with pytest.raises(ApiError) as e:
+        asyncio.run(collect(rig.service, inp(**fields)))
+    assert (e.value.status, e.value.param) == (status, param)
+    assert not rig.loop.state.requests
+
+
+def test_a_model_the_tenant_may_not_use_is_403(rig):
+    with pytest.raises(ApiError) as e:
+        asyncio.run(rig.service.generate(inp(Tenant("t", models=("llama-*",)))))
+    assert (e.value.status, e.value.code) == (403, "model_not_allowed")
+
+
+def test_max_tokens_beyond_the_context_is_capped_by_it():
+    rig = Rig(context=40)
+    try:
+        out = asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=1000)))
+        assert (out.completion_tokens, out.finish_reason) == (10, "length")
+        out = asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=None)))
+        assert out.completion_tokens == 10
+    finally:
+        rig.close()
+
+
+def test_rate_limits_refuse_with_429_and_retry_after_and_release_their_tokens():
+    limiter = Limiter()
+    rig = Rig(limiter=limiter)
+    try:
+        t = Tenant("t", rpm=2, tpm=1000)
+        asyncio.run(rig.service.generate(inp(t)))
+        asyncio.run(rig.service.generate(inp(t)))
+        with pytest.raises(ApiError) as e:
+            asyncio.run(rig.service.generate(inp(t)))
+        assert (e.value.status, e.value.code) == (429, "rpm_exceeded")
+        assert e.value.retry_after_s > 0 and "Retry-After" in e.value.headers()
+        # tokens reserved (prompt + max_tokens) are corrected to what was used
+        # (ids: cmpl-0, 1 served, cmpl-2 refused). Each request reserves 11 + 150 tokens; a stop
+        # string at the start ends it after ~12 tokens used. Without the refund the second would
+        # be refused (2 × 161 > 200); with it, three fit (the next needs 161 tokens of headroom).
+        big = Tenant("big", tpm=200)
+        for i in range(3, 6):
+            out = asyncio.run(rig.service.generate(
+                inp(big, max_tokens=150, stop=(truth_text(f"cmpl-{i}", 2),))))
+            assert out.finish_reason == "stop" and out.text == ""
+    finally:
+        rig.close()
+
+
+def test_full_queues_refuse_429_for_the_tenant_and_503_for_everyone():
+    rig = Rig(step_s=0.01, context=100_000,
+              admission=AdmissionLimits(max_live=3, max_live_per_tenant=2))
+    try:
+        async def go():
+            a1 = rig.service.stream(inp(Tenant("a"), max_tokens=10_000))
+            a2 = rig.service.stream(inp(Tenant("a"), max_tokens=10_000))
+            with pytest.raises(ApiError) as e:
+                rig.service.stream(inp(Tenant("a")))
+            assert (e.value.status, e.value.code) == (429, "tenant_queue_full")
+            assert e.value.retry_after_s is not None
+            b1 = rig.service.stream(inp(Tenant("b"), max_tokens=10_000))
+            with pytest.raises(ApiError) as e:
+                rig.service.stream(inp(Tenant("c")))
+            assert (e.value.status, e.value.code) == (503, "queue_full")
+            assert e.value.retry_after_s is not None
+            for s in (a1, a2, b1):
+                await s.aclose()
+            return [s.request_id for s in (a1, a2, b1)]
+
+        for rid in asyncio.run(go()):
+            rig.wait_gone(rid)
+    finally:
+        rig.close()
+
+
+def test_ready_reflects_every_check(rig):
+    assert rig.service.ready()
+    svc = GenerationService(rig.loop, TOK, models=[MODEL], ready_checks=[lambda: True, lambda: 1 / 0])
+    assert not svc.ready()
