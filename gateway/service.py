@@ -271,23 +271,9 @@ class GenerationService:
         return stream
 
     def _sync_tenant(self, tenant: Any) -> None:
-        """Bring the scheduler's view of a tenant up to date (tenants change at run time).
-
-        NOTE: these are plain dict writes from the event loop's thread into maps the loop's thread
-        reads; a single dict store is atomic in CPython, and a weight or cap that lags one step is
-        harmless. A `StepLoop.set_tenant` applied at a step boundary would be the tidier home."""
-        name = tenant.name
-        weights = self.step_loop.policy.fairness.weights
-        weight = float(getattr(tenant, "weight", 1.0))
-        if weights.get(name) != weight:
-            weights[name] = weight
-        caps = self.step_loop.admission.limits.per_tenant
-        queued = getattr(tenant, "max_queued", None)
-        if isinstance(caps, dict) and caps.get(name) != queued:
-            if queued is None:
-                caps.pop(name, None)
-            else:
-                caps[name] = queued
+        """Bring the scheduler's view of a tenant up to date (tenants change at run time)."""
+        self.step_loop.set_tenant(tenant.name, weight=float(getattr(tenant, "weight", 1.0)),
+                                  max_queued=getattr(tenant, "max_queued", None))
 
 
 class RequestStream:

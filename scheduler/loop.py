@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
@@ -95,7 +95,8 @@ class StepLoop:
         self._resident: dict[str, None] = {}           # ids with KV, least recently served first
         self._finish_times: collections.deque = collections.deque(maxlen=64)
         self._inbox: collections.deque = collections.deque()
-        self._lock = threading.Lock()                  # admission counts and sinks
+        self._lock = threading.Lock()                  # admission counts and limits, sinks
+        self._tenant_caps: dict[str, int] = dict(self.admission.limits.per_tenant)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,6 +139,22 @@ class StepLoop:
             raise ValueError(f"{status} is not a terminal state")
         self._inbox.append(("cancel", request_id, status, cause))
         self._wake.set()
+
+    def set_tenant(self, tenant: str, *, weight: float, max_queued: int | None) -> None:
+        """A tenant's fair-share weight and live-request cap, as they are now (tenants change at
+        run time). The cap holds from the next `submit`; the weight from the next step."""
+        if weight <= 0:
+            raise ValueError("tenant weights must be > 0")
+        with self._lock:
+            caps = self._tenant_caps
+            if caps.get(tenant) != max_queued:
+                if max_queued is None:
+                    caps.pop(tenant, None)
+                else:
+                    caps[tenant] = max_queued
+                self.admission.limits = replace(self.admission.limits, per_tenant=dict(caps))
+        if self.policy.fairness.weights.get(tenant) != weight:
+            self._inbox.append(("tenant", tenant, weight))
 
     def attach(self, request_id: str, sink: Sink) -> None:
         """Follow a request from now on (e.g. a recovered one): only tokens committed after this."""
@@ -281,7 +298,9 @@ class StepLoop:
     def _apply_inbox(self) -> None:
         while self._inbox:
             msg = self._inbox.popleft()
-            if msg[0] == "submit":
+            if msg[0] == "tenant":
+                self.policy.fairness.weights[msg[1]] = msg[2]
+            elif msg[0] == "submit":
                 req = msg[1]
                 rid = req.request_id
                 self._requests[rid] = req
