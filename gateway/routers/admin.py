@@ -22,7 +22,8 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse
 
 from gateway.errors import ApiError, invalid, unauthorized
-from gateway.tenants import TenantRegistry, TenantsConfigError, parse_tenant, tenant_to_dict
+from gateway.tenant_config import TenantsConfigError, parse_tenant
+from gateway.tenants import TenantRegistry, tenant_to_dict
 
 
 def get_registry(request: Request) -> TenantRegistry:

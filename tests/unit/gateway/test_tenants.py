@@ -8,9 +8,8 @@ import textwrap
 import pytest
 import redis
 
-from gateway.tenants import (SpeculationPolicy, Tenant, TenantRegistry, TenantsConfigError,
-                             hash_key, load_tenants_file, parse_tenant,
-                             parse_tenants)
+from gateway.tenant_config import TenantsConfigError, load_tenants_file, parse_tenant, parse_tenants
+from gateway.tenants import SpeculationPolicy, Tenant, TenantRegistry, hash_key
 
 EXAMPLE = {
     "tenants": [
