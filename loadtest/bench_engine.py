@@ -27,7 +27,7 @@ from workers.verifier import StepTimings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", required=True, choices=WORKLOADS)
+    p.add_argument("--workload", choices=WORKLOADS, help="single stream: the prompt set (required)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=8, help="prompts to run (0 = all)")
@@ -35,13 +35,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_BUDGET.max_nodes)
     p.add_argument("--tree-depth", type=int, default=DEFAULT_BUDGET.max_depth)
     p.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="N > 1: N concurrent streams on a mixed workload (all workloads) instead")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
-    report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
-                          drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
-                          prompt_lookup=args.prompt_lookup)
+    if args.concurrency < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.concurrency > 1:
+        from loadtest.bench_batched import bench_concurrency
+        report = bench_concurrency(args.concurrency, model=args.model, max_tokens=args.max_tokens,
+                                   drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth))
+    else:
+        if args.workload is None:
+            raise ValueError("--workload is needed for a single-stream run")
+        report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
+                              drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
+                              prompt_lookup=args.prompt_lookup)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
