@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from loadtest import bench_engine
     bench_engine.add_arguments(bench.add_parser("engine", help="specgate vs transformers on one workload"))
+    from loadtest import bench_gateway
+    bench_gateway.add_arguments(bench.add_parser(
+        "gateway", help="added latency and requests/s of the HTTP gateway over the step loop (fake worker)"))
     from scheduler import bench_plan
     bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
 
@@ -56,6 +59,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "engine":
         from loadtest import bench_engine
         return bench_engine.run(args)
+    if args.command == "bench" and args.bench_command == "gateway":
+        from loadtest import bench_gateway
+        return bench_gateway.run(args)
     if args.command == "bench" and args.bench_command == "plan":
         from scheduler import bench_plan
         return bench_plan.run(args)

@@ -185,20 +185,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: dev tenant API key: {emb.dev_key}", file=sys.stderr)
     if emb.admin_key:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
+    import uvicorn
+
+    config = uvicorn.Config(emb.app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level, lifespan="off")
     emb.start()
     try:
-        asyncio.run(_serve(emb))
+        _run_on(config.get_loop_factory(), _serve(emb, uvicorn.Server(config)))
     finally:
         emb.stop()
     return 0
 
 
-async def _serve(emb: Embedded) -> None:
-    import uvicorn
+def _run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, main: Any) -> None:
+    """`asyncio.run(main)` on uvicorn's choice of event loop ("auto": uvloop when installed), the
+    one `uvicorn.run` and `background_server` use; gRPC shares it. Python 3.10 has no
+    `asyncio.Runner`: the default loop there."""
+    if loop_factory is None or not hasattr(asyncio, "Runner"):
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(main)
 
+
+async def _serve(emb: Embedded, server: Any) -> None:
     s = emb.settings
-    server = uvicorn.Server(uvicorn.Config(emb.app, host=s.host, port=s.port,
-                                           log_level=s.log_level, lifespan="off"))
     grpc = None
     if s.grpc_port is not None:
         from gateway.grpc_server import start_grpc_server

@@ -64,7 +64,8 @@ class Tenant:
 
     def allows_model(self, model: str) -> bool:
         """fnmatch patterns, case-sensitive: "*" allows every model, "llama-*" a family."""
-        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+        # "*" short-cut: fnmatch on every request was ~5% of the event loop in bench gateway.
+        return "*" in self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
 
 
 def tenant_to_dict(t: Tenant) -> dict[str, Any]:
