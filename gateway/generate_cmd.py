@@ -9,7 +9,7 @@ from pathlib import Path
 
 from workers.acceptance import SamplingParams
 from workers.drafters.base import TreeBudget
-from workers.drafters.registry import create_drafter, drafter_names
+from workers.drafters.registry import create_drafter, drafter_names, is_drafter_name
 from workers.engine import Engine, GenerationRequest
 from workers.loader import DEFAULT_MODEL
 from workers.runtime import encode_record, load_runtime
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.drafter not in drafter_names():
+    if not is_drafter_name(args.drafter):
         raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(drafter_names())}")
     budget = TreeBudget(args.tree_nodes, args.tree_depth)
     rt = load_runtime(args.model, dtype=args.dtype)

@@ -154,9 +154,9 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
 
 def _target(settings: Settings, progress: bool, runtime: Any = None):
     """(tokenizer, worker, stop token ids, policy step-cost model) for the settings."""
-    from workers.drafters.registry import drafter_names
+    from workers.drafters.registry import drafter_names, is_drafter_name
 
-    unknown = [d for d in settings.drafter_names if d not in drafter_names()]
+    unknown = [d for d in settings.drafter_names if not is_drafter_name(d)]
     if unknown:
         raise ValueError(f"unknown drafter {unknown[0]!r}; available: {', '.join(drafter_names())}")
     if settings.fake_worker:

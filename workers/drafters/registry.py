@@ -3,6 +3,11 @@
 ``create_drafter("ngram", max_ngram=3)`` builds a drafter from the default registry (the built-ins
 plus anything added with ``register_drafter``). A ``Registry`` can also be built on its own, e.g. one
 per deployment or per test, so that registrations do not leak between them.
+
+``merge:a+b`` names the merge of registered drafters ``a`` and ``b`` (``workers.drafters.merge``);
+options go to each part by name: ``create_drafter("merge:ngram+suffix", suffix={"min_prob": 0.2})``.
+``names()`` lists the registered drafters plus the merges in ``LISTED_MERGES`` whose parts are
+registered; ``knows(name)`` accepts any valid merge.
 """
 
 from __future__ import annotations
@@ -10,9 +15,12 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from workers.drafters.base import Drafter, NoneDrafter
+from workers.drafters.merge import MergeDrafter
 from workers.drafters.ngram import NgramDrafter
+from workers.drafters.suffix import SuffixDrafter
 
-__all__ = ["DrafterFactory", "BUILTIN_DRAFTERS", "Registry", "register_drafter", "create_drafter", "drafter_names"]
+__all__ = ["DrafterFactory", "BUILTIN_DRAFTERS", "LISTED_MERGES", "MERGE_PREFIX", "Registry", "register_drafter",
+           "create_drafter", "drafter_names", "is_drafter_name"]
 
 DrafterFactory = Callable[..., Drafter]
 
@@ -25,7 +33,12 @@ def _ngram(**options) -> NgramDrafter:
 BUILTIN_DRAFTERS: Mapping[str, DrafterFactory] = {
     "none": NoneDrafter,
     "ngram": _ngram,
+    "suffix": SuffixDrafter,
 }
+
+MERGE_PREFIX = "merge:"
+# Merges listed by names() (so that name checks against the list accept them), when their parts are.
+LISTED_MERGES: tuple[str, ...] = ("merge:ngram+suffix",)
 
 
 class Registry:
@@ -43,12 +56,38 @@ class Registry:
 
     def create(self, name: str, **options: object) -> Drafter:
         factory = self._factories.get(name)
-        if factory is None:
-            raise ValueError(f"unknown drafter {name!r}; available: {', '.join(self.names())}")
-        return factory(**options)
+        if factory is not None:
+            return factory(**options)
+        parts = self._merge_parts(name)
+        for key in options:
+            if key not in parts:
+                raise ValueError(f"drafter {name!r}: option {key!r} names none of its parts {parts}")
+        return MergeDrafter([self.create(p, **dict(options.get(p) or {})) for p in parts], name=name)
 
     def names(self) -> list[str]:
-        return sorted(self._factories)
+        return sorted([*self._factories, *(m for m in LISTED_MERGES if self.knows(m))])
+
+    def knows(self, name: str) -> bool:
+        """Whether ``create(name)`` can build it: a registered name or a merge of registered names."""
+        if name in self._factories:
+            return True
+        try:
+            self._merge_parts(name)
+        except ValueError:
+            return False
+        return True
+
+    def _merge_parts(self, name: str) -> list[str]:
+        """The parts of ``merge:a+b+...`` (≥ 2, distinct, registered); ValueError for anything else."""
+        if not name.startswith(MERGE_PREFIX):
+            raise ValueError(f"unknown drafter {name!r}; available: {', '.join(self.names())}")
+        parts = name[len(MERGE_PREFIX):].split("+")
+        if len(parts) < 2 or len(set(parts)) != len(parts):
+            raise ValueError(f"drafter {name!r}: a merge names 2 or more distinct drafters, as in merge:ngram+suffix")
+        for p in parts:
+            if p not in self._factories:
+                raise ValueError(f"drafter {name!r}: unknown part {p!r}; available: {', '.join(sorted(self._factories))}")
+        return parts
 
 
 # The process-wide registry of factories (no other state): what deployment configs name.
@@ -65,3 +104,7 @@ def create_drafter(name: str, **options: object) -> Drafter:
 
 def drafter_names() -> list[str]:
     return _DEFAULT.names()
+
+
+def is_drafter_name(name: str) -> bool:
+    return _DEFAULT.knows(name)

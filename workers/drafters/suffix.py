@@ -1,0 +1,391 @@
+"""Suffix drafter (SuffixDecoding-style): continuations of the context's longest earlier match, as a
+token tree scored by how often each continuation followed, over the tenant's finished outputs and
+the request's own prompt and output.
+
+Two indexes per request, searched together as one corpus:
+  * the request's own text (prompt + output so far), extended as ``ctx.tokens`` grows, freed on
+    ``release``;
+  * its tenant's cache of finished outputs (each with the last ``max_match`` prompt tokens before it,
+    so the start of an output is found from the prompt that led to it), filled on ``release``.
+    Caches are per tenant (``ctx.tenant``): one tenant's outputs never shape another tenant's drafts,
+    which would leak them through timing. Each is bounded: the oldest outputs go first (FIFO) when
+    it holds more than ``max_requests`` outputs or ``max_tokens`` tokens.
+
+A propose step: find the longest suffix of the context (``min_match`` ≤ m ≤ ``max_match`` tokens)
+that occurred earlier; from its occurrences (the most recent ``max_occurrences``, the request's own
+first) grow a tree best-first by the estimated probability of each node, count(node) ÷ occurrences
+(the product of count(child) ÷ count(parent) along the path); keep nodes whose probability reaches
+``min_prob``, at depth ≤ min(budget.max_depth, ``depth_factor`` · m), and at most budget.max_nodes.
+A longer match is stronger evidence, so it earns a deeper tree (SuffixDecoding's max_spec_factor).
+
+In the request's own text an occurrence close to the root continues as a periodic copy (see
+``_Occurrence``), so a text caught in a loop is drafted as deep as the rule allows.
+
+Worked example: the tenant's cache holds the outputs ``a b c d`` then ``a b c e`` (another tenant's
+``x a b c f`` is never seen here); the request's own text is ``x a b c`` (the root is c). The longest
+match is ``a b c`` (m = 3), twice; one continues with d, one with e, each with probability 1/2: the
+tree is root → e, root → d (the more recent first). Had the request's text been ``a b c a b c``,
+its own earlier ``a b c`` (continuing ``a b c`` as a periodic copy) would be a third occurrence, and
+come first (own text before the cache on ties).
+
+NOTE: the index is a hash-chain n-gram index over a FIFO token stream (as in LZ77 compressors),
+not a suffix tree or automaton. A suffix trie of the depth we need (match + speculation, ~40 tokens)
+costs O(tokens × depth) nodes, ~100 bytes each in Python; a suffix automaton is O(tokens) but cannot
+delete, so FIFO eviction would mean rebuilds, and its occurrence counts cost O(n) per token on
+periodic text (a degenerate model loop). Here every token costs one 8-byte slot plus, per anchor
+length k (``min_match``·4^i ≤ ``max_match``: 2, 8, 32 by default), an 8-byte chain link and at most
+one dict entry (~400 bytes a token in all, measured); eviction drops the front of the stream and the
+dict entries of k-grams that no longer occur. The longest match is found on the chain of
+the longest anchor that occurs (all occurrences of that k-gram, most recent first, ``max_scan`` at
+most), extended by binary search on slice comparisons; the one departure from an exact suffix
+structure: when a k-gram occurred more than ``max_scan`` times, only its most recent ``max_scan``
+occurrences are looked at.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from workers.drafters.base import DraftContext, TreeBudget
+from workers.tree import TokenTree
+
+__all__ = ["SuffixDrafter"]
+
+_SEP = -1  # ends each output in a tenant stream: no k-gram, match or continuation crosses it
+
+# How many of the last indexed tokens must still match for a context to count as "the same request,
+# grown" (as in workers/drafters/ngram.py): a full comparison would be O(context) per step.
+_TAIL_CHECK = 8
+
+
+class _Stream:
+    """Tokens with hash chains: for each anchor length k, ``heads[a][hash(k-gram)]`` is the last
+    position where that k-gram ends and ``prev[a][i]`` the one before the k-gram ending at slot i.
+
+    Positions are absolute (``base`` is the position of slot 0), so dropping the front keeps every
+    link valid; a link below ``base`` ends the chain. k-grams never span a ``_SEP``.
+    """
+
+    __slots__ = ("anchors", "tokens", "base", "heads", "prev", "run")
+
+    def __init__(self, anchors: tuple[int, ...]) -> None:
+        self.anchors = anchors
+        self.tokens = array("q")
+        self.base = 0
+        self.heads: list[dict[int, int]] = [{} for _ in anchors]
+        self.prev = [array("q") for _ in anchors]
+        self.run = 0  # tokens since the last separator
+
+    def extend(self, new: Sequence[int]) -> None:
+        tokens, base = self.tokens, self.base
+        chains = list(zip(self.anchors, self.heads, self.prev))
+        for tok in new:
+            tokens.append(tok)
+            self.run += 1
+            n = len(tokens)
+            for k, heads, prev in chains:
+                if k <= self.run:
+                    h = hash(tokens[n - k : n].tobytes())
+                    prev.append(heads.get(h, -1))
+                    heads[h] = base + n - 1
+                else:
+                    prev.append(-1)
+
+    def end_document(self) -> None:
+        self.tokens.append(_SEP)
+        for prev in self.prev:
+            prev.append(-1)
+        self.run = 0
+
+    def drop_front(self, n: int) -> None:
+        """Forget the first ``n`` slots, whole documents (slot n - 1 is a separator).
+
+        A head pointing there is the last occurrence of its k-gram, so every occurrence is gone:
+        delete it (the cost of indexing those tokens again), and the dicts hold live k-grams only.
+        """
+        tokens, base = self.tokens, self.base
+        run = 0
+        for i in range(n):
+            if tokens[i] == _SEP:
+                run = 0
+                continue
+            run += 1
+            for k, heads in zip(self.anchors, self.heads):
+                if k <= run:
+                    h = hash(tokens[i - k + 1 : i + 1].tobytes())
+                    if heads.get(h) == base + i:
+                        del heads[h]
+        del tokens[:n]
+        for prev in self.prev:
+            del prev[:n]
+        self.base += n
+
+
+# An occurrence: (stream tokens, slot of its next continuation token, period). Period 0: the
+# continuation stops at the stream's end or a separator. In the request's own text, an occurrence p
+# tokens before the root says the text repeats with period p; its continuation reaches the root and
+# goes on as that copy would (LZ77's overlapping copy): slot j ≥ len(tokens) reads slot j - p.
+_Occurrence = tuple[array, int, int]
+
+
+@dataclass
+class _Found:
+    """The occurrences of the longest match so far."""
+
+    cap: int
+    best: int = 0
+    occurrences: list[_Occurrence] = field(default_factory=list)
+
+    def add(self, length: int, occurrence: _Occurrence) -> None:
+        if length > self.best:
+            self.best = length
+            self.occurrences = [occurrence]
+        elif length == self.best and len(self.occurrences) < self.cap:
+            self.occurrences.append(occurrence)
+
+
+def _match_len(tokens: array, i: int, tail: array, lower: int) -> int:
+    """How many tokens ending at slot i equal the end of ``tail``, if at least ``lower``; else 0.
+
+    One slice comparison rejects a shorter match; a longer one is measured by binary search (a match
+    of length L implies every shorter one).
+    """
+    upper = min(len(tail), i + 1)
+    t = len(tail)
+    if lower > upper or tokens[i - lower + 1 : i + 1] != tail[t - lower :]:
+        return 0
+    lo, hi = lower, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tokens[i - mid + 1 : i + 1] == tail[t - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _scan(stream: _Stream, tail: array, found: _Found, max_scan: int, periodic: bool) -> None:
+    """Add ``stream``'s occurrences of the longest suffix of ``tail`` (that has a continuation) to
+    ``found``, trying the longest anchor first. ``periodic``: the stream is the request's own text,
+    whose last token is the root (see ``_Occurrence``)."""
+    tokens, base, anchors = stream.tokens, stream.base, stream.anchors
+    last = len(tokens) - 1
+    limit = len(tail)  # the longest match this stream may still hold
+    for a in range(len(anchors) - 1, -1, -1):
+        k = anchors[a]
+        if k > len(tail):
+            continue
+        if found.best > limit:
+            return  # nothing here can reach the match found in another stream
+        pos = stream.heads[a].get(hash(tail[len(tail) - k :].tobytes()), -1)
+        if pos < base:
+            limit = k - 1  # the k-gram does not occur here
+            continue
+        prev = stream.prev[a]
+        scanned = 0
+        while pos >= base and scanned < max_scan:
+            i = pos - base
+            scanned += 1
+            if i < last and tokens[i + 1] != _SEP:  # a continuation follows
+                length = _match_len(tokens, i, tail, max(found.best, k))
+                if length:
+                    found.add(length, (tokens, i + 1, last - i if periodic else 0))
+                    if found.best == len(tail) and len(found.occurrences) >= found.cap:
+                        return  # nothing longer exists, and no room for more
+            pos = prev[i]
+        if found.best >= k:
+            return  # a shorter anchor finds only shorter matches (or older ones past max_scan)
+
+
+def _grow(occurrences: list[_Occurrence], max_nodes: int, max_depth: int, min_prob: float) -> TokenTree:
+    """The tree of the occurrences' continuations, best-first by count, ≤ max_nodes, depth ≤ max_depth,
+    every node followed by at least ``min_prob`` of the occurrences.
+
+    A node's count is at most its parent's, and ties go to the node made first (by the more recent
+    occurrence), so the heap emits parents before their children: a topological, best-first order.
+    """
+    min_count = min_prob * len(occurrences) - 1e-9
+    heap: list = []
+    order = itertools.count()
+
+    def push_children(members: list[_Occurrence], parent: int, depth: int) -> None:
+        groups: dict[int, list[_Occurrence]] = {}
+        for tokens, j, period in members:
+            if j < len(tokens) and tokens[j] != _SEP:
+                nxt = j + 1 if j + 1 < len(tokens) or not period else j + 1 - period
+                groups.setdefault(tokens[j], []).append((tokens, nxt, period))
+        for tok, group in groups.items():
+            if len(group) >= min_count:
+                heapq.heappush(heap, (-len(group), next(order), tok, parent, depth, group))
+
+    out_tok: list[int] = []
+    out_par: list[int] = []
+    push_children(occurrences, -1, 1)
+    while heap and len(out_tok) < max_nodes:
+        _, _, tok, parent, depth, group = heapq.heappop(heap)
+        out_tok.append(tok)
+        out_par.append(parent)
+        if depth < max_depth:
+            push_children(group, len(out_tok) - 1, depth + 1)
+    return TokenTree(tuple(out_tok), tuple(out_par))
+
+
+class _TenantCache:
+    """One tenant's finished outputs in one FIFO stream, each followed by a separator."""
+
+    def __init__(self, anchors: tuple[int, ...], max_requests: int, max_tokens: int) -> None:
+        self.stream = _Stream(anchors)
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self.lengths: deque[int] = deque()  # tokens of each stored output, oldest first
+        self.tokens = 0  # their sum (separators not counted)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        tokens = tokens[len(tokens) - self.max_tokens :] if len(tokens) > self.max_tokens else tokens
+        while self.lengths and (
+            len(self.lengths) >= self.max_requests or self.tokens + len(tokens) > self.max_tokens
+        ):
+            oldest = self.lengths.popleft()
+            self.tokens -= oldest
+            self.stream.drop_front(oldest + 1)
+        self.stream.extend(tokens)
+        self.stream.end_document()
+        self.lengths.append(len(tokens))
+        self.tokens += len(tokens)
+
+
+@dataclass
+class _RequestState:
+    tenant: str
+    prompt_len: int
+    stream: _Stream
+    source: Sequence[int]  # the caller's ctx.tokens at the last propose (see release)
+
+
+class SuffixDrafter:
+    """Frequency-scored continuation trees from the tenant's finished outputs and the request's own text.
+
+    Options: ``max_match`` / ``min_match`` bound the suffix length matched; ``min_prob`` prunes
+    unlikely nodes; ``depth_factor`` (α) caps the depth at α × match length; ``max_occurrences``
+    bounds the occurrences a tree is grown from and ``max_scan`` the chain entries looked at per
+    anchor; ``max_requests`` / ``max_tokens`` bound each tenant's cache.
+
+    Memory: a request's index lives until ``release`` (its context is bounded by the model's); a
+    tenant's cache holds ≤ max_tokens tokens + one separator per output, each costing 8 bytes, 8
+    more per anchor, and ≤ 1 dict entry per anchor (~100 bytes; k-grams that repeat share one):
+    ~400 bytes a token measured on text that rarely repeats, so ≤ ~40 MB at the default 100,000
+    tokens. Caches are never evicted across tenants (that would let one tenant's traffic change
+    another's drafts), so the total is bounded by the configured tenants × that per-tenant bound.
+    """
+
+    name = "suffix"
+
+    def __init__(
+        self,
+        max_match: int = 32,
+        min_match: int = 2,
+        min_prob: float = 0.1,
+        depth_factor: float = 1.0,
+        max_occurrences: int = 64,
+        max_scan: int = 256,
+        max_requests: int = 1000,
+        max_tokens: int = 100_000,
+    ) -> None:
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got min_match={min_match}, max_match={max_match}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
+        if not depth_factor > 0:
+            raise ValueError(f"depth_factor must be > 0, got {depth_factor}")
+        for opt, value in (("max_occurrences", max_occurrences), ("max_scan", max_scan),
+                           ("max_requests", max_requests), ("max_tokens", max_tokens)):
+            if value < 1:
+                raise ValueError(f"{opt} must be >= 1, got {value}")
+        self.max_match = max_match
+        self.min_match = min_match
+        self.min_prob = min_prob
+        self.depth_factor = depth_factor
+        self.max_occurrences = max_occurrences
+        self.max_scan = max_scan
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        # Anchors min_match · 4^i: a match found on anchor k's chain is measured by binary search up
+        # to max_match; longer anchors keep a long chain of a common short k-gram (only max_scan of
+        # it is looked at) from hiding a long match.
+        anchors = [min_match]
+        while anchors[-1] * 4 <= max_match:
+            anchors.append(anchors[-1] * 4)
+        self.anchors = tuple(anchors)
+        self._requests: dict[str, _RequestState] = {}
+        self._tenants: dict[str, _TenantCache] = {}
+
+    def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
+        state = self._state(ctx)
+        if not budget.speculates:
+            return TokenTree.empty()  # the index catches up on the next call that drafts
+        stream = self._catch_up(state, ctx)
+        tail = stream.tokens[-self.max_match :]
+        found = _Found(self.max_occurrences)
+        _scan(stream, tail, found, self.max_scan, periodic=True)
+        cache = self._tenants.get(state.tenant)
+        if cache is not None:
+            _scan(cache.stream, tail, found, self.max_scan, periodic=False)
+        if found.best < self.min_match:
+            return TokenTree.empty()
+        depth = min(budget.max_depth, max(1, int(self.depth_factor * found.best)))
+        return _grow(found.occurrences, budget.max_nodes, depth, self.min_prob)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request; add its output (after its last ``max_match`` prompt tokens) to its
+        tenant's cache.
+
+        NOTE: the output is read from the ``ctx.tokens`` object of the last ``propose``. The
+        BatchWorker extends that same list in place, so the cache gets every committed token; a
+        caller passing copies loses only the tokens committed after its last propose.
+        """
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        indexed = state.stream.tokens
+        source = state.source
+        if len(source) < len(indexed) or _tail_changed(indexed, source):
+            source = indexed
+        if len(source) <= state.prompt_len:
+            return  # no output
+        start = max(0, state.prompt_len - self.max_match)
+        cache = self._tenants.get(state.tenant)
+        if cache is None:
+            cache = self._tenants[state.tenant] = _TenantCache(self.anchors, self.max_requests, self.max_tokens)
+        cache.add(array("q", map(int, source[start:])))
+
+    def _state(self, ctx: DraftContext) -> _RequestState:
+        state = self._requests.get(ctx.request_id)
+        if state is None or state.tenant != ctx.tenant:
+            state = self._requests[ctx.request_id] = _RequestState(
+                ctx.tenant, ctx.prompt_len, _Stream(self.anchors), ctx.tokens)
+        state.source = ctx.tokens
+        state.prompt_len = ctx.prompt_len
+        return state
+
+    def _catch_up(self, state: _RequestState, ctx: DraftContext) -> _Stream:
+        """The request's stream, extended by the tokens appended since the last call (rebuilt if the
+        context shrank or its last indexed tokens changed)."""
+        stream = state.stream
+        seen = len(stream.tokens)
+        if len(ctx.tokens) < seen or _tail_changed(stream.tokens, ctx.tokens):
+            stream = state.stream = _Stream(self.anchors)
+            seen = 0
+        if len(ctx.tokens) > seen:
+            stream.extend([int(t) for t in ctx.tokens[seen:]])
+        return stream
+
+
+def _tail_changed(indexed: array, tokens: Sequence[int]) -> bool:
+    k = min(_TAIL_CHECK, len(indexed))
+    start = len(indexed) - k
+    return any(int(tokens[start + j]) != indexed[start + j] for j in range(k))
