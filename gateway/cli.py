@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest import bench_gateway
     bench_gateway.add_arguments(bench.add_parser(
         "gateway", help="added latency and requests/s of the HTTP gateway over the step loop (fake worker)"))
+    from scheduler import bench_profile
+    bench_profile.add_arguments(bench.add_parser(
+        "profile", help="measure step time vs batch size and tree tokens on the real verifier"))
     from scheduler import bench_plan
     bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
 
@@ -62,6 +65,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "gateway":
         from loadtest import bench_gateway
         return bench_gateway.run(args)
+    if args.command == "bench" and args.bench_command == "profile":
+        from scheduler import bench_profile
+        return bench_profile.run(args)
     if args.command == "bench" and args.bench_command == "plan":
         from scheduler import bench_plan
         return bench_plan.run(args)

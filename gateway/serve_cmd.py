@@ -115,15 +115,18 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
 
     tokenizer, worker, stop_ids, step_cost = _target(settings, progress, runtime)
     metrics = GatewayMetrics()
+    max_resident = max(settings.max_resident, settings.max_batch)
+    # The policy starts a new request only while KV room is left, so the loop never has to evict
+    # (evict, re-prefill, fall further behind: the simulator's meltdown under bursts).
     policy = make_policy(settings.policy, max_batch=settings.max_batch,
                          token_budget=settings.token_budget, max_nodes=settings.max_tree_nodes,
-                         step_cost=step_cost)
+                         step_cost=step_cost, max_resident=max_resident)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
     store = open_store(settings.redis_url, settings.store_prefix)
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
-                         max_resident=max(settings.max_resident, settings.max_batch))
+                         max_resident=max_resident)
     metrics.watch(step_loop)
     recovered = step_loop.recover()
     if settings.tenants_file is not None:

@@ -10,6 +10,11 @@ A profile holds one curve per measured batch size: tokens (ascending) → step s
 bracket `batch`, then linearly between them; outside the measured range it extends the nearest
 segment (the cost of tokens past the last point grows at the last segment's slope).
 
+A profile may also hold a `"prefill"` curve, prompt tokens → seconds of one request's prefill pass
+(`Verifier.prefill`, batch 1); `StepCostModel.prefill(tokens)` reads it, or, in a profile without
+one, extends the batch-1 curve. Other keys (`device`, `date`, `note`, a curve's `nodes`, …) are
+descriptive and ignored here.
+
 >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08]), (8, [8, 64], [0.09, 0.17])])
 >>> round(m(1, 5), 3), round(m(8, 36), 3)
 (0.06, 0.13)
@@ -37,7 +42,8 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 
 class StepCostModel:
-    def __init__(self, curves: Sequence[Curve], source: str = "") -> None:
+    def __init__(self, curves: Sequence[Curve], source: str = "",
+                 prefill: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
         if not curves:
             raise ValueError("a profile needs at least one curve")
         curves = sorted(curves, key=lambda c: c[0])
@@ -47,6 +53,12 @@ class StepCostModel:
         self.batches = [c[0] for c in curves]
         self.curves = [(list(map(float, c[1])), list(map(float, c[2]))) for c in curves]
         self.source = source
+        if prefill is not None:
+            xs, ys = prefill
+            if len(xs) != len(ys) or not xs or list(xs) != sorted(xs) or len(set(xs)) != len(xs):
+                raise ValueError("prefill curve: tokens must be ascending, one step_s each")
+            prefill = (list(map(float, xs)), list(map(float, ys)))
+        self._prefill = prefill
         self._cache: dict[tuple[int, int], float] = {}
 
     @classmethod
@@ -58,13 +70,32 @@ class StepCostModel:
             text = Path(path).read_text()
         doc = json.loads(text)
         curves = [(c["batch"], c["tokens"], c["step_s"]) for c in doc["curves"]]
-        return cls(curves, doc.get("source", ""))
+        pre = doc.get("prefill")
+        return cls(curves, doc.get("source", ""),
+                   None if pre is None else (pre["tokens"], pre["step_s"]))
 
     def __call__(self, batch: int, tokens: int) -> float:
         key = (batch, tokens)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._compute(batch, tokens)
+        return hit
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds to prefill a `tokens`-token context for one request (its own pass).
+
+        >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08])], prefill=([100, 200], [0.2, 0.3]))
+        >>> round(m.prefill(150), 3), round(StepCostModel([(1, [1, 9], [0.04, 0.08])]).prefill(17), 3)
+        (0.25, 0.12)
+        """
+        key = (0, tokens)                 # batch 0 never occurs in a step: the cache is shared
+        hit = self._cache.get(key)
+        if hit is None:
+            if self._prefill is None:
+                hit = self(1, tokens)
+            else:
+                hit = max(_interp(*self._prefill, tokens), MIN_STEP_S)
+            self._cache[key] = hit
         return hit
 
     def _compute(self, batch: int, tokens: int) -> float:

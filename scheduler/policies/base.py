@@ -7,6 +7,9 @@ A policy is one number per request: `key(stats)`, lower served first. Everything
                            merged by key under weighted fair sharing (fairness.py);
                         3. up to max_batch requests, one root token each within token_budget;
                         4. each chosen request's tree budget from its α estimate (budget.py).
+                        With `max_resident` set (the step loop's KV limit), a request that has
+                        not started is started only while fewer than max_resident started
+                        requests are live, so the loop never has to evict and re-prefill.
     update(state, records, now, step_s):
                         record each request's step (τ, attained service, wait), charge its
                         tenant, retire finished ones, let the policy move the others (`refresh`:
@@ -53,6 +56,7 @@ class PolicyConfig:
     min_gain: float = 0.1                  # a draft node must be worth ≥ this many tokens
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
     step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
+    max_resident: int | None = None        # requests that may hold KV at once (see `plan`)
 
 
 class PlanEntry(NamedTuple):
@@ -89,6 +93,8 @@ class Policy:
         c = self.config
         if c.max_batch < 1 or c.token_budget < 1:
             raise ValueError("max_batch and token_budget must be ≥ 1")
+        if c.max_resident is not None and c.max_resident < c.max_batch:
+            raise ValueError("max_resident must hold at least one full batch")
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
         self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps)
         self.budgeter = TreeBudgeter(c.step_cost, max_nodes=c.max_nodes, max_depth=c.max_depth,
@@ -135,11 +141,12 @@ class Policy:
         else:
             if self._dirty:
                 self._rekey(state)
-            promoted = self.aging.overdue(state, now, limit)
+            promoted = self._startable(self.aging.overdue(state, now, limit))
             chosen = self._choose(state, promoted, limit)
             longer = self._prefill_step_s(state, chosen)
             if longer is not None:              # a prefill makes this step the longest yet
-                again = self.aging.overdue(state, now, limit, longest_step_s=longer)
+                again = self._startable(
+                    self.aging.overdue(state, now, limit, longest_step_s=longer))
                 if again != promoted:
                     promoted, chosen = again, self._choose(state, again, limit)
             aged = len(promoted)
@@ -161,6 +168,7 @@ class Policy:
             if s is None:                       # cancelled while its step ran
                 continue
             s.record_step(rec, start, now)
+            self._started.add(rec.request_id)
             account = (s.priority, s.tenant)
             vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)
             cause = rec.finish or ("length" if s.committed >= s.max_tokens else None)
@@ -181,8 +189,26 @@ class Policy:
         return finished
 
     # ---- internals ---------------------------------------------------------------------------
+    def _startable(self, promoted: list[str]) -> list[str]:
+        """Aging's promotions, less the not-yet-started ones there is no KV room to start."""
+        cap = self.config.max_resident
+        if cap is None:
+            return promoted
+        room, out = cap - len(self._started), []
+        for rid in promoted:
+            if rid not in self._started:
+                if room <= 0:
+                    continue
+                room -= 1
+            out.append(rid)
+        return out
+
     def _choose(self, state: SchedulerState, promoted: list[str], limit: int) -> list[str]:
         chosen, taken = list(promoted), set(promoted)
+        cap = self.config.max_resident
+        if cap is not None:                     # KV room for requests that have not started
+            self._room = cap - len(self._started) - sum(
+                1 for r in promoted if r not in self._started)
         for cls in self._classes:
             if len(chosen) >= limit:
                 break
@@ -195,10 +221,12 @@ class Policy:
         if cost is None or self.aging.bound_s is None:
             return None
         requests = state.requests
-        prompts = sum(requests[r].prompt_len for r in chosen if requests[r].n_steps == 0)
+        prompts = [requests[r].prompt_len for r in chosen if requests[r].n_steps == 0]
         if not prompts:
             return None
-        est = cost(len(chosen), self.config.token_budget + prompts)
+        # the step loop prefills each new request in a pass of its own (batch 1), then steps
+        prefill = getattr(cost, "prefill", None) or (lambda t: cost(1, t))
+        est = cost(len(chosen), self.config.token_budget) + sum(prefill(p) for p in prompts)
         return est if est > state.step_s_max else None
 
 
@@ -210,6 +238,8 @@ class Policy:
         self._keys: dict[str, float] = {}
         self._seq = itertools.count()
         self._dirty: set[str] = set()         # served since last ranked
+        self._started: set[str] = set()       # live requests that have had a step (hold KV)
+        self._room: int | None = None         # while planning: how many more may start
         self.aging.clear()
 
     def _index(self, state: SchedulerState, s: RequestStats) -> None:
@@ -225,6 +255,8 @@ class Policy:
         self.refresh(state, s)
         self._push(s, self.key(s))
         self.aging.add(s)
+        if s.n_steps:
+            self._started.add(s.request_id)
 
     def _rekey(self, state: SchedulerState) -> None:
         requests, keys = state.requests, self._keys
@@ -253,6 +285,7 @@ class Policy:
         del state.requests[rid]
         state.running.discard(rid)
         self._dirty.discard(rid)
+        self._started.discard(rid)
         self.aging.remove(rid)
         del self._live[rid], self._keys[rid]
         counts = self._counts[s.priority]
@@ -272,8 +305,7 @@ class Policy:
             heap = queues[tenant]
             while len(chosen) < limit and self._offer(heap, tenant, taken, back, cand):
                 rid = heapq.heappop(cand)[2]
-                chosen.append(rid)
-                taken.add(rid)
+                self._take(rid, chosen, taken)
         else:
             self._merge_tenants(state, cls, queues, counts, chosen, taken, limit, back, cand)
         for heap, entry in back:
@@ -299,14 +331,26 @@ class Policy:
                     self._offer(queues[tenant], tenant, taken, back, cand)
                 continue
             _, _, rid, tenant = heapq.heappop(cand)
-            chosen.append(rid)
-            taken.add(rid)
+            if not self._take(rid, chosen, taken):      # no KV room to start it: look further
+                self._offer(queues[tenant], tenant, taken, back, cand)
+                continue
             s = requests[rid]
             vt[tenant] += (s.attained / s.n_steps if s.n_steps else nominal) / weight(tenant)
             if not fair_phase or vt[tenant] <= cap:
                 self._offer(queues[tenant], tenant, taken, back, cand)
             else:
                 deferred.append(tenant)
+
+    def _take(self, rid: str, chosen: list[str], taken: set[str]) -> bool:
+        """Choose `rid`, unless it has not started and there is no KV room to start it (then it
+        is only marked taken, so that the rest of the plan skips it)."""
+        taken.add(rid)
+        if self._room is not None and rid not in self._started:
+            if self._room <= 0:
+                return False
+            self._room -= 1
+        chosen.append(rid)
+        return True
 
     def _offer(self, heap: list[Entry], tenant: str, taken: set[str],
                back: list[tuple[list[Entry], Entry]], cand: list) -> bool:

@@ -127,7 +127,7 @@ def test_preemptions_are_counted():
     # las, one request per step: two long requests take turns, so each is preempted often. Steps
     # take 1 ms, so the first cannot finish before the second is submitted, however busy the CPU.
     emb = build_embedded(Settings(fake_worker=True, fake_step_ms=1.0, policy="las", max_batch=1,
-                                  max_resident=1))
+                                  max_resident=2))
     emb.start()
     try:
         async def two():

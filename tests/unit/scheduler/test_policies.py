@@ -222,3 +222,46 @@ def test_factory():
     with pytest.raises(ValueError):
         make_policy("laps", interleave="sideways")
     assert BAND > 1e9
+
+
+@pytest.mark.parametrize("name", ["fcfs", "sjf", "las", "laps"])
+def test_max_resident_starts_no_request_the_kv_cannot_hold(name):
+    # 2 may hold KV and a and b have started; c has the best key in every policy but must wait
+    # until one of them finishes, instead of making the step loop evict and re-prefill
+    policy = make_policy(name, max_batch=1, max_resident=2, **NO_AGING)
+    old = dict(predicted=500, attained=5000, taus=(2, 2))
+    state = build(policy, [stats("a", arrival=0, **old), stats("b", arrival=1, **old),
+                           stats("c", arrival=-1, predicted=1)])
+    for t in range(5):
+        assert step(policy, state, t).request_ids != ["c"]
+    step(policy, state, 5, finish={"a", "b"})                  # whichever ran ends
+    assert step(policy, state, 6).request_ids == ["c"]
+
+
+def test_max_resident_holds_back_aging_promotions_it_cannot_start():
+    policy = make_policy("fcfs", max_batch=1, max_resident=1, aging_bound_s=1.0,
+                         aging_margin_steps=0)
+    state = build(policy, [stats("a", arrival=0), stats("b", arrival=0.5)])
+    step(policy, state, 0.0, step_s=0.1)                       # a starts and holds the KV
+    for i in range(1, 30):
+        plan = step(policy, state, i * 0.1, step_s=0.1)
+        assert plan.request_ids == ["a"]                       # b is overdue but cannot start
+    with pytest.raises(ValueError, match="full batch"):
+        make_policy("fcfs", max_batch=4, max_resident=2)
+
+
+def test_laps_learns_lengths_from_finished_requests():
+    # the predictor says 50 for everything; this tenant's answers are really 200 tokens
+    policy = make_policy("laps", max_batch=1, min_steps=2, **NO_AGING)
+    state = build(policy, [stats(f"f{i}", tenant="t", predicted=50) for i in range(40)])
+    for i in range(40):
+        state.requests[f"f{i}"].committed = 199
+        policy.update(state, [StepRecord(f"f{i}", 2, 1, "stop")], 1.0, 0.1)
+    fresh = stats("x", tenant="t", predicted=50, taus=(2, 2, 2))
+    assert policy.remaining_tokens(fresh) == pytest.approx(200 - 6, rel=0.05)
+    unknown = stats("y", tenant="t", predicted=None, taus=(2, 2, 2))
+    policy.refresh(state, unknown)                             # the tenant's record stands in
+    assert unknown.perceptible
+    assert make_policy("laps", lengths="predicted").remaining_tokens(fresh) == 44
+    with pytest.raises(ValueError):
+        make_policy("laps", lengths="oracle")

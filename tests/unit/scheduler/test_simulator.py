@@ -60,3 +60,45 @@ def test_cli_writes_json_and_plot(tmp_path):
     assert doc["settings"]["profile_source"].startswith("FINDINGS.md")
     assert "latencies_s" not in doc["policies"]["fcfs"]
     assert png.stat().st_size > 1000
+
+
+def test_kv_residency_charges_prefills_as_the_step_loop_does():
+    from scheduler.request import RequestStats
+    from scheduler.profile import StepCostModel
+    cost = StepCostModel([(1, [0, 100], [0.01, 0.11])])
+    kv = sim.KVResidency(cost, limit=2)
+    live = {r: RequestStats(r, "t", 0.0, prompt_len=51, max_tokens=100) for r in "abc"}
+    assert kv.admit(["a"], live) == pytest.approx(0.06)     # a pass of its own: 50 tokens
+    assert kv.admit(["a", "b"], live) == pytest.approx(0.06)
+    live["a"].n_steps, live["a"].committed = 3, 20
+    assert kv.admit(["c"], live) == pytest.approx(0.06)     # a (least recently served) evicted
+    assert kv.admit(["a"], live) == pytest.approx(0.08)     # re-prefill: prompt + 20 committed
+    assert (kv.reprefills, kv.prefill_s) == (1, pytest.approx(0.26))
+    kv.release("a")
+    assert kv.admit(["c"], live) == 0.0                      # still resident: free
+
+
+def test_without_a_kv_gate_aging_and_eviction_thrash():
+    # LAS round-robins between many started requests; when more are live than hold KV, aging
+    # keeps promoting the evicted ones and every promotion is a re-prefill. The policy-side
+    # gate (PolicyConfig.max_resident) keeps the started set within the KV limit.
+    s = replace(SMALL, n_requests=300, load=0.95, max_resident=8)
+    cost = sim.StepCostModel.from_json()
+    rate, _ = sim.arrival_rate(s, cost)
+    reqs = sim.build_workload(s, rate)
+    gated = sim.make_policy("las", sim._config(s, cost))
+    out = sim.simulate(gated, reqs, cost, s.workload, max_resident=8)
+    assert out.reprefills == 0
+    assert max(r.max_wait_s for r in out.finished) <= s.aging_bound_s
+    ungated = sim.make_policy("las", replace(sim._config(s, cost), max_resident=None))
+    out = sim.simulate(ungated, sim.build_workload(s, rate), cost, s.workload, max_resident=8)
+    assert out.reprefills > 0
+
+
+def test_bursty_arrivals_keep_the_rate():
+    from scheduler.workload_gen import generate, with_arrivals, WorkloadSpec
+    reqs = with_arrivals(generate(WorkloadSpec(), 20_000, 1), rate=2.0, seed=3, cv=2.0)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(reqs, reqs[1:])]
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert mean == pytest.approx(0.5, rel=0.05) and sd / mean == pytest.approx(2.0, rel=0.1)

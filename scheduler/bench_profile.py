@@ -1,0 +1,218 @@
+"""Measure the step-cost profile the scheduler and the simulator read (scheduler/profile.py): how
+long one verification step takes on the real verifier, by batch size and tree tokens. Wired as
+`specgate bench profile` by gateway/cli.py.
+
+For each batch size B, B requests are prefilled with `prompt_len`-token random prompts; then, for
+each tree size n, every request gets a chain of n draft tokens (`TokenTree.chain`; the cost of a
+pass depends on the rows it computes, not on the tree's shape) and `Verifier.verify` is timed: one
+warm-up, then the median of `repeats` steps. The requests are re-prefilled before each tree size so
+the context stays near `prompt_len` (a step commits at least one token). The point recorded is
+
+    tokens = B · (1 + n)   (each request's root row plus its n nodes)  →  step_s
+
+A prefill curve (prompt tokens → seconds of one request's `Verifier.prefill`, a pass of its own)
+is measured too: the simulator charges a new or evicted request's prefill from it.
+
+Median, not minimum: the simulator needs a typical step, noise included. Each curve is made
+non-decreasing in tokens (a later point never below an earlier one; `step_s_raw` keeps the medians
+as measured), because a negative marginal cost would make the goodput-aware tree budgets
+(scheduler/budget.py) hand out nodes for free.
+
+Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
+is such a file).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+DEFAULT_BATCHES = (1, 2, 4, 8)
+DEFAULT_NODES = (0, 1, 3, 7, 15)
+DEFAULT_PREFILL = (64, 256, 1024)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _monotone(ys: Sequence[float]) -> list[float]:
+    out, top = [], 0.0
+    for y in ys:
+        top = max(top, y)
+        out.append(top)
+    return out
+
+
+def _median_s(fn, repeats: int) -> float:
+    fn()                                                # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
+                    nodes: Sequence[int] = DEFAULT_NODES, prompt_len: int = 200,
+                    repeats: int = 5, prefill_tokens: Sequence[int] = DEFAULT_PREFILL,
+                    seed: int = 0) -> dict[str, Any]:
+    """Time `verifier` (a `workers.verifier.Verifier`) over the grid; returns the profile's
+    `curves` (and `prefill`) in the format `StepCostModel.from_json` reads."""
+    from workers.acceptance import SamplingParams
+    from workers.tree import TokenTree
+    from workers.verifier import VerifyItem
+
+    if min(batches) < 1 or min(nodes) < 0 or prompt_len < 2 or repeats < 1:
+        raise ValueError("need batches ≥ 1, nodes ≥ 0, prompt_len ≥ 2, repeats ≥ 1")
+    if max(nodes) > verifier.max_tree_nodes:
+        raise ValueError(f"{max(nodes)} nodes exceed the verifier's max_tree_nodes "
+                         f"({verifier.max_tree_nodes})")
+    rng = random.Random(seed)
+    vocab = verifier.target.vocab_size
+    greedy = SamplingParams()
+    steps_per_cell = repeats + 1
+    headroom = steps_per_cell * (max(nodes) + 1) + 1   # every step could accept its whole chain
+    if prompt_len + headroom > verifier.context_limit:
+        raise ValueError(f"prompt_len {prompt_len} + {headroom} tokens of steps exceed the "
+                         f"model's context ({verifier.context_limit})")
+
+    def prefill(rid: str, length: int) -> None:
+        verifier.release(rid)
+        verifier.prefill(rid, [rng.randrange(3, vocab) for _ in range(length)], greedy, headroom)
+
+    curves = []
+    for b in sorted(set(batches)):
+        ids = [f"b{b}r{i}" for i in range(b)]
+        tokens, step_s = [], []
+        for n in sorted(set(nodes)):
+            for rid in ids:
+                prefill(rid, prompt_len)
+
+            def step(n=n) -> None:
+                verifier.verify([VerifyItem(rid, TokenTree.chain(
+                    [rng.randrange(3, vocab) for _ in range(n)])) for rid in ids])
+
+            tokens.append(b * (1 + n))
+            step_s.append(_median_s(step, repeats))
+        for rid in ids:
+            verifier.release(rid)
+        curves.append({"batch": b, "nodes": sorted(set(nodes)), "tokens": tokens,
+                       "step_s": _monotone(step_s), "step_s_raw": step_s})
+
+    out: dict[str, Any] = {"curves": curves}
+    lengths = sorted(set(t for t in prefill_tokens if 2 <= t < verifier.context_limit))
+    if lengths:
+        times = [_median_s(lambda t=t: prefill("prefill", t), repeats) for t in lengths]
+        verifier.release("prefill")
+        out["prefill"] = {"tokens": [t - 1 for t in lengths], "step_s": _monotone(times),
+                          "step_s_raw": times}
+    return out
+
+
+def describe_device(forward) -> str:
+    """One line: the device, threads, dtype and model size the numbers belong to."""
+    import torch
+
+    dev = getattr(forward, "device", torch.device("cpu"))
+    if getattr(dev, "type", "cpu") == "cuda":
+        where = torch.cuda.get_device_name(dev)
+    else:
+        where = _cpu_name() or platform.processor() or platform.machine()
+        where = f"CPU {where}, {torch.get_num_threads()} threads"
+    layers = getattr(forward, "n_layers", "?")
+    return (f"{where}, {str(getattr(forward, 'dtype', '?')).replace('torch.', '')}, "
+            f"{layers} layers, hidden {getattr(forward, 'hidden', '?')}")
+
+
+def _cpu_name() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def profile_document(measured: dict[str, Any], *, model: str, dtype: str, device: str,
+                     prompt_len: int, repeats: int) -> dict[str, Any]:
+    return {
+        "source": f"specgate bench profile, {model}",
+        "device": device,
+        "date": datetime.date.today().isoformat(),
+        "model": model,
+        "dtype": dtype,
+        "prompt_len": prompt_len,
+        "repeats": repeats,
+        "note": ("step_s = median wall time of one Verifier.verify over the batch (chain trees); "
+                 "tokens = batch × (1 + nodes); prefill = one request's Verifier.prefill"),
+        **measured,
+    }
+
+
+def table(doc: dict[str, Any]) -> str:
+    rows = ["| batch | nodes | tokens | step ms | ms per request |", "|---|---|---|---|---|"]
+    for c in doc["curves"]:
+        for n, t, s in zip(c["nodes"], c["tokens"], c["step_s"]):
+            rows.append(f"| {c['batch']} | {n} | {t} | {1000 * s:.1f} | "
+                        f"{1000 * s / c['batch']:.1f} |")
+    pre = doc.get("prefill")
+    if pre:
+        rows.append("")
+        rows.append("prefill: " + ", ".join(f"{t} tokens {1000 * s:.0f} ms"
+                                            for t, s in zip(pre["tokens"], pre["step_s"])))
+    return "\n".join(rows)
+
+
+# ---- CLI (wired as `specgate bench profile` by gateway/cli.py) ---------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="target model, as `specgate serve` takes it (default: its default)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)),
+                        help="comma-separated batch sizes")
+    parser.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),
+                        help="comma-separated draft nodes per request (chain trees)")
+    parser.add_argument("--prefill-tokens", default=",".join(map(str, DEFAULT_PREFILL)),
+                        help="comma-separated prompt lengths to time prefill at ('' to skip)")
+    parser.add_argument("--prompt-len", type=int, default=200,
+                        help="context each request holds while steps are timed")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per point (median)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the profile here")
+
+
+def _load_verifier(model: str, dtype: str, max_tree_nodes: int):
+    from workers.runtime import load_runtime
+
+    return load_runtime(model, dtype=dtype).verifier(max_tree_nodes=max_tree_nodes)
+
+
+def run(args) -> int:
+    from workers.loader import DEFAULT_MODEL
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    model = args.model or DEFAULT_MODEL
+    nodes = _ints(args.nodes)
+    verifier = _load_verifier(model, args.dtype, max(64, max(nodes)))
+    measured = measure_profile(verifier, batches=_ints(args.batches), nodes=nodes,
+                               prompt_len=args.prompt_len, repeats=args.repeats,
+                               prefill_tokens=_ints(args.prefill_tokens))
+    doc = profile_document(measured, model=os.path.basename(str(model)), dtype=args.dtype,
+                           device=describe_device(verifier.target), prompt_len=args.prompt_len,
+                           repeats=args.repeats)
+    print(table(doc))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0

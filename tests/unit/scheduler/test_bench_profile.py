@@ -1,0 +1,65 @@
+"""`specgate bench profile` on the tiny random model: the grid it measures, and a profile JSON the
+step-cost model loads."""
+import argparse
+import json
+
+import pytest
+
+from scheduler import bench_profile
+from scheduler.profile import StepCostModel
+from workers.llama_forward import LlamaForward
+from workers.verifier import Verifier
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_model):                       # tests/conftest.py: tiny_llama(), 512 positions
+    return Verifier(LlamaForward(tiny_model), max_tree_nodes=16)
+
+
+def test_measures_every_batch_and_tree_size(verifier):
+    got = bench_profile.measure_profile(verifier, batches=(2, 1), nodes=(3, 0, 1), prompt_len=20,
+                                        repeats=2, prefill_tokens=(16, 64))
+    assert [c["batch"] for c in got["curves"]] == [1, 2]
+    for c in got["curves"]:
+        b = c["batch"]
+        assert c["nodes"] == [0, 1, 3]
+        assert c["tokens"] == [b * (1 + n) for n in (0, 1, 3)]
+        assert all(s > 0 for s in c["step_s_raw"])
+        assert c["step_s"] == sorted(c["step_s"])           # made non-decreasing
+        assert all(m >= r for m, r in zip(c["step_s"], c["step_s_raw"]))
+    assert got["prefill"]["tokens"] == [15, 63]             # tokens whose KV a prefill computes
+    assert verifier.active() == []                          # every request released
+
+
+def test_rejects_trees_the_verifier_cannot_take(verifier):
+    with pytest.raises(ValueError, match="max_tree_nodes"):
+        bench_profile.measure_profile(verifier, nodes=(0, 32), repeats=1)
+    with pytest.raises(ValueError, match="context"):
+        bench_profile.measure_profile(verifier, nodes=(0, 15), prompt_len=500, repeats=1)
+
+
+def test_cli_writes_a_profile_the_step_cost_model_loads(tmp_path, verifier, monkeypatch,
+                                                        capsys):
+    monkeypatch.setattr(bench_profile, "_load_verifier", lambda model, dtype, nodes: verifier)
+    parser = argparse.ArgumentParser()
+    bench_profile.add_arguments(parser)
+    out = tmp_path / "profile.json"
+    args = parser.parse_args(["--batches", "1,2,4", "--nodes", "0,1,7", "--repeats", "2",
+                              "--prompt-len", "24", "--prefill-tokens", "32,128",
+                              "--model", "tiny", "--json", str(out)])
+    assert bench_profile.run(args) == 0
+    assert "| batch | nodes |" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert {"source", "device", "date", "curves", "prefill"} <= set(doc)
+    assert doc["model"] == "tiny" and doc["dtype"] == "float32"
+    model = StepCostModel.from_json(out)
+    assert model.batches == [1, 2, 4]
+    for b, (tokens, _) in zip(model.batches, model.curves):
+        assert tokens == sorted(tokens) and len(set(tokens)) == 3 and tokens[0] == b
+    assert model(2, 4) > 0 and model.prefill(100) > 0
+    assert model(4, 32) >= model(4, 4)
+
+
+def test_old_profiles_without_prefill_still_load():
+    model = StepCostModel.from_json()                       # the shipped default
+    assert model.prefill(799) == pytest.approx(model(1, 799))
