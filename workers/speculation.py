@@ -1,9 +1,9 @@
 """Per-request speculation sizing: draft as deep as pays, down to zero when nothing does.
 
 A verification pass over n tree nodes costs `cost(n)` plain one-token passes, measured on the
-machine (`LlamaForward.measure_step_cost`). On a 2-core CPU in float32 the curve is steep — one
-extra row already costs ~1.6x (gemm instead of gemv), 16 nodes ~2.5x, 32 nodes ~4.6x — so a tree
-pays only when enough of it is accepted, and how deep to go depends on the request's acceptance.
+machine at start-up (`workers.step_cost.measure_step_cost`). On a 2-core CPU in float32 the curve
+is steep — 16 nodes cost ~1.7x a plain pass, 32 ~2.2x, 64 ~4x — so a tree pays only when enough
+of it is accepted, and how deep to go depends on the request's acceptance.
 
 Model: the drafter's tokens along the path are accepted one after another, each with probability
 `a` (the request's per-token acceptance). A chain of depth d then commits, in expectation,
@@ -34,10 +34,11 @@ from workers.drafters.base import NO_SPECULATION, TreeBudget
 __all__ = ["CPU_FP32_STEP_COST", "SpeculationConfig", "SpeculationState", "expected_tau", "best_depth",
            "step_cost", "next_budget", "record"]
 
-# (tree nodes, cost of the pass ÷ cost of a plain 1-token pass), SmolLM2-135M, fp32, on a 2-core AMD
-# EPYC (AVX2) machine, 2026-11-30. A default only: engines measure their own curve at start-up.
+# (tree nodes, cost of the pass ÷ cost of a plain 1-token pass), SmolLM2-135M, fp32, 2 threads, on
+# a 2-core Intel Xeon (AVX-512) with the lean forward's pre-packed weights, 2026-12-01 (`specgate
+# bench profile`). A default only: engines measure their own curve at start-up.
 CPU_FP32_STEP_COST: tuple[tuple[int, float], ...] = (
-    (0, 1.0), (1, 1.63), (3, 1.72), (7, 2.08), (11, 2.24), (15, 2.51), (23, 3.21), (31, 4.58), (63, 7.93))
+    (0, 1.0), (1, 1.01), (3, 1.23), (7, 1.47), (15, 1.73), (31, 2.2), (63, 4.0))
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,15 @@ def best_depth(a: float, table: tuple[tuple[int, float], ...], max_depth: int, m
 def next_budget(state: SpeculationState, base: TreeBudget) -> TreeBudget:
     """The budget for this request's next step: the goodput-best depth within `base`.
 
-    >>> base = TreeBudget(24, 16)
-    >>> next_budget(SpeculationState(accepted=30, rejected=1), base)
+    >>> base, steep = TreeBudget(24, 16), SpeculationConfig(step_cost=((0, 1.0), (1, 1.6), (16, 2.5)))
+    >>> next_budget(SpeculationState(steep, accepted=30, rejected=1), base)
     TreeBudget(max_nodes=16, max_depth=16)
-    >>> next_budget(SpeculationState(accepted=0, rejected=8), base)
+    >>> next_budget(SpeculationState(steep, accepted=0, rejected=8), base)
     TreeBudget(max_nodes=0, max_depth=0)
+
+    Where one node costs next to nothing (the default curve), even a poor request drafts one:
+    >>> next_budget(SpeculationState(accepted=0, rejected=8), base)
+    TreeBudget(max_nodes=1, max_depth=1)
     """
     if not base.speculates:
         return NO_SPECULATION

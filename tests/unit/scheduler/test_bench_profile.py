@@ -60,6 +60,16 @@ def test_cli_writes_a_profile_the_step_cost_model_loads(tmp_path, verifier, monk
     assert model(4, 32) >= model(4, 4)
 
 
-def test_old_profiles_without_prefill_still_load():
-    model = StepCostModel.from_json()                       # the shipped default
+def test_old_profiles_without_prefill_still_load(tmp_path):
+    old = tmp_path / "old.json"                             # the format before prefill curves
+    old.write_text(json.dumps({"source": "old", "curves": [
+        {"batch": 1, "tokens": [1, 8, 16, 64], "step_s": [0.040, 0.076, 0.080, 0.140]},
+        {"batch": 8, "tokens": [8, 64], "step_s": [0.088, 0.168]}]}))
+    model = StepCostModel.from_json(old)
     assert model.prefill(799) == pytest.approx(model(1, 799))
+
+
+def test_the_shipped_default_profile_was_measured_with_prefill():
+    model = StepCostModel.from_json()
+    assert model.prefill(1000) > model.prefill(100) > 0
+    assert model(1, 16) > model(1, 1) > 0

@@ -57,7 +57,7 @@ def test_cli_writes_json_and_plot(tmp_path):
     assert sim.run(args) == 0
     doc = json.loads(out.read_text())
     assert set(doc["policies"]) == {"fcfs", "las"}
-    assert doc["settings"]["profile_source"].startswith("FINDINGS.md")
+    assert doc["settings"]["profile_source"].startswith("specgate bench profile")
     assert "latencies_s" not in doc["policies"]["fcfs"]
     assert png.stat().st_size > 1000
 

@@ -27,9 +27,14 @@ def test_monotone_in_tokens_and_batch_over_the_measured_range():
 
 
 def test_default_profile_ships_with_its_source():
+    import json
+    from importlib import resources
+
+    doc = json.loads(resources.files("scheduler").joinpath("profiles/default.json").read_text())
     m = StepCostModel.from_json()
-    assert "FINDINGS.md" in m.source and "specgate bench profile" in m.source
-    assert m(1, 1) == pytest.approx(0.040) and m(8, 64) == pytest.approx(0.168)
+    assert m.source.startswith("specgate bench profile") and doc["date"] and doc["device"]
+    first = doc["curves"][0]
+    assert m(first["batch"], first["tokens"][0]) == pytest.approx(first["step_s"][0])
 
 
 def test_profile_from_file(tmp_path):

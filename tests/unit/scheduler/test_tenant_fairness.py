@@ -95,9 +95,15 @@ def _two_tenant_workload(flood_rate, steady_rate, n_steady, seed):
     return reqs, spec
 
 
+# The rates above are sized for this engine speed (the step-cost curve the test was calibrated
+# on), so the test does not move when the shipped profile is re-measured.
+FIXED_COST = StepCostModel([(1, [1, 8, 16, 64], [0.040, 0.076, 0.080, 0.140]),
+                            (4, [4, 32], [0.068, 0.108]), (8, [8, 64], [0.088, 0.168])], "test")
+
+
 def _steady_mean(policy, reqs, spec, admission=None):
     from scheduler.admission import AdmissionLimits
-    out = simulate(policy, reqs, StepCostModel.from_json(), spec,
+    out = simulate(policy, reqs, FIXED_COST, spec,
                    admission or AdmissionLimits(max_live=10_000, max_live_per_tenant=24))
     lat = [s.finished_s - s.arrival_s for s in out.finished if s.tenant == "steady"]
     return sum(lat) / len(lat)
