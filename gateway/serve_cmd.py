@@ -107,6 +107,11 @@ class Embedded:
         return self.thread is not None and self.thread.is_alive()
 
 
+def scheduler_prefix(settings: Settings) -> str:
+    """Where this replica's scheduler keeps its requests (tenants and limits are shared)."""
+    return f"{settings.store_prefix}sched:{settings.replica_id}:"
+
+
 def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None) -> Embedded:
     """Everything but the listening: `runtime` (a `workers.runtime.Runtime` already loaded, e.g.
     by a test or a benchmark) is used instead of loading `settings.model`."""
@@ -124,7 +129,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
-    store = open_store(settings.redis_url, settings.store_prefix)
+    store = open_store(settings.redis_url, scheduler_prefix(settings))
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident)
     metrics.watch(step_loop)

@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     tenants_file: Path | None = None
     redis_url: str | None = None               # scheduler state, tenants and rate limits
     store_prefix: str = "specgate:"
+    # Tenants and rate limits are shared by every replica under `store_prefix`; each replica's
+    # scheduler keeps its requests under its own `<store_prefix>sched:<replica_id>:`, so a restarted
+    # replica recovers its own requests and never another live replica's (e.g. the pod name).
+    replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     admin_key: SecretStr | None = None         # added to the tenants file's admin keys
     policy: Literal["laps", "fcfs", "sjf", "las"] = "laps"
     drafters: str = "ngram"                    # comma-separated; the first is the default

@@ -95,3 +95,44 @@ def test_redis_backed_gateway_shares_tenants_and_recovers_requests(redis_url, re
     finally:
         second.stop()
         first.step_loop.store.close()
+
+
+def test_two_gateways_over_one_redis_enforce_one_rate_limit_and_one_concurrency_cap(
+        redis_url, redis_prefix):
+    # Two replicas (own schedulers, shared tenants and limits), each serving HTTP on loopback.
+    a = build_embedded(Settings(fake_worker=True, fake_step_ms=20.0, redis_url=redis_url,
+                                store_prefix=redis_prefix, replica_id="a"))
+    b = build_embedded(Settings(fake_worker=True, fake_step_ms=20.0, redis_url=redis_url,
+                                store_prefix=redis_prefix, replica_id="b"))
+    a.tenants.put(Tenant("metered", rpm=3), ["sk-metered"])
+    a.tenants.put(Tenant("single", max_concurrent=1), ["sk-single"])
+    body = {"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2}
+    a.start()
+    b.start()
+    try:
+        with background_server(a.app) as url_a, background_server(b.app) as url_b:
+            def post(url, key, **extra):
+                return httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={**body, **extra}, timeout=30)
+
+            codes = [post(u, "sk-metered").status_code for u in (url_a, url_b, url_a)]
+            assert codes == [200, 200, 200]
+            refused = post(url_b, "sk-metered")        # the 4th in the minute, on the other replica
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+            assert refused.json()["error"]["type"]
+
+            async def overlap():
+                async with httpx.AsyncClient(timeout=30) as client:
+                    hdrs = {"Authorization": "Bearer sk-single"}
+                    slow = asyncio.create_task(client.post(
+                        url_a + "/v1/completions", headers=hdrs, json={**body, "max_tokens": 200}))
+                    await asyncio.sleep(0.3)           # a's request is in flight (20 ms a step)
+                    other = await client.post(url_b + "/v1/completions", headers=hdrs, json=body)
+                    return (await slow).status_code, other.status_code
+
+            first, second = asyncio.run(overlap())
+            assert (first, second) == (200, 429)
+            assert post(url_b, "sk-single").status_code == 200   # the slot came back
+    finally:
+        a.stop()
+        b.stop()
