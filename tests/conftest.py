@@ -1,8 +1,13 @@
-"""Shared fixtures: a tiny random-weight Llama (fast unit tests) and the real default model (slow tests)."""
+"""Shared fixtures: a tiny random-weight Llama (fast unit tests), the real default model (slow tests),
+and a real Redis server with a fresh key prefix per test (tests/redis_server.py; never a mock)."""
 from __future__ import annotations
+
+from typing import Iterator
 
 import pytest
 import torch
+
+from redis_server import delete_prefix, redis_server, unique_prefix
 
 
 def tiny_llama(seed: int = 0, *, vocab: int = 128, layers: int = 2, max_positions: int = 512,
@@ -35,3 +40,18 @@ def real_runtime():
     from workers.runtime import load_runtime
 
     return load_runtime(keep_hf=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """$REDIS_URL, or an embedded redis-server started once per session and removed after."""
+    with redis_server() as url:
+        yield url
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A key prefix no other test (or real deployment) uses; its keys are deleted afterwards."""
+    prefix = unique_prefix()
+    yield prefix
+    delete_prefix(redis_url, prefix)

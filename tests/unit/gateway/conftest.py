@@ -1,26 +1,8 @@
-"""Gateway test fixtures: a real Redis server (tests/redis_server.py) and per-test prefixes."""
+"""Gateway test fixtures: every state-store-backed test runs in memory and on a real Redis
+(`redis_url` / `redis_prefix` come from tests/conftest.py)."""
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
-
-from redis_server import delete_prefix, redis_server, unique_prefix
-
-
-@pytest.fixture(scope="session")
-def redis_url() -> Iterator[str]:
-    """$REDIS_URL, or an embedded redis-server started once per session and removed after."""
-    with redis_server() as url:
-        yield url
-
-
-@pytest.fixture
-def redis_prefix(redis_url: str) -> Iterator[str]:
-    """A key prefix no other test (or real deployment) uses; its keys are deleted afterwards."""
-    prefix = unique_prefix()
-    yield prefix
-    delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture(params=["memory", "redis"])
