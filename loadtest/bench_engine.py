@@ -22,6 +22,7 @@ from workers.drafters.base import TreeBudget
 from workers.drafters.registry import create_drafter
 from workers.engine import Engine, GenerationRequest
 from workers.loader import DEFAULT_MODEL
+from workers.near_tie import classify
 from workers.runtime import encode_record, load_runtime
 from workers.verifier import StepTimings
 
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_BUDGET.max_nodes)
     p.add_argument("--tree-depth", type=int, default=DEFAULT_BUDGET.max_depth)
     p.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="specgate's dtype; transformers stays the float32 reference. In bfloat16, "
+                        "'identical' compares with the engine's own plain bfloat16 decoding and "
+                        "divergences are classified as near-ties or not (workers/near_tie.py)")
     p.add_argument("--warmup", type=int, default=0,
                    help="first run this many of the workload's prompts through specgate, unmeasured "
                         "(fills learning drafters' caches, e.g. suffix); measured prompts follow them")
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--workload is needed for a single-stream run")
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
-                              prompt_lookup=args.prompt_lookup, warmup=args.warmup)
+                              prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -65,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
-                 warmup: int = 0) -> dict:
+                 warmup: int = 0, dtype: str = "float32") -> dict:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     records = load_workload(workload)
@@ -74,8 +79,9 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     warm, records = records[:warmup], records[warmup:]
     if limit:
         records = records[:limit]
-    rt = load_runtime(model, dtype="float32", keep_hf=True)
-    hf = rt.hf_model
+    ref = load_runtime(model, dtype="float32", keep_hf=True)     # transformers fp32: the reference
+    hf = ref.hf_model
+    rt = ref if dtype == "float32" else load_runtime(model, dtype=dtype, progress=False)
     prompts = [encode_record(rt.tokenizer, r) for r in records]
     engine = Engine(rt.verifier(), create_drafter(drafter), budget, speculation=rt.speculation_config())
     # The same engine without drafts: separates what the lean forward gives from what speculation gives.
@@ -119,11 +125,21 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
             "alpha": res.alpha, "identical": res.token_ids == greedy_ids,
             "lookup_identical": lookup_ids == greedy_ids,
         })
+        if dtype != "float32":   # lossless in bf16: the engine's own plain decoding, near-ties aside
+            verdict = classify(rt.forward, ids, res.token_ids, plain_res.token_ids)
+            rows[-1].update(identical=verdict == "identical", vs_own_plain=verdict,
+                            plain_matches_fp32_greedy=plain_res.token_ids == greedy_ids)
         print(f"[{i + 1}/{len(prompts)}] {rows[-1]['id']}: greedy {len(greedy_ids) / t_greedy:.1f} tok/s, "
               f"lookup {len(lookup_ids) / t_lookup:.1f}, specgate {len(res.token_ids) / t_ours:.1f} "
               f"(tau {res.tau_mean:.2f}, identical {rows[-1]['identical']})", file=sys.stderr)
     report = summarize(workload, rows, engine, max_tokens, budget, drafter)
     report["warmup_prompts"] = warmup
+    report["dtype"] = dtype
+    if dtype != "float32":
+        verdicts = [r["vs_own_plain"] for r in rows]
+        report.update(near_ties=verdicts.count("near_tie"), divergent=verdicts.count("divergent"),
+                      lossless=verdicts.count("divergent") == 0,
+                      plain_matches_fp32_greedy=sum(r["plain_matches_fp32_greedy"] for r in rows))
     return report
 
 
