@@ -8,7 +8,8 @@ import json
 import pytest
 
 from loadtest import bench_gateway
-from loadtest.bench_gateway import parse_head, quantile
+from loadtest.bench_gateway import quantile
+from loadtest.http_client import parse_head
 
 TINY = dict(requests=5, throughput_requests=40, concurrency=4, warmup=2)
 
