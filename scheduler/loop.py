@@ -34,6 +34,7 @@ from scheduler.store import MemoryStore, StateStore, StepWrite
 from workers.acceptance import SamplingParams
 from workers.batch_worker import WorkItem
 from workers.drafters.base import NO_SPECULATION, TreeBudget
+from workers.stopping import cut
 from workers.verifier import StepResult
 
 log = logging.getLogger(__name__)
@@ -232,7 +233,8 @@ class StepLoop:
         for res in results:
             rid = res.request_id
             req = self._requests[rid]
-            tokens, cause = self._cut(req, res.tokens)
+            tokens, cause = cut(res.tokens, produced=len(req.output_ids), limit=self._limits[rid],
+                                stop_token_ids=req.stop_token_ids)
             req.output_ids.extend(tokens)
             appended[rid] = tokens
             # The path tried: accepted drafts, plus the one rejected where the walk stopped.
@@ -251,18 +253,6 @@ class StepLoop:
         for s in finished:
             self._forget(s.request_id)
             self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
-
-    def _cut(self, req: Request, tokens: Sequence[int]) -> tuple[list[int], str | None]:
-        """The tokens to commit (up to and including a stop token, up to the length limit)."""
-        out, limit, stops = [], self._limits[req.request_id], req.stop_token_ids
-        done = len(req.output_ids)
-        for tok in tokens:
-            out.append(tok)
-            if tok in stops:
-                return out, "stop_token"
-            if done + len(out) >= limit:
-                return out, "length"
-        return out, None
 
     def _budget(self, request_id: str, planned: TreeBudget) -> TreeBudget:
         req = self._requests[request_id]

@@ -13,6 +13,7 @@ from workers.acceptance import SamplingParams
 from workers.batch_worker import BatchWorker, WorkItem
 from workers.drafters.base import Drafter, TreeBudget
 from workers.speculation import SpeculationConfig
+from workers.stopping import cut
 from workers.verifier import ContextLengthError, Verifier
 
 
@@ -103,12 +104,8 @@ class Engine:
         return min(req.max_new_tokens, self.worker.context_limit - len(req.prompt_ids))
 
     def _commit(self, req: GenerationRequest, res: GenerationResult, tokens: Sequence[int]) -> None:
-        limit = self._limit(req)
-        for tok in tokens:
-            res.token_ids.append(tok)
-            if tok in req.stop_token_ids:
-                res.finish_reason = "stop"
-                return
-            if len(res.token_ids) >= limit:
-                res.finish_reason = "length"
-                return
+        kept, cause = cut(tokens, produced=len(res.token_ids), limit=self._limit(req),
+                          stop_token_ids=req.stop_token_ids)
+        res.token_ids.extend(kept)
+        if cause is not None:
+            res.finish_reason = "stop" if cause == "stop_token" else cause
