@@ -30,9 +30,9 @@ from workers.drafters.base import TreeBudget
 from workers.runtime import Runtime, encode_record, load_runtime
 
 
-def mixed_prompts(rt: Runtime, n: int) -> list[tuple[str, list[int]]]:
-    """`n` (id, prompt ids) pairs, round-robin over the workloads."""
-    sets = [load_workload(w) for w in WORKLOADS]
+def mixed_prompts(rt: Runtime, n: int, workloads=WORKLOADS) -> list[tuple[str, list[int]]]:
+    """`n` (id, prompt ids) pairs, round-robin over `workloads`."""
+    sets = [load_workload(w) for w in workloads]
     out = []
     for i in range(n):
         rec = sets[i % len(sets)][i // len(sets) % len(sets[i % len(sets)])]
@@ -70,9 +70,10 @@ def serve_all(rt: Runtime, prompts, *, concurrency: int, max_tokens: int, drafte
 
 def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, streams_per_slot: int = 2,
                       drafter: str = "ngram", budget: TreeBudget = TreeBudget(16, 8),
-                      reference_prompts: int = 3, profile: str | None = None) -> dict:
+                      reference_prompts: int = 3, profile: str | None = None,
+                      workloads: tuple[str, ...] = WORKLOADS) -> dict:
     rt = load_runtime(model, dtype="float32", keep_hf=True)
-    prompts = mixed_prompts(rt, concurrency * streams_per_slot)
+    prompts = mixed_prompts(rt, concurrency * streams_per_slot, workloads)
     cost = StepCostModel.from_json(profile)
     # Warm-up: one-off allocation and dispatch costs.
     serve_all(rt, prompts[:1], concurrency=1, max_tokens=8, drafter=drafter, budget=budget, profile=cost)
@@ -96,7 +97,7 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
     report = {
         "concurrency": concurrency, "requests": len(prompts), "max_tokens": max_tokens, "dtype": "float32",
         "drafter": drafter, "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
-        "workloads": list(WORKLOADS),
+        "workloads": list(workloads),
         "hf_greedy_tok_s": round(hf_rate, 2),
         "total_tokens_per_s": round(spec_tokens / spec_s, 2),
         "plain_total_tokens_per_s": round(plain_tokens / plain_s, 2),

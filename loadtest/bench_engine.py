@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="first run this many of the workload's prompts through specgate, unmeasured "
                         "(fills learning drafters' caches, e.g. suffix); measured prompts follow them")
     p.add_argument("--concurrency", type=int, default=1,
-                   help="N > 1: N concurrent streams on a mixed workload (all workloads) instead")
+                   help="N > 1: N concurrent streams through the step loop, on --workload or, "
+                        "without one, on all workloads mixed")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -53,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.concurrency > 1:
         from loadtest.bench_batched import bench_concurrency
+        workloads = (args.workload,) if args.workload else WORKLOADS   # default: all, mixed
         report = bench_concurrency(args.concurrency, model=args.model, max_tokens=args.max_tokens,
-                                   drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth))
+                                   drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
+                                   workloads=workloads)
     else:
         if args.workload is None:
             raise ValueError("--workload is needed for a single-stream run")
