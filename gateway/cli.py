@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     from scheduler import bench_plan
     bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
 
+    from loadtest import loadgen
+    loadgen.add_arguments(sub.add_parser("loadtest", help="open-loop multi-tenant load against a running gateway"))
+
     from scheduler import sim
     sim.add_arguments(sub.add_parser("sim", help="discrete-event simulation of the scheduling policies"))
     return parser
@@ -71,6 +74,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "plan":
         from scheduler import bench_plan
         return bench_plan.run(args)
+    if args.command == "loadtest":
+        from loadtest import loadgen
+        return loadgen.run(args)
     if args.command == "sim":
         from scheduler import sim
         return sim.run(args)
