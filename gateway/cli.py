@@ -32,16 +32,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
 
     from loadtest import loadgen
-    loadgen.add_arguments(sub.add_parser("loadtest", help="open-loop multi-tenant load against a running gateway"))
+    loadgen.add_arguments(sub.add_parser(
+        "loadtest", help="open-loop multi-tenant load against a running gateway "
+                         "(`specgate loadtest compare --help`: one server per policy)"))
+    from loadtest import soak
+    soak.add_arguments(sub.add_parser("soak", help="mixed load for N minutes: RSS, fds, Redis memory, latency drift"))
 
     from scheduler import sim
     sim.add_arguments(sub.add_parser("sim", help="discrete-event simulation of the scheduling policies"))
     return parser
 
 
+def build_loadtest_compare_parser() -> argparse.ArgumentParser:
+    """`specgate loadtest compare`: its own parser, since `specgate loadtest` itself takes --url."""
+    from loadtest import compare
+    parser = argparse.ArgumentParser(prog="specgate loadtest compare",
+                                     description="the same open-loop load against one server per policy")
+    compare.add_arguments(parser)
+    parser.set_defaults(command="loadtest-compare")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["loadtest", "compare"]:
+        args = build_loadtest_compare_parser().parse_args(argv[2:])
+    else:
+        args = build_parser().parse_args(argv)
     from workers.loader import ModelLoadError
     try:
         return int(_dispatch(args) or 0)
@@ -77,6 +94,12 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "loadtest":
         from loadtest import loadgen
         return loadgen.run(args)
+    if args.command == "loadtest-compare":
+        from loadtest import compare
+        return compare.run(args)
+    if args.command == "soak":
+        from loadtest import soak
+        return soak.run(args)
     if args.command == "sim":
         from scheduler import sim
         return sim.run(args)

@@ -1,0 +1,231 @@
+"""`specgate soak`: mixed load for a while, watching the gateway for leaks and latency drift.
+
+    specgate soak --minutes 30 --rate 20 --workloads chat,copy --json soak.json --plot soak.png
+    specgate soak --minutes 0.5 --window-s 5 --redis-url redis://localhost:6379/0   # the CI run
+
+One embedded gateway runs in a child process (`compare.gateway_process`; the fake worker unless
+`--model` names a real one), optionally over Redis. The load (`loadgen.loadtest`) runs in windows
+of `--window-s` seconds, back to back, each with its own seed; after each window (its requests all
+finished) the gateway process is sampled: RSS and open file descriptors (from /proc, or psutil
+when installed), Redis `used_memory` and the number of keys under the store prefix when Redis is
+used, and the window's latency p50/p99 and errors.
+
+The report has the series and, comparing the last window with the first one after the warm-up
+windows (`--warmup-windows`, default 1: a new process's heap and caches grow at first),
+`rss_growth_after_warmup`, `fd_growth_after_warmup`, `redis_memory_growth_after_warmup` and
+`latency_drift` (p50), each a fraction (0.1: 10% more). A growth past `--warn-growth` (default
+0.10) is printed as a WARN line; the exit code stays 0, since one short run is a hint, not a
+verdict (the Redis memory is the whole server's, and a short run's p50 is noisy).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.compare import gateway_process, tenant_keys
+from loadtest.workload import WORKLOADS
+
+GROWTH_KEYS = {"rss_growth_after_warmup": "rss_bytes", "fd_growth_after_warmup": "open_fds",
+               "redis_memory_growth_after_warmup": "redis_used_memory",
+               "latency_drift": "p50_latency_s"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--minutes", type=float, default=10.0, help="how long to run the load")
+    p.add_argument("--window-s", type=float, default=30.0, help="seconds per sampling window")
+    p.add_argument("--warmup-windows", type=int, default=1,
+                   help="windows left out of the growth and drift figures")
+    p.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second")
+    p.add_argument("--seed", type=int, default=0, help="window i uses seed + i")
+    p.add_argument("--workloads", default="chat,copy",
+                   help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--tenants", type=int, default=3, help="number of tenants (keys made here)")
+    p.add_argument("--model", help="serve this real model (default: the fake worker)")
+    p.add_argument("--fake-step-ms", type=float, default=5.0, help="fake worker sleep per step")
+    p.add_argument("--policy", choices=["laps", "fcfs", "sjf", "las"])
+    p.add_argument("--max-batch", type=int)
+    p.add_argument("--redis-url", help="run the gateway's state over this Redis")
+    p.add_argument("--store-prefix", default="specgate-soak:", help="key prefix in Redis")
+    p.add_argument("--warn-growth", type=float, default=0.10)
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--plot", type=Path, help="RSS, fds and latency per window (PNG)")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings: dict[str, Any] = {"tenants_file": None, "log_level": "warning",
+                                "redis_url": args.redis_url, "store_prefix": args.store_prefix}
+    if args.model:
+        settings["model"] = args.model
+    else:
+        settings.update(fake_worker=True, fake_step_ms=args.fake_step_ms)
+    if args.policy:
+        settings["policy"] = args.policy
+    if args.max_batch:
+        settings["max_batch"] = args.max_batch
+    report = soak(settings, windows=window_count(args.minutes, args.window_s),
+                  window_s=args.window_s, warmup=args.warmup_windows, rate=args.rate,
+                  seed=args.seed, workloads=args.workloads.split(","),
+                  max_tokens=args.max_tokens, tenants=args.tenants)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.plot:
+        plot(report, args.plot)
+    print(summary(report))
+    for line in warnings(report, args.warn_growth):
+        print(line, file=sys.stderr)
+    return 0
+
+
+# ---- pure parts ----------------------------------------------------------------------------------
+def window_count(minutes: float, window_s: float) -> int:
+    """Whole windows in the run, at least one: window_count(0.075, 1.5) == 3."""
+    if minutes <= 0 or window_s <= 0:
+        raise ValueError("--minutes and --window-s must be > 0")
+    return max(1, round(minutes * 60 / window_s))
+
+
+def growth(values: list[float | None], warmup: int) -> float | None:
+    """The last value against the first one after `warmup` windows, as a fraction of the latter:
+    growth([50, 100, 105, 110], 1) == 0.1. With too few windows the first one after warm-up is the
+    last but one (or the only one); None when a value is missing or the base is not positive."""
+    if len(values) < 2:
+        return 0.0 if values and values[0] is not None else None
+    base, last = values[min(warmup, len(values) - 2)], values[-1]
+    if base is None or last is None or base <= 0:
+        return None
+    return (last - base) / base
+
+
+def growths(series: list[dict], warmup: int) -> dict[str, float | None]:
+    """Every growth figure of the report (GROWTH_KEYS) from the per-window series."""
+    return {name: growth([w[key] for w in series], warmup) for name, key in GROWTH_KEYS.items()}
+
+
+def warnings(report: dict, limit: float) -> list[str]:
+    """A WARN line for each growth figure above `limit`."""
+    return [f"WARN: soak: {name} {value:+.1%} (over {limit:.0%})"
+            for name in GROWTH_KEYS if (value := report[name]) is not None and value > limit]
+
+
+# ---- sampling the gateway process ---------------------------------------------------------------
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (psutil when installed, else /proc/<pid>/status)."""
+    try:
+        import psutil
+        return int(psutil.Process(pid).memory_info().rss)
+    except ImportError:
+        pass
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024          # "VmRSS:   123456 kB"
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def open_fds(pid: int) -> int:
+    """Open file descriptors of process `pid` (/proc/<pid>/fd, or psutil when /proc is absent)."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    if fd_dir.is_dir():
+        return len(os.listdir(fd_dir))
+    import psutil
+    return int(psutil.Process(pid).num_fds())
+
+
+def redis_sample(client: Any, prefix: str) -> dict[str, int]:
+    """The Redis server's `used_memory` and the number of keys under `prefix`."""
+    keys = sum(1 for _ in client.scan_iter(match=f"{prefix}*", count=1000))
+    return {"redis_used_memory": int(client.info("memory")["used_memory"]), "redis_keys": keys}
+
+
+# ---- the run -------------------------------------------------------------------------------------
+def soak(settings: dict, *, windows: int, window_s: float, warmup: int = 1, rate: float,
+         seed: int = 0, workloads: list[str] = ("chat", "copy"), max_tokens: int = 32,
+         tenants: int = 3) -> dict:
+    """Run `windows` load windows against one gateway process; the report (module docstring)."""
+    from loadtest.loadgen import loadtest
+
+    keys = tenant_keys(tenants)
+    redis_client = None
+    if settings.get("redis_url"):
+        import redis
+        redis_client = redis.Redis.from_url(settings["redis_url"])
+    series = []
+    with gateway_process(settings, keys) as gw:
+        t0 = time.monotonic()
+        baseline = _sample(gw.pid, redis_client, settings.get("store_prefix", ""))
+        for i in range(windows):
+            rep = asyncio.run(loadtest(gw.url, keys, rate=rate, duration=window_s, seed=seed + i,
+                                       workloads=list(workloads), max_tokens=max_tokens))
+            o = rep["overall"]
+            series.append({"window": i, "t_s": round(time.monotonic() - t0, 3),
+                           "requests": o["requests"], "completed": o["completed"],
+                           "errors": o["requests"] - o["completed"],
+                           "p50_latency_s": o["e2e_s"]["p50"], "p99_latency_s": o["e2e_s"]["p99"],
+                           "ttft_p99_s": o["ttft_s"]["p99"],
+                           **_sample(gw.pid, redis_client, settings.get("store_prefix", ""))})
+            print(f"soak: window {i + 1}/{windows}: {o['completed']}/{o['requests']} completed, "
+                  f"p50 {_ms(series[-1]['p50_latency_s'])}, RSS "
+                  f"{series[-1]['rss_bytes'] / 2**20:.1f} MiB, {series[-1]['open_fds']} fds",
+                  file=sys.stderr, flush=True)
+    if redis_client is not None:
+        redis_client.close()
+    return {"settings": {"windows": windows, "window_s": window_s, "warmup_windows": warmup,
+                         "rate": rate, "seed": seed, "workloads": list(workloads),
+                         "max_tokens": max_tokens, "tenants": tenants,
+                         "gateway": {k: v for k, v in settings.items() if k != "redis_url"},
+                         "redis": redis_client is not None},
+            "before_load": baseline, "series": series, **growths(series, warmup)}
+
+
+def _sample(pid: int, redis_client: Any, prefix: str) -> dict:
+    sample = {"rss_bytes": rss_bytes(pid), "open_fds": open_fds(pid),
+              "redis_used_memory": None, "redis_keys": None}
+    if redis_client is not None:
+        sample.update(redis_sample(redis_client, prefix))
+    return sample
+
+
+# ---- output --------------------------------------------------------------------------------------
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{1000 * x:.1f} ms"
+
+
+def summary(report: dict) -> str:
+    s, series = report["settings"], report["series"]
+    pct = lambda x: "-" if x is None else f"{x:+.1%}"        # noqa: E731
+    done = sum(w["completed"] for w in series)
+    sent = sum(w["requests"] for w in series)
+    return (f"soak: {s['windows']} windows of {s['window_s']:g} s at {s['rate']:g}/s: "
+            f"{done}/{sent} completed; after warm-up: RSS "
+            f"{pct(report['rss_growth_after_warmup'])}, "
+            f"fds {pct(report['fd_growth_after_warmup'])}, Redis memory "
+            f"{pct(report['redis_memory_growth_after_warmup'])}, p50 latency "
+            f"{pct(report['latency_drift'])}")
+
+
+def plot(report: dict, path: Path) -> None:
+    """RSS, open fds and latency p50/p99 against time, one panel each."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = report["series"]
+    t = [w["t_s"] for w in series]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(t, [w["rss_bytes"] / 2**20 for w in series], marker="o")
+    axes[0].set(title="gateway RSS", xlabel="seconds", ylabel="MiB")
+    axes[1].plot(t, [w["open_fds"] for w in series], marker="o")
+    axes[1].set(title="open file descriptors", xlabel="seconds")
+    for key in ("p50_latency_s", "p99_latency_s"):
+        axes[2].plot(t, [w[key] for w in series], marker="o", label=key[:3])
+    axes[2].set(title="end-to-end latency per window", xlabel="seconds", ylabel="seconds")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,85 @@
+"""Policy comparison: the pure parts on hand-made numbers, then a short fake-worker run of two
+policies, each in its own gateway process."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from loadtest.compare import comparison, policy_row, reduction, table, tenant_keys
+
+
+def _report(mean, p50, p99, completed=10, requests=10, ttft=(0.01, 0.02)):
+    stats = lambda m, a, b: {"mean": m, "p50": a, "p90": b, "p99": b}    # noqa: E731
+    return {"overall": {"e2e_s": stats(mean, p50, p99), "ttft_s": stats(None, *ttft),
+                        "requests": requests, "completed": completed, "errors_by_type": {},
+                        "output_tokens_per_s": 100.0},
+            "generator_lag_ms": {"p99": 1.0},
+            "samples": {"overall": {"e2e_s": [mean] * completed}}}
+
+
+@pytest.mark.parametrize("base, new, want", [
+    (2.0, 1.5, 0.25),          # laps 25% lower
+    (1.0, 1.0, 0.0),
+    (1.0, 1.2, -0.2),          # laps slower: negative
+    (0.0, 1.0, None),          # no base to divide by
+    (None, 1.0, None),
+    (1.0, None, None),
+])
+def test_reduction_table(base, new, want):
+    got = reduction(base, new)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+def test_comparison_rows_and_laps_reductions():
+    reps = {"fcfs": _report(2.0, 1.8, 8.0), "sjf": _report(1.0, 0.9, 5.0),
+            "laps": _report(1.5, 1.0, 4.0, completed=9)}
+    cmp = comparison(reps, {"rate": 1, "duration": 1})
+    laps = cmp["policies"]["laps"]
+    assert laps["mean_latency_s"] == 1.5 and laps["p50_latency_s"] == 1.0
+    assert laps["p99_latency_s"] == 4.0 and laps["completed"] == 9 and laps["errors"] == 1
+    assert laps["ttft_p50_s"] == 0.01 and laps["ttft_p99_s"] == 0.02
+    assert cmp["laps_reduction_vs"] == pytest.approx({"fcfs": 0.25, "sjf": -0.5})
+    assert cmp["laps_p99_reduction_vs"] == pytest.approx({"fcfs": 0.5, "sjf": 0.2})
+    assert len(cmp["samples"]["laps"]) == 9
+    assert "+25.0%" in table(cmp) and "-50.0%" in table(cmp)
+    # without laps there is nothing to reduce against
+    assert "laps_reduction_vs" not in comparison({"fcfs": reps["fcfs"]}, {})
+    assert policy_row(reps["fcfs"])["errors"] == 0
+
+
+def test_tenant_keys_are_fixed():
+    assert tenant_keys(2) == [("t0", "sk-loadtest-0"), ("t1", "sk-loadtest-1")]
+    with pytest.raises(ValueError):
+        tenant_keys(0)
+
+
+def test_fake_worker_compare_writes_json_and_plot(tmp_path):
+    from loadtest.compare import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
+    args = p.parse_args(["--policies", "fcfs,laps", "--fake-worker", "--fake-step-ms", "2",
+                         "--rate", "8", "--duration", "1.5", "--seed", "3", "--max-tokens", "8",
+                         "--workloads", "chat,copy", "--json", str(out), "--plot", str(png)])
+    assert run(args) == 0
+    rep = json.loads(out.read_text())
+    assert list(rep["policies"]) == ["fcfs", "laps"]
+    requests = {r["requests"] for r in rep["policies"].values()}
+    assert len(requests) == 1 and requests.pop() > 3        # the same arrivals for both
+    for row in rep["policies"].values():
+        assert {"mean_latency_s", "p50_latency_s", "p99_latency_s", "completed", "errors",
+                "ttft_p50_s", "ttft_p99_s"} <= set(row)
+        assert row["errors"] == 0 and row["completed"] == row["requests"], row["errors_by_type"]
+        assert 0 < row["p50_latency_s"] <= row["p99_latency_s"]
+    assert set(rep["laps_reduction_vs"]) == {"fcfs"}
+    assert png.stat().st_size > 1000
+
+
+def test_unknown_policy_is_refused():
+    from loadtest.compare import compare
+
+    with pytest.raises(ValueError, match="unknown policy"):
+        compare(["fifo"], {}, rate=1, duration=1)

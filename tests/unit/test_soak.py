@@ -1,0 +1,80 @@
+"""Soak: growth and drift arithmetic on hand-made series, then a short fake-worker run over a real
+Redis (three windows of 1.5 s)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from loadtest.soak import growth, growths, open_fds, rss_bytes, warnings, window_count
+
+
+@pytest.mark.parametrize("values, warmup, want", [
+    ([50, 100, 105, 110], 1, 0.10),      # the first window (warm-up) left out
+    ([50, 100, 105, 110], 0, 1.20),
+    ([100, 90], 1, -0.10),               # too few windows: the last but one is the base
+    ([100, 90], 5, -0.10),
+    ([7], 1, 0.0),                       # one window: no growth
+    ([], 1, None),
+    ([100, None, 110], 1, None),          # a missing value (e.g. no completed request)
+    ([1, 0, 5], 1, None),                 # no base to divide by
+])
+def test_growth_table(values, warmup, want):
+    got = growth(values, warmup)
+    assert got == pytest.approx(want) if want is not None else got is None
+
+
+def test_growths_and_warnings():
+    series = [{"rss_bytes": r, "open_fds": f, "redis_used_memory": None, "p50_latency_s": p}
+              for r, f, p in ((100, 10, 0.1), (200, 20, 0.2), (240, 20, 0.21))]
+    g = growths(series, 1)
+    assert set(g) == {"rss_growth_after_warmup", "fd_growth_after_warmup",
+                      "redis_memory_growth_after_warmup", "latency_drift"}
+    assert g["rss_growth_after_warmup"] == pytest.approx(0.2)
+    assert g["fd_growth_after_warmup"] == 0.0 and g["redis_memory_growth_after_warmup"] is None
+    assert g["latency_drift"] == pytest.approx(0.05)
+    lines = warnings(g, 0.10)
+    assert len(lines) == 1 and lines[0].startswith("WARN") and "rss_growth" in lines[0]
+
+
+def test_window_count():
+    assert window_count(0.075, 1.5) == 3
+    assert window_count(10, 30) == 20
+    assert window_count(0.001, 30) == 1
+    with pytest.raises(ValueError):
+        window_count(0, 30)
+
+
+def test_samplers_on_this_process():
+    assert rss_bytes(os.getpid()) > 10 * 2**20
+    assert open_fds(os.getpid()) >= 3
+
+
+def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
+    from loadtest.soak import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "soak.json"
+    args = p.parse_args(["--minutes", "0.075", "--window-s", "1.5", "--rate", "8",
+                         "--max-tokens", "8", "--fake-step-ms", "2", "--redis-url", redis_url,
+                         "--store-prefix", redis_prefix, "--json", str(out),
+                         "--plot", str(tmp_path / "soak.png")])
+    assert run(args) == 0
+    rep = json.loads(out.read_text())
+    series = rep["series"]
+    assert len(series) == 3 and [w["window"] for w in series] == [0, 1, 2]
+    for w in series:
+        assert w["rss_bytes"] > 0 and w["open_fds"] > 0
+        assert w["redis_used_memory"] > 0 and w["redis_keys"] > 0     # tenants, at least
+        assert w["requests"] > 0 and w["completed"] == w["requests"] and w["errors"] == 0
+        assert 0 < w["p50_latency_s"] <= w["p99_latency_s"]
+    assert series[0]["t_s"] < series[1]["t_s"] < series[2]["t_s"]
+    for key in ("rss_growth_after_warmup", "fd_growth_after_warmup",
+                "redis_memory_growth_after_warmup", "latency_drift"):
+        assert isinstance(rep[key], float)
+    assert rep["settings"]["redis"] is True and "redis_url" not in rep["settings"]["gateway"]
+    assert "soak: 3 windows" in capsys.readouterr().out
+    assert (tmp_path / "soak.png").stat().st_size > 1000
