@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Depends, Request
@@ -88,6 +89,9 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json(body: bytes) -> Any:
     """Request bytes → a JSON value, or ApiError 400 saying what is wrong with them."""
     try:
@@ -97,7 +101,13 @@ def parse_json(body: bytes) -> Any:
     if not text.strip():
         raise errors.invalid("the request body is empty; send a JSON object", code="invalid_body")
     try:
-        return json.loads(text, parse_constant=_no_constants)
+        obj = json.loads(text, parse_constant=_no_constants)
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")    # only pairs make characters
+        return obj
+    except UnicodeEncodeError:
+        raise errors.invalid("the request body is not valid JSON text: a \\u escape is an "
+                             "unpaired surrogate (\\ud800-\\udfff)", code="invalid_json") from None
     except json.JSONDecodeError as exc:
         raise errors.invalid(f"the request body is not valid JSON: {exc.msg} at line "
                              f"{exc.lineno} column {exc.colno}", code="invalid_json") from None

@@ -6,12 +6,17 @@ this returns.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
 
 from gateway.tenants import _NAME_RE, SpeculationPolicy, Tenant, hash_key
+
+_MAX_FLOAT = sys.float_info.max     # a weight must be a finite float (10**400 is an int, not one)
+_MAX_INT = 2**53                    # counts and limits: exact as floats (the limiter's arithmetic)
+
 
 class TenantsConfigError(ValueError):
     """A bad tenants file or tenant object. `path` locates the field (("tenants", 1, "rpm")),
@@ -52,8 +57,8 @@ def _int(obj: Mapping, key: str, path: tuple, default: int | None, *, minimum: i
     v = obj.get(key, default)
     if v is None and nullable:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum}"
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= _MAX_INT:
+        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum} (at most 2**53)"
                                  + (" or null" if nullable else "") + f", got {v!r}")
     return v
 
@@ -63,9 +68,20 @@ def _strings(obj: Mapping, key: str, path: tuple, default: Sequence[str]) -> lis
     if not isinstance(v, (list, tuple)):
         raise TenantsConfigError(path + (key,), f"must be a list of strings, got {type(v).__name__}")
     for i, s in enumerate(v):
-        if not isinstance(s, str) or not s:
-            raise TenantsConfigError(path + (key, i), "must be a non-empty string")
+        if not isinstance(s, str) or not s or not _is_unicode(s):
+            raise TenantsConfigError(path + (key, i),
+                                     "must be a non-empty string (of valid Unicode)")
     return list(v)
+
+
+def _is_unicode(s: str) -> bool:
+    """False for a string holding a lone surrogate (JSON "\\ud800"): it has no UTF-8 form, so it
+    could be neither stored nor sent back."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _speculation(obj: Any, path: tuple) -> SpeculationPolicy:
@@ -92,7 +108,7 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         raise TenantsConfigError(path + ("name",), "must be 1-64 letters, digits, '.', '_' or '-', "
                                  f"starting with a letter or digit; got {name!r}")
     weight = obj.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= _MAX_FLOAT:
         raise TenantsConfigError(path + ("weight",), f"must be a number > 0, got {weight!r}")
     digests: list[str] = []
     for i, key in enumerate(_strings(obj, "api_keys", path, ())):
