@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any, Collection, Iterable
 
+import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -150,6 +151,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return resp
 
 
+async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("state store unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return overloaded("the state store is unavailable; retry later", retry_after_s=1.0,
+                      code="store_unavailable").response()
+
+
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
     return ApiError(500, "internal server error", code="internal_error").response()
@@ -159,4 +166,6 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(redis.ConnectionError, _store_unavailable)   # Redis down: 503
+    app.add_exception_handler(redis.TimeoutError, _store_unavailable)
     app.add_exception_handler(Exception, _unexpected)

@@ -246,8 +246,8 @@ class StepLoop:
         ended_ids = {s.request_id for s in finished}
         touched = (set(appended) | before) - ended_ids
         updated = [self.state.requests[r] for r in touched if r in self.state.requests]
-        self.store.commit_step(StepWrite(appended=appended, updated=updated, ended=finished,
-                                         virtual_time=dict(self.state.virtual_time)))
+        self._persist(StepWrite(appended=appended, updated=updated, ended=finished,
+                                virtual_time=dict(self.state.virtual_time)))
         for rid, tokens in appended.items():
             self._emit(Delta(rid, tuple(tokens)))
         for s in finished:
@@ -305,9 +305,26 @@ class StepLoop:
         s = self.policy.remove(self.state, request_id, status, cause, self.clock())
         if s is None:
             return
-        self.store.commit_step(StepWrite(ended=[s]))
+        self._persist(StepWrite(ended=[s]))
         self._forget(request_id)
         self._emit(Finished(request_id, s.status, s.finish_reason, s, error))
+
+    def _persist(self, write: StepWrite) -> None:
+        """Write a step's changes, waiting out a store outage (Redis down or restarting): nothing
+        is streamed before it is stored, so the loop pauses rather than die or skip the write."""
+        delay = 0.01
+        while True:
+            try:
+                self.store.commit_step(write)
+                return
+            except (ValueError, TypeError):            # a bad write, not an outage
+                raise
+            except Exception as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning("state store write failed (%s); retrying in %.2f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(2 * delay, 0.5)
 
     def _forget(self, request_id: str) -> None:
         self._finish_times.append(self.clock())

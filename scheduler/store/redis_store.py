@@ -94,6 +94,7 @@ class RedisStore:
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
         # The writer's view: live id -> τ entries already stored (what the next step appends after).
         self._taus: dict[str, int] = {}
+        self._outs: dict[str, int] = {}         # live id -> output tokens already stored
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, *,
@@ -116,6 +117,7 @@ class RedisStore:
         if not seq:
             raise ValueError(f"request {rid!r} is already stored")
         self._taus[rid] = len(taus)
+        self._outs[rid] = len(outputs)
 
     def commit_step(self, step: StepWrite) -> None:
         if not step:
@@ -123,9 +125,15 @@ class RedisStore:
         known = self._taus
         check_step(step, known)                 # before any write: all or nothing
         pipe = self._r.pipeline(transaction=True)
+        # Idempotent: the lists are trimmed back to what this writer knows is stored before the
+        # push, so a write retried after its reply was lost (Redis restarting) adds nothing twice.
+        new_outs = {}
         for rid, tokens in step.appended.items():
             if tokens:
-                pipe.rpush(self._keys(rid)[1], *[int(t) for t in tokens])
+                out, stored = self._keys(rid)[1], self._outs.get(rid, 0)
+                self._trim(pipe, out, stored)
+                pipe.rpush(out, *[int(t) for t in tokens])
+                new_outs[rid] = stored + len(tokens)
         new_counts = {}
         for rid, s in step.stats_by_id().items():
             rec, _, tau = self._keys(rid)
@@ -140,8 +148,10 @@ class RedisStore:
                                              for a, v in step.virtual_time.items()})
         pipe.execute()
         known.update(new_counts)                # only once the server has it
+        self._outs.update(new_outs)
         for s in step.ended:
             known.pop(s.request_id, None)
+            self._outs.pop(s.request_id, None)
 
     @staticmethod
     def _push_history(pipe, key: str, stored: int, history: list[int]) -> int:
@@ -151,8 +161,17 @@ class RedisStore:
             pipe.delete(key)
             stored = 0
         if len(history) > stored:
+            RedisStore._trim(pipe, key, stored)
             pipe.rpush(key, *[int(t) for t in history[stored:]])
         return len(history)
+
+    @staticmethod
+    def _trim(pipe, key: str, keep: int) -> None:
+        """Queue cutting the list at `key` back to its first `keep` items."""
+        if keep:
+            pipe.ltrim(key, 0, keep - 1)
+        else:
+            pipe.delete(key)
 
     # ---- reads ------------------------------------------------------------------------------
     def load(self) -> StoredState:
@@ -175,6 +194,7 @@ class RedisStore:
                 if req is not None:             # evicted by a maxmemory policy: nothing to do
                     requests.append(req)
         self._taus = {r.request_id: len(r.stats.tau_history) for r in requests}
+        self._outs = {r.request_id: len(r.output_ids) for r in requests}
         return StoredState(requests, vt)
 
     def get(self, request_id: str) -> Request | None:
