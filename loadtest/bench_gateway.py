@@ -361,7 +361,7 @@ def _child_main(settings: dict, prompt: str, max_tokens: int, conn: Any) -> None
     try:
         with serving(settings, prompt, max_tokens) as target:
             conn.send(target.address)
-            while (msg := _recv(conn)) is not None and msg[0] != "stop":
+            while (msg := recv_or_none(conn)) is not None and msg[0] != "stop":
                 try:
                     if msg[0] not in _REMOTE_CALLS:
                         raise ValueError(f"unknown call {msg[0]!r}")
@@ -373,7 +373,8 @@ def _child_main(settings: dict, prompt: str, max_tokens: int, conn: Any) -> None
             conn.send(RuntimeError(f"the gateway process failed: {exc!r}"))
 
 
-def _recv(conn: Any) -> Any:
+def recv_or_none(conn: Any) -> Any:
+    """The next message on a multiprocessing pipe, or None once the other end is gone."""
     try:
         return conn.recv()
     except EOFError:

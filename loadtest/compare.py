@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from loadtest.bench_gateway import recv_or_none
 from loadtest.workload import WORKLOADS
 
 POLICIES = ("laps", "fcfs", "sjf", "las")
@@ -170,7 +171,7 @@ def gateway_process(settings: dict, tenants: list[tuple[str, str]],
     try:
         if not here.poll(start_timeout):
             raise RuntimeError(f"the gateway process did not start within {start_timeout:g} s")
-        answer = _recv(here)
+        answer = recv_or_none(here)
         if answer is None:
             raise RuntimeError(f"the gateway process died (exit code {child.exitcode})")
         if isinstance(answer, BaseException):
@@ -200,19 +201,12 @@ def _child_main(settings: dict, tenants: list[tuple[str, str]], conn: Any) -> No
         try:
             with background_server(emb.app) as url:
                 conn.send((url, os.getpid()))
-                _recv(conn)                         # "stop", or None: the parent is gone
+                recv_or_none(conn)                         # "stop", or None: the parent is gone
         finally:
             emb.stop()
     except Exception as exc:
         with contextlib.suppress(OSError):
             conn.send(RuntimeError(f"the gateway process failed: {exc!r}"))
-
-
-def _recv(conn: Any) -> Any:
-    try:
-        return conn.recv()
-    except EOFError:
-        return None
 
 
 # ---- output --------------------------------------------------------------------------------------
