@@ -151,10 +151,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return resp
 
 
+# Redis down or not answering: the client should retry (503), never see a 500. REST and gRPC both.
+STORE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+
+def store_unavailable() -> ApiError:
+    return overloaded("the state store is unavailable; retry later", retry_after_s=1.0,
+                      code="store_unavailable")
+
+
 async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
     log.warning("state store unavailable on %s %s: %s", request.method, request.url.path, exc)
-    return overloaded("the state store is unavailable; retry later", retry_after_s=1.0,
-                      code="store_unavailable").response()
+    return store_unavailable().response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -166,6 +174,6 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(redis.ConnectionError, _store_unavailable)   # Redis down: 503
-    app.add_exception_handler(redis.TimeoutError, _store_unavailable)
+    for store_error in STORE_ERRORS:                                       # Redis down: 503
+        app.add_exception_handler(store_error, _store_unavailable)
     app.add_exception_handler(Exception, _unexpected)

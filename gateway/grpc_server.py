@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import errors, schemas
 from gateway.deps import field_names
-from gateway.errors import ApiError
+from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
 from gateway.proto import specgate_pb2 as pb
 from gateway.proto import specgate_pb2_grpc as pb_grpc
 from gateway.service import GenerateInput, GenerateOutput, GenerationService
@@ -206,8 +206,10 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     An `ApiError` is a refusal written for clients: it keeps its message (REST's `error.message`),
     its type, param and code go in trailing metadata, and REST's `Retry-After` (whole seconds, on
     429 and 503) as `retry-after`. Any other exception is INTERNAL with REST's generic message:
-    no exception text, no stack trace.
+    no exception text, no stack trace. A state-store outage is REST's 503: UNAVAILABLE.
     """
+    if isinstance(exc, STORE_ERRORS):
+        exc = store_unavailable()
     if not isinstance(exc, ApiError):
         return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, ()
     trailers = [("error-type", exc.type)]
@@ -224,7 +226,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AbortError):       # the call is already aborted
         raise exc
-    if not isinstance(exc, ApiError):
+    if not isinstance(exc, (ApiError, *STORE_ERRORS)):
         log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
     code, details, trailers = status_of(exc)
     await context.abort(code, details, trailing_metadata=trailers)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import grpc
+import redis
 import pytest
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -264,6 +265,17 @@ def test_retry_after_travels_in_trailing_metadata(env, status, code, rpc):
         call(env.stub, rpc, pb.GenerateRequest(model=MODEL, prompt="p"))
     assert err.value.code() is code
     assert dict(err.value.trailing_metadata())["retry-after"] == "3"   # whole seconds, up, as REST
+
+
+@pytest.mark.parametrize("rpc", ["unary", "stream"])
+def test_a_state_store_outage_is_unavailable_with_retry_after_as_in_rest(env, rpc):
+    env.service.error = redis.ConnectionError("Error 111 connecting to 10.0.0.7:6379")
+    with pytest.raises(grpc.RpcError) as err:
+        call(env.stub, rpc, pb.GenerateRequest(model=MODEL, prompt="p"))
+    trailers = dict(err.value.trailing_metadata())
+    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert (trailers["error-code"], trailers["retry-after"]) == ("store_unavailable", "1")
+    assert "10.0.0.7" not in err.value.details()
 
 
 @pytest.mark.parametrize("rpc", ["unary", "stream"])
