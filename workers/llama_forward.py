@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers.cpu_linear import Linear, pick_backend
 from workers.kv_cache import KVCache
 
 
@@ -30,9 +31,9 @@ class Segment:
 
 
 class LlamaForward:
-    def __init__(self, hf_model, *, pack_rows: tuple[int, ...] | None = None):
-        """`pack_rows`: row counts to keep MKL pre-packed weight copies for (see `_Linear`); None:
-        (4, 8, 16, 32) for float32 on CPU, () elsewhere. Each bucket costs one more copy of the weights."""
+    def __init__(self, hf_model, *, gemm: str | None = None):
+        """`gemm`: the linears' weight layout, one of workers.cpu_linear.BACKENDS; None: the fastest
+        known for this machine, device and dtype (`pick_backend`)."""
         cfg = hf_model.config
         if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported by the lean forward; "
@@ -48,12 +49,10 @@ class LlamaForward:
         inner = hf_model.model
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
-        if pack_rows is None:
-            pack_rows = (4, 8, 16, 32) if self.device.type == "cpu" and self.dtype == torch.float32 else ()
-        self.pack_rows = tuple(pack_rows)
+        self.gemm = pick_backend(self.device, self.dtype, gemm)
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()              # [V, H]
-            self.lm_head = _Linear(hf_model.lm_head.weight, None, self.pack_rows)   # [V, H]
+            self.lm_head = Linear(hf_model.lm_head.weight, None, self.gemm)   # [V, H]
             self.final_norm = inner.norm.weight.detach()                 # [H]
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.cos, self.sin = self._rope_tables(inner.rotary_emb)     # [P, D] each
@@ -61,17 +60,17 @@ class LlamaForward:
     def _layer_weights(self, layer) -> dict:
         att, mlp = layer.self_attn, layer.mlp
         # Fusing q/k/v and gate/up into one matmul each halves the per-layer op count.
-        qkv_bias, b = None, self.pack_rows
+        qkv_bias, b = None, self.gemm
         if att.q_proj.bias is not None:
             qkv_bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
         return {
             "ln1": layer.input_layernorm.weight.detach(),
-            "wqkv": _Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
+            "wqkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
                             qkv_bias, b),                                             # [(Hq+2Hkv)D, H]
-            "wo": _Linear(att.o_proj.weight, None, b),                                # [H, HqD]
+            "wo": Linear(att.o_proj.weight, None, b),                                # [H, HqD]
             "ln2": layer.post_attention_layernorm.weight.detach(),
-            "wgu": _Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, b),  # [2I, H]
-            "wdown": _Linear(mlp.down_proj.weight, None, b),                          # [H, I]
+            "wgu": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, b),  # [2I, H]
+            "wdown": Linear(mlp.down_proj.weight, None, b),                          # [H, I]
         }
 
     def _rope_tables(self, rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,48 +139,6 @@ class LlamaForward:
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
-
-
-class _Linear:
-    """y = x W^T (+ b) for a packed-rows input x: [M, in] -> [M, out].
-
-    Why several copies of the weight on CPU: MKL's sgemm re-packs the weight on every call, which
-    for the few rows of a verification step costs more than the arithmetic (30 layers' linears,
-    fp32, 2 threads, measured here: 1-2 rows 16 ms, 4 rows 28 ms, 8 rows 37 ms, 16 rows 43 ms).
-    Copies pre-packed once for calls of 4, 8 and 16 rows (`torch.ops.mkl._mkl_linear`, which
-    only uses a copy for its exact row count, so inputs are zero-padded up to the next bucket)
-    take 20, 25 and 29 ms. One or two rows (plain decoding) and more than 16 rows use the plain
-    layout, which is as fast there. The price is memory: one extra weight copy per bucket.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 buckets: tuple[int, ...] = ()):
-        self.weight = weight.detach().contiguous()           # [out, in]
-        self.bias = None if bias is None else bias.detach().contiguous()
-        packed = {rows: _pack(self.weight, rows) for rows in sorted(buckets)}
-        self.packed = {rows: p for rows, p in packed.items() if p is not None}
-        # rows 0..max bucket -> the bucket that serves them (None: the plain layout)
-        top = max(self.packed, default=0)
-        self._bucket = [next((b for b in self.packed if b >= m), None) if m >= 3 else None
-                        for m in range(top + 1)]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        rows = self._bucket[m] if m < len(self._bucket) else None
-        if rows is None:
-            return F.linear(x, self.weight, self.bias)
-        if m < rows:
-            x = torch.cat([x, x.new_zeros(rows - m, x.shape[1])])   # [rows, in]
-        y = torch.ops.mkl._mkl_linear(x.contiguous(), self.packed[rows], self.weight, self.bias, rows)
-        return y[:m]
-
-
-def _pack(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """MKL's pre-packed copy of a float32 CPU weight, or None where there is no such path."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not torch._C.has_mkl:
-        return None
-    op = getattr(torch.ops.mkl, "_mkl_reorder_linear_weight", None)
-    return None if op is None else op(weight, rows)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

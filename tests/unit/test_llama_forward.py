@@ -1,14 +1,22 @@
 """The lean forward against transformers (the reference), on a tiny random Llama, float32."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.conftest import tiny_llama
+from workers.cpu_linear import _usable_backends
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree, ancestor_mask, depths
 from workers.verifier import _tree_mask
 
 ATOL = 1e-4
+
+
+@pytest.fixture(params=_usable_backends(torch.device("cpu"), torch.float32))
+def gemm(request) -> str:
+    """Every weight layout this machine can run: each must match transformers."""
+    return request.param
 
 
 def causal(n: int) -> torch.Tensor:
@@ -37,30 +45,30 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
-def test_full_sequence_matches_transformers(tiny_model):
-    lf = LlamaForward(tiny_model)
+def test_full_sequence_matches_transformers(tiny_model, gemm):
+    lf = LlamaForward(tiny_model, gemm=gemm)
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     cache = lf.new_cache(64)
     out = lf.forward(torch.tensor(ids), torch.arange(40), [Segment(cache, 0, 40, causal(40))], torch.arange(40))
     assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
 
 
-def test_qkv_bias_models_match_transformers():
+def test_qkv_bias_models_match_transformers(gemm):
     model = tiny_llama(3, attention_bias=True)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.bias.normal_(0, 0.5)
             layer.self_attn.k_proj.bias.normal_(0, 0.5)
-    lf = LlamaForward(model)
+    lf = LlamaForward(model, gemm=gemm)
     ids = list(range(5, 25))
     out = lf.forward(torch.tensor(ids), torch.arange(20), [Segment(lf.new_cache(32), 0, 20, causal(20))],
                      torch.arange(20))
     assert torch.allclose(out, hf_logits(model, ids), atol=ATOL)
 
 
-def test_tree_logits_equal_each_branch_alone(tiny_model):
+def test_tree_logits_equal_each_branch_alone(tiny_model, gemm):
     """Every tree node's logits equal running context + root + that node's branch alone."""
-    lf = LlamaForward(tiny_model)
+    lf = LlamaForward(tiny_model, gemm=gemm)
     context = list(range(10, 40))
     root = 7
     tree = TokenTree(tokens=(5, 9, 11, 6, 13, 17, 19), parents=(-1, 0, 0, -1, 3, 4, 1))
@@ -73,8 +81,8 @@ def test_tree_logits_equal_each_branch_alone(tiny_model):
     assert torch.allclose(out[0], hf_logits(tiny_model, context + [root])[-1], atol=ATOL)
 
 
-def test_packed_requests_of_different_lengths_match_alone(tiny_model):
-    lf = LlamaForward(tiny_model)
+def test_packed_requests_of_different_lengths_match_alone(tiny_model, gemm):
+    lf = LlamaForward(tiny_model, gemm=gemm)
     contexts = [list(range(3, 20)), list(range(30, 35)), list(range(50, 90))]
     trees = [TokenTree((4, 6, 8), (-1, 0, 0)), TokenTree.empty(), TokenTree.chain([9, 10, 11, 12])]
     segments, ids, pos, start = [], [], [], 0
@@ -94,9 +102,9 @@ def test_packed_requests_of_different_lengths_match_alone(tiny_model):
             assert torch.allclose(out[seg.start: seg.start + seg.rows], full, atol=ATOL)
 
 
-def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model):
+def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model, gemm):
     """After committing a path, the next pass equals a fresh run over the committed sequence."""
-    lf = LlamaForward(tiny_model)
+    lf = LlamaForward(tiny_model, gemm=gemm)
     context = list(range(20, 32))
     root = 3
     tree = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, -1, 1, 2, 0))  # path 1 -> 2 -> 3 is "accepted"

@@ -1,0 +1,59 @@
+"""The linears' weight layouts: each agrees with F.linear for any row count; the choice per machine."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workers.cpu_linear as cl
+from workers.cpu_linear import Linear, pick_backend
+
+CPU = torch.device("cpu")
+USABLE = cl._usable_backends(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("backend", USABLE)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_layout_matches_f_linear_for_any_row_count(backend, with_bias):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 40, generator=g)                     # [out, in]
+    bias = torch.randn(96, generator=g) if with_bias else None
+    lin = Linear(weight, bias, backend)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32, 33, 100):   # in, between and past the MKL buckets
+        x = torch.randn(rows, 40, generator=g)
+        y = lin(x)
+        assert y.shape == (rows, 96)
+        assert torch.allclose(y, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5), (backend, rows)
+
+
+def test_onednn_layout_replaces_the_plain_weight():
+    if "onednn" not in USABLE:
+        pytest.skip("no oneDNN in this torch build")
+    lin = Linear(torch.randn(8, 4), None, "onednn")
+    assert lin.weight is None and lin.mkl == {}      # one copy of the weights, not two
+
+
+def test_override_and_environment_choose_the_backend(monkeypatch):
+    for backend in USABLE:
+        assert pick_backend(CPU, torch.float32, backend) == backend
+        monkeypatch.setenv("SPECGATE_CPU_GEMM", backend)
+        assert pick_backend(CPU, torch.float32) == backend
+    monkeypatch.setenv("SPECGATE_CPU_GEMM", "fastest")
+    with pytest.raises(ValueError, match="SPECGATE_CPU_GEMM"):
+        pick_backend(CPU, torch.float32)
+
+
+def test_auto_follows_the_cpu_vendor(monkeypatch):
+    monkeypatch.delenv("SPECGATE_CPU_GEMM", raising=False)
+    monkeypatch.setattr(cl, "_cpu_vendor", lambda: "GenuineIntel")
+    assert pick_backend(CPU, torch.float32) == ("mkl" if "mkl" in USABLE else "plain")
+    monkeypatch.setattr(cl, "_cpu_vendor", lambda: "AuthenticAMD")
+    assert pick_backend(CPU, torch.float32) == ("onednn" if "onednn" in USABLE else "plain")
+
+
+def test_layouts_that_cannot_serve_fall_back_to_plain():
+    # bf16 on CPU already runs through oneDNN, and other devices have their own BLAS.
+    assert pick_backend(CPU, torch.bfloat16, "mkl") == "plain"
+    assert pick_backend(torch.device("meta"), torch.float32, "onednn") == "plain"
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        Linear(torch.randn(2, 2), None, "blas")
