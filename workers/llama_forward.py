@@ -50,6 +50,10 @@ class LlamaForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
+        # KV and attention in float32 when the weights are bf16 on CPU: torch's bf16 flash attention
+        # there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1 row: whole forward
+        # 26-30 ms with bf16 attention, 16-18 ms with fp32), and the KV of a small model is small.
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else self.dtype
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()              # [V, H]
             self.lm_head = Linear(hf_model.lm_head.weight, None, self.gemm)   # [V, H]
@@ -81,7 +85,7 @@ class LlamaForward:
         return cos[0].contiguous(), sin[0].contiguous()
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
@@ -125,17 +129,17 @@ class LlamaForward:
         cache.k[li, :, cache.length:end] = k[lo: lo + n].transpose(0, 1)   # [Hkv, n, D]
         cache.v[li, :, cache.length:end] = v[lo: lo + n].transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            q[lo: lo + n].transpose(0, 1)[None],         # [1, Hq, n, D]
+            q[lo: lo + n].transpose(0, 1)[None].to(self.kv_dtype),   # [1, Hq, n, D]
             cache.k[li, :, :end][None],                  # [1, Hkv, S, D]
             cache.v[li, :, :end][None],
             attn_mask=mask, enable_gqa=True)             # out: [1, Hq, n, D]
-        return out[0].transpose(0, 1)                    # [n, Hq, D]
+        return out[0].transpose(0, 1).to(self.dtype)     # [n, Hq, D]
 
     def _full_mask(self, seg: Segment) -> torch.Tensor:
         # Every new row sees the whole committed context; among new rows, the segment's own mask.
         # NOTE: the mask must be additive float: a boolean mask is silently wrong under eager attention.
-        past = torch.zeros(seg.rows, seg.cache.length, dtype=self.dtype, device=self.device)
-        return torch.cat([past, seg.mask.to(self.dtype)], dim=1)    # [rows, length + rows]
+        past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
+        return torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}

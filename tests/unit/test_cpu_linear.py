@@ -52,8 +52,19 @@ def test_auto_follows_the_cpu_vendor(monkeypatch):
 
 
 def test_layouts_that_cannot_serve_fall_back_to_plain():
-    # bf16 on CPU already runs through oneDNN, and other devices have their own BLAS.
-    assert pick_backend(CPU, torch.bfloat16, "mkl") == "plain"
+    # Other devices have their own BLAS.
+    assert pick_backend(CPU, torch.bfloat16, "mkl") == "plain"   # MKL packs float32 only
+    assert pick_backend(CPU, torch.float16, "onednn") == "plain"
     assert pick_backend(torch.device("meta"), torch.float32, "onednn") == "plain"
     with pytest.raises(ValueError, match="unknown GEMM backend"):
         Linear(torch.randn(2, 2), None, "blas")
+
+
+@pytest.mark.parametrize("backend", cl._usable_backends(CPU, torch.bfloat16))
+def test_bf16_layouts_match_f_linear(backend):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 40, generator=g).to(torch.bfloat16)
+    lin = Linear(weight, None, backend)
+    for rows in (1, 2, 7, 16, 33):
+        x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
+        assert torch.allclose(lin(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2), (backend, rows)

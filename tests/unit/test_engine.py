@@ -118,3 +118,25 @@ def test_generation_near_the_context_limit_stops_at_the_limit(forward):
     eng = Engine(Verifier(forward), create_drafter("ngram"), TreeBudget(8, 8))
     res = eng.generate([GenerationRequest("a", tuple([5, 6, 7] * 169), 50)])[0]  # 507 of 512 positions
     assert len(res.token_ids) == 5 and res.finish_reason == "length"
+
+
+def test_bf16_speculation_equals_own_plain_bf16_decoding_except_near_ties():
+    """bf16 lossless: speculative greedy = the same engine's plain bf16 greedy, or a near-tie.
+
+    The bf16 forward keeps KV and attention in float32 on CPU and its linears in oneDNN's packed
+    layout; neither may make a tree pass disagree with a one-token pass beyond bf16 rounding.
+    """
+    import torch
+
+    from tests.conftest import tiny_llama
+    from workers.near_tie import classify
+
+    fwd = LlamaForward(tiny_llama().to(torch.bfloat16))
+    assert fwd.kv_dtype == torch.float32 and fwd.new_cache(4).k.dtype == torch.float32
+    ps = prompts()
+    plain = run(fwd, NoneDrafter(), greedy_requests(ps), adaptive=False)
+    spec = run(fwd, create_drafter("ngram"), greedy_requests(ps), TreeBudget(16, 8), adaptive=False)
+    verdicts = [classify(fwd, p, s.token_ids, q.token_ids) for p, s, q in zip(ps, spec, plain)]
+    assert "divergent" not in verdicts, verdicts
+    assert verdicts.count("identical") >= len(ps) // 2, verdicts
+    assert sum(r.accepted for r in spec) > 0          # the trees really were verified
