@@ -119,7 +119,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # so cancels the request. A suspended generator would be closed only when collected.
         stream = None
         try:
-            stream = self.service.stream(self._input(request, context))   # admits, or raises
+            stream = await self.service.open_stream(self._input(request, context))   # admits, or raises
             await context.send_initial_metadata((("request-id", stream.request_id),))
             async for item in stream:
                 if isinstance(item, GenerateOutput):

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from gateway.app import build_app
@@ -57,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     # testing and gateway benchmarks: the scheduler's fake worker and a stand-in tokenizer
+    p.add_argument("--ray", action="store_true", help="run as a Ray Serve application on a local Ray "
+                   "cluster (ingress, scheduler and verifier deployments; needs a Redis URL)")
+    p.add_argument("--config", type=Path, help="with --ray: a Serve config file "
+                   "(e.g. deploy/serve/specgate.yaml); flags override its settings")
     p.add_argument("--fake-worker", action="store_true", default=None, help=argparse.SUPPRESS)
     p.add_argument("--fake-step-ms", type=float, help=argparse.SUPPRESS)
 
@@ -112,13 +117,16 @@ def scheduler_prefix(settings: Settings) -> str:
     return f"{settings.store_prefix}sched:{settings.replica_id}:"
 
 
-def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None) -> Embedded:
+def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None,
+                   target: tuple | None = None) -> Embedded:
     """Everything but the listening: `runtime` (a `workers.runtime.Runtime` already loaded, e.g.
-    by a test or a benchmark) is used instead of loading `settings.model`."""
+    by a test or a benchmark) is used instead of loading `settings.model`; `target` (tokenizer,
+    worker, stop token ids, step-cost model) replaces the model altogether (Ray mode's scheduler
+    drives verifier replicas through `gateway.verifier_pool.VerifierPool`)."""
     from gateway.limits import Limiter
     from gateway.tenants import TenantRegistry, new_api_key
 
-    tokenizer, worker, stop_ids, step_cost = _target(settings, progress, runtime)
+    tokenizer, worker, stop_ids, step_cost = target or _target(settings, progress, runtime)
     metrics = GatewayMetrics()
     max_resident = max(settings.max_resident, settings.max_batch)
     # The policy starts a new request only while KV room is left, so the loop never has to evict
@@ -172,17 +180,26 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
         worker = PacedFakeWorker(settings.fake_step_ms / 1000, context_limit=settings.fake_context)
         return tok, worker, {tok.eos_token_id}, None
     from scheduler.profile import StepCostModel
-    from workers.batch_worker import BatchWorker
     from workers.runtime import load_runtime
 
     rt = runtime or load_runtime(settings.model, dtype=settings.dtype, progress=progress)
-    worker = BatchWorker(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes)),
-                         default_drafter=settings.drafter_names[0],
-                         speculation=rt.speculation_config())
-    return rt.tokenizer, worker, rt.stop_token_ids, StepCostModel.from_json()
+    return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, StepCostModel.from_json()
+
+
+def batch_worker(settings: Settings, rt: Any) -> Any:
+    """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray)."""
+    from workers.batch_worker import BatchWorker
+
+    return BatchWorker(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes)),
+                       default_drafter=settings.drafter_names[0],
+                       speculation=rt.speculation_config())
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", False):
+        from gateway import ray_cmd
+        given = {k: getattr(args, k) for k in _FLAGS if getattr(args, k, None) is not None}
+        return ray_cmd.run(args, {k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
     settings = settings_from_args(args)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

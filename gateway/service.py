@@ -142,6 +142,11 @@ class GenerationService:
             await stream.aclose()
         raise AssertionError("a stream ends with its GenerateOutput")
 
+    async def open_stream(self, inp: GenerateInput) -> "RequestStream":
+        """`stream`, awaitable: the call the routers make, so a remote service (Ray mode's
+        `gateway.remote.RemoteService`) can admit the request over the network first."""
+        return self.stream(inp)
+
     def stream(self, inp: GenerateInput) -> "RequestStream":
         """Admit the request (raises ApiError) and return its event iterator. Call it on the
         event loop that will iterate it (the loop's thread posts events there)."""

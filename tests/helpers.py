@@ -66,3 +66,27 @@ class OracleDrafter:
 
     def release(self, request_id: str) -> None:
         pass
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def tiny_model_dir(path, seed: int = 0):
+    """A Hugging Face model directory holding a tiny random Llama that speaks the default model's
+    tokenizer (copied from its cached directory): real text in and out, steps of a millisecond or
+    two. For tests that load a model by path in other processes (Ray replicas, a served gateway)."""
+    import shutil
+    from pathlib import Path
+
+    from tests.conftest import tiny_llama
+    from workers.loader import resolve_model
+
+    source = resolve_model(progress=False)
+    path = Path(path)
+    model = tiny_llama(seed, vocab=49152, max_positions=2048)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, path / name)
+    return path

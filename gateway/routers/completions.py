@@ -25,7 +25,7 @@ async def create_completion(request: Request, tenant: TenantDep, service: Servic
     if not body.stream:
         out = await until_disconnected(request, service.generate(inp))
         return schemas.completion_body(out, body.model, created)
-    stream = service.stream(inp)
+    stream = await service.open_stream(inp)
     rid, model = stream.request_id, body.model
     extra = {"usage": None} if body.include_usage else {}
 

@@ -93,7 +93,7 @@ class FakeService:
             raise self.error
         return output()
 
-    def stream(self, inp: GenerateInput) -> "FakeStream":
+    async def open_stream(self, inp: GenerateInput) -> "FakeStream":
         self.inputs.append(inp)
         if self.error is not None and not self.error_after_first:
             raise self.error

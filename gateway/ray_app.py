@@ -1,0 +1,239 @@
+"""Ray Serve mode: the same gateway, scheduler and workers as the embedded mode, as deployments.
+
+    ingress (FastAPI gateway, N replicas) --stream--> scheduler (1 replica: GenerationService,
+        StepLoop, policy, state in Redis) --one call per replica per step--> verifier (M replicas:
+        BatchWorker = drafter + lean forward + KV; one GPU each when `num_gpus` is set)
+
+Every class below wraps an embedded-mode class and adds no logic of its own: the ingress builds
+the app with `gateway.app.build_app` over a `RemoteService`; the scheduler builds the embedded
+service with `serve_cmd.build_embedded`, its worker being a `VerifierPool`; a verifier replica
+runs `serve_cmd.batch_worker`. Topology lives in `build` alone (STYLE: builders decide topology).
+Use it from Python (`serve.run(build(RayAppConfig(...)))`), from a Serve config file
+(`import_path: gateway.ray_app:app_builder`, see deploy/serve/specgate.yaml), or with
+`specgate serve --ray [--config FILE]`.
+
+Drafting runs inside the verifier replicas for now (the drafter's per-request index lives next
+to the request's KV); separately scaled draft workers are not built yet.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter, defaultdict
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from gateway.settings import Settings
+
+SCHEDULER, VERIFIER, INGRESS = "scheduler", "verifier", "ingress"
+SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
+
+
+class DeploymentOptions(BaseModel):
+    """Per-deployment Serve options (a subset, typed)."""
+    num_replicas: int | None = Field(1, ge=1)          # None with autoscaling
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(64, ge=1)
+    autoscaling_config: dict[str, Any] | None = None   # Serve's own keys (min/max_replicas, ...)
+    health_check_period_s: float = Field(10.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+
+
+class RayAppConfig(BaseModel):
+    """Everything `build` needs. `settings` are the embedded gateway's settings (`SPECGATE_*`
+    environment variables fill what is left out); Ray mode needs `redis_url`, where the scheduler's
+    requests, the tenants and the rate limits live for every replica to see."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    ingress: DeploymentOptions = DeploymentOptions(num_replicas=2, num_cpus=0.1)
+    scheduler: DeploymentOptions = DeploymentOptions(num_cpus=0.2)
+    verifier: DeploymentOptions = DeploymentOptions(num_replicas=1, num_cpus=1.0)
+    route_prefix: str = "/"
+
+    def gateway_settings(self) -> Settings:
+        settings = Settings(**self.settings)
+        if not settings.redis_url:
+            raise ValueError("Ray mode needs a Redis URL (settings.redis_url or SPECGATE_REDIS_URL): "
+                             "every replica reads the tenants, limits and requests from there")
+        return settings
+
+
+# ---- the deployments' classes (plain classes; `build` turns them into deployments) ---------------
+class VerifierServer:
+    """One verifier replica: the embedded mode's BatchWorker (drafter, lean forward, KV caches)."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        from ray import serve
+
+        from gateway.serve_cmd import batch_worker
+        from workers.runtime import load_runtime
+
+        s = Settings(**settings)
+        self.runtime = load_runtime(s.model, dtype=s.dtype, progress=False)
+        self.worker = batch_worker(s, self.runtime)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._lock = threading.Lock()          # one call at a time touches the KV caches
+        # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)
+        self.served: dict[str, Counter] = defaultdict(Counter)
+
+    def describe(self, *, replica: str | None = None) -> dict[str, Any]:
+        return {"context_limit": self.worker.context_limit,
+                "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id}
+
+    def prefill(self, request_id: str, token_ids: list[int], *, prompt_len: int, sampling: Any,
+                max_new_tokens: int, tenant: str, drafter: str | None, replica: str | None,
+                loads: Any = None, assigned: Any = None, release: dict | None = None) -> str:
+        with self._lock:
+            self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
+            self._note(request_id, "prefill")
+            self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
+                                max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
+        return self.replica_id
+
+    def step(self, items: list, *, replica: str, release: list[str] = ()) -> list:
+        with self._lock:
+            self._release(release)
+            for item in items:
+                self._note(item.request_id, "step")
+            return self.worker.step(items)
+
+    def release(self, request_ids: list[str], *, replica: str) -> None:
+        with self._lock:
+            self._release(request_ids)
+
+    def resident(self, *, replica: str | None = None) -> list[str]:
+        with self._lock:
+            return self.worker.resident()
+
+    def served_requests(self, *, replica: str | None = None) -> dict[str, dict[str, int]]:
+        """What this replica has served, per request (call with `replica=` to ask a given one)."""
+        with self._lock:
+            return {rid: dict(c) for rid, c in self.served.items()}
+
+    def _note(self, request_id: str, call: str) -> None:
+        if request_id not in self.served and len(self.served) >= SERVED_KEPT:
+            del self.served[next(iter(self.served))]            # the oldest: bounded memory
+        self.served[request_id][call] += 1
+
+    def _release(self, request_ids) -> None:
+        for rid in request_ids:
+            self.worker.release(rid)
+
+
+class SchedulerServer:
+    """The one scheduler replica: the embedded service and step loop, over the verifier replicas."""
+
+    async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
+        from gateway.remote import SchedulerEndpoint
+        from gateway.serve_cmd import build_embedded
+        from gateway.verifier_pool import VerifierPool
+        from scheduler.profile import StepCostModel
+        from workers.loader import load_tokenizer, resolve_model
+
+        s = Settings(**settings)
+        info = await verifier.describe.remote()
+        tokenizer = await asyncio.to_thread(load_tokenizer, str(resolve_model(s.model, progress=False)),
+                                            progress=False)
+        self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
+        target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]), StepCostModel.from_json())
+        self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target)
+        self.endpoint = SchedulerEndpoint(self.embedded.service)
+        self.embedded.start()
+
+    async def generate(self, inp: Any) -> tuple:
+        return await self.endpoint.generate(inp)
+
+    async def stream(self, inp: Any):
+        async for message in self.endpoint.stream(inp):
+            yield message
+
+    def ready(self) -> bool:
+        return self.embedded.service.ready()
+
+    def homes(self) -> dict[str, str]:
+        """Request id -> verifier replica for the requests resident now (a diagnostic)."""
+        return dict(self.pool.home)
+
+    def calls(self) -> dict[str, int]:
+        return dict(self.pool.calls)
+
+    def check_health(self) -> None:
+        if not self.embedded.loop_alive():
+            raise RuntimeError("the step loop has stopped")
+
+    def __del__(self) -> None:
+        embedded = getattr(self, "embedded", None)
+        if embedded is not None:
+            embedded.stop()
+
+
+class IngressServer:
+    """An ingress replica: the embedded mode's FastAPI app, its service remote."""
+
+    def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
+        from gateway.remote import RemoteService
+
+        self.settings = Settings(**settings)
+        self.scheduler = scheduler
+        self.service = RemoteService(scheduler, models=[self.settings.model_id])
+        self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.service.refresh()
+            await asyncio.sleep(1.0 if self.service.ready() else 0.2)
+
+    def __serve_build_asgi_app__(self):
+        from gateway.app import build_app
+        from gateway.limits import Limiter
+        from gateway.metrics import GatewayMetrics
+        from gateway.tenants import TenantRegistry
+
+        s = self.settings
+        if s.tenants_file is not None:
+            tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
+        else:
+            tenants = TenantRegistry(s.redis_url, s.store_prefix)
+        limiter = Limiter(s.redis_url, s.store_prefix)
+        return build_app(s, self.service, tenants, limiter, GatewayMetrics())
+
+
+# ---- the builder ----------------------------------------------------------------------------------
+def build(config: RayAppConfig):
+    """The Serve application: ingress → scheduler → verifier."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    settings = config.gateway_settings().model_dump(mode="json", exclude_none=True)
+    settings["admin_key"] = _secret(config.gateway_settings().admin_key)
+    settings = {k: v for k, v in settings.items() if v is not None}
+    verifier = _deployment(VerifierServer, VERIFIER, config.verifier, request_router_config=RequestRouterConfig(
+        request_router_class="gateway.ray_routing:KVAffinityRouter")).bind(settings)
+    scheduler = _deployment(SchedulerServer, SCHEDULER, config.scheduler).bind(settings, verifier)
+    ingress = _deployment(serve.ingress()(IngressServer), INGRESS, config.ingress)
+    return ingress.bind(settings, scheduler)
+
+
+def app_builder(args: dict[str, Any]):
+    """For a Serve config file's `import_path`: `args` is a `RayAppConfig` as a mapping."""
+    return build(RayAppConfig(**(args or {})))
+
+
+def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):
+    from ray import serve
+
+    options: dict[str, Any] = dict(
+        name=name, max_ongoing_requests=opts.max_ongoing_requests,
+        ray_actor_options={"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus},
+        health_check_period_s=opts.health_check_period_s,
+        graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s, **extra)
+    if opts.autoscaling_config is not None:
+        options["autoscaling_config"] = opts.autoscaling_config
+    else:
+        options["num_replicas"] = opts.num_replicas
+    return serve.deployment(cls, **options)
+
+
+def _secret(value: Any) -> str | None:
+    return None if value is None else value.get_secret_value()

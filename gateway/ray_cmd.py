@@ -1,0 +1,79 @@
+"""`specgate serve --ray [--config FILE]`: the Ray Serve application on a local Ray cluster.
+
+    specgate serve --ray --redis-url redis://127.0.0.1:6379/0           # defaults, flags apply
+    specgate serve --ray --config deploy/serve/specgate.yaml            # a Serve config file
+
+A config file is a Serve config (`applications[0].args` is a `gateway.ray_app.RayAppConfig`, its
+`http_options` the listening address); flags given on the command line override its settings.
+On a cluster that is already running, deploy the same file with Ray's own `serve deploy FILE`.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gateway.ray_app import RayAppConfig, build
+from gateway.settings import Settings
+
+APP_NAME = "specgate"
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[RayAppConfig, dict[str, Any]]:
+    """(the application's config, Serve's http_options) from a Serve config file and flags."""
+    http: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    if path is not None:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        apps = doc.get("applications") or []
+        if len(apps) != 1:
+            raise ValueError(f"{path}: expected one application, found {len(apps)}")
+        args = apps[0].get("args") or {}
+        http = dict(doc.get("http_options") or {})
+    cfg = RayAppConfig(**args)
+    cfg.settings.update(overrides)
+    s = cfg.gateway_settings()                     # validates, and needs a Redis URL
+    if "host" in overrides or "host" not in http:
+        http["host"] = s.host
+    if "port" in overrides or "port" not in http:
+        http["port"] = s.port
+    return cfg, http
+
+
+def run(args: Any, overrides: dict[str, Any]) -> int:
+    import ray
+    from ray import serve
+
+    from gateway.tenants import TenantRegistry
+
+    try:
+        cfg, http = load_config(getattr(args, "config", None), overrides)
+    except (ValueError, OSError) as e:
+        print(f"specgate serve --ray: {e}", file=sys.stderr)
+        return 2
+    settings: Settings = cfg.gateway_settings()
+    tenants = (TenantRegistry.from_file(settings.tenants_file, settings.redis_url, settings.store_prefix)
+               if settings.tenants_file else TenantRegistry(settings.redis_url, settings.store_prefix))
+    dev_key = tenants.ensure_dev_tenant()
+    ray.init(include_dashboard=False, logging_level="warning")
+    try:
+        serve.start(http_options=http)
+        serve.run(build(cfg), name=APP_NAME, route_prefix=cfg.route_prefix)
+        if dev_key:
+            print(f"specgate: dev tenant API key: {dev_key}", file=sys.stderr)
+        print(f"specgate: Ray Serve app {APP_NAME!r} serving {settings.model_id} on "
+              f"http://{http['host']}:{http['port']} (Ctrl-C stops it)", file=sys.stderr)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

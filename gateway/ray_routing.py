@@ -1,0 +1,49 @@
+"""KV affinity on Ray Serve: a request router for the verifier deployment.
+
+Why Serve's custom request routing (`RequestRouter`, alpha in Ray 2.60) and not multiplexing or
+one deployment per GPU: multiplexing routes by a model id with a best-effort timeout and falls back
+to any replica, which would send a verification to a replica without the request's KV; a
+deployment per replica gives up Serve's replica management and autoscaling. A router sees the
+call's arguments and every running replica, so it can honour a pin exactly and still let Serve
+add, replace and drain replicas.
+
+Rules (`rank_replicas`, pure):
+- a call naming `replica=<id>` (every call after a request's prefill, see `VerifierPool`) goes to
+  that replica; if it is gone, to the others, whose answer says the request is not resident;
+- a call naming none (a new request's prefill) goes to the replica holding the fewest requests,
+  from the `loads` the call carries: the one scheduler knows where every request lives (Serve's
+  own routing stats are refreshed only every few seconds, so a burst would all land on one
+  replica); a replica it has not used yet holds none. Ties go to the replica given the fewest
+  requests so far (`assigned`), so sequential requests alternate, then by replica id.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+
+def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[str, int] | None = None,
+                  assigned: Mapping[str, int] | None = None) -> list[list[str]]:
+    """Replica ids in ranks of preference, from the running replicas, the call's pin and loads.
+
+    >>> rank_replicas(["a", "b", "c"], "a", {"a": 3, "b": 1})
+    [['a']]
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}), rank_replicas(["a", "b", "c"], "gone", {"a": 3, "b": 1})
+    ([['c'], ['b'], ['a']], [['c'], ['b'], ['a']])
+    >>> rank_replicas(["a", "b"], None, {}, {"a": 5, "b": 4})
+    [['b'], ['a']]
+    """
+    if pinned is not None and pinned in replicas:
+        return [[pinned]]
+    loads, assigned = loads or {}, assigned or {}
+    return [[rid] for rid in sorted(replicas, key=lambda rid: (loads.get(rid, 0), assigned.get(rid, 0), rid))]
+
+
+class KVAffinityRouter(RequestRouter):
+    async def choose_replicas(self, candidate_replicas: Sequence[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
+        ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"), kwargs.get("assigned"))
+        return [[by_id[rid] for rid in rank] for rank in ranks]

@@ -1,0 +1,140 @@
+"""Ray Serve mode on a real local Ray cluster (2 CPUs), a tiny random model speaking the default
+model's tokenizer, and real Redis: deployed from deploy/serve/specgate.yaml with 2 verifier
+replicas, answering the official `openai` client exactly as the embedded gateway does, with
+every request's prefill and verifications on one replica. Ray starts once for the module."""
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from gateway.ray_app import RayAppConfig, build  # noqa: E402
+from gateway.ray_cmd import load_config  # noqa: E402
+from gateway.serve_cmd import background_server, build_embedded  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
+from gateway.tenants import Tenant, TenantRegistry  # noqa: E402
+from redis_server import delete_prefix, unique_prefix  # noqa: E402
+from tests.helpers import tiny_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
+KEY = "sk-ray-test-tenant"
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
+           "Repeat: red green blue red green blue red"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("ray") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def ray_app(model_dir, redis_url):
+    prefix = unique_prefix()
+    TenantRegistry(redis_url, prefix).put(Tenant(name="t1"), [KEY])
+    cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url,
+                                  "store_prefix": prefix, "drafters": "ngram"})
+    cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(cfg), name="specgate", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", cfg
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        delete_prefix(redis_url, prefix)
+
+
+@pytest.fixture(scope="module")
+def embedded_url(model_dir, redis_url):
+    prefix = unique_prefix()
+    emb = build_embedded(Settings(model=str(model_dir), redis_url=redis_url, store_prefix=prefix,
+                                  drafters="ngram"), progress=False)
+    emb.tenants.put(Tenant(name="t1"), [KEY])
+    emb.start()
+    try:
+        with background_server(emb.app) as url:
+            yield url
+    finally:
+        emb.stop()
+        delete_prefix(redis_url, prefix)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def answers(url: str, model: str) -> list[str]:
+    c, out = client(url), []
+    for p in PROMPTS:
+        out.append(c.completions.create(model=model, prompt=p, max_tokens=24, temperature=0).choices[0].text)
+    stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                       max_tokens=24, temperature=0, stream=True)
+    out.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+    return out
+
+
+def test_openai_client_gets_what_embedded_mode_gives(ray_app, embedded_url, model_dir):
+    url, _ = ray_app
+    got = answers(url, str(model_dir))
+    assert got == answers(embedded_url, str(model_dir))
+    assert all(got)                                    # real text came back
+
+
+def test_every_call_of_a_request_reaches_one_replica_and_requests_spread(ray_app, model_dir):
+    url, _ = ray_app
+    c = client(url)
+    with ThreadPoolExecutor(6) as pool:                # concurrent: the scheduler batches them
+        outs = list(pool.map(lambda p: c.completions.create(
+            model=str(model_dir), prompt=p * 3, max_tokens=40, temperature=0), PROMPTS + PROMPTS[:1]))
+    assert all(o.usage.completion_tokens == 40 for o in outs)
+    scheduler = serve.get_deployment_handle("scheduler", app_name="specgate")
+    verifier = serve.get_deployment_handle("verifier", app_name="specgate")
+    replicas = list(scheduler.calls.remote().result())
+    assert len(replicas) == 2                           # both replicas were used
+    served = {rid: verifier.served_requests.remote(replica=rid).result() for rid in replicas}
+    ids = [set(s) for s in served.values()]
+    assert ids[0] and ids[1] and not ids[0] & ids[1]    # no request was served by two replicas
+    for s in served.values():
+        for calls in s.values():
+            assert calls.get("prefill", 0) == 1 and calls.get("step", 0) >= 1
+
+
+def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_dir):
+    url, _ = ray_app
+    with httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as h:
+        for stream in (False, True):    # raised in the scheduler replica, answered by the ingress
+            r = h.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi", "stream": stream})
+            assert r.status_code == 404, r.text
+            assert r.json()["error"]["code"] == "model_not_found"
+        r = h.post("/v1/completions", json={"model": str(model_dir), "prompt": "hi", "max_tokens": 0})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = h.post("/v1/completions", json={"model": str(model_dir), "prompt": "hi"},
+                   headers={"Authorization": "Bearer sk-wrong"})
+        assert r.status_code == 401
+        assert h.get("/ready").status_code == 200
+        assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [str(model_dir)]
+
+
+def test_the_shipped_config_file_validates():
+    cfg, http = load_config(CONFIG, {"redis_url": "redis://127.0.0.1:6379/0"})
+    assert isinstance(cfg, RayAppConfig) and http["port"] == 8000
+    assert cfg.verifier.num_replicas == 2 and cfg.ingress.autoscaling_config["min_replicas"] == 2
+    with pytest.raises(ValueError, match="Redis URL"):
+        RayAppConfig(settings={"redis_url": None}).gateway_settings()

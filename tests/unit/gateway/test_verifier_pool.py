@@ -1,0 +1,126 @@
+"""Ray mode's scheduler-side pieces without Ray: the routing rule (pure) and the pool's batching.
+
+The pool talks to a deployment handle; here a stand-in handle routes calls to in-process
+BatchWorkers on the tiny model by the same rule (`rank_replicas`) Serve's router applies, so the
+pool's splitting, ordering, homes and piggybacked releases are checked call by call. The real
+thing, on real Ray, is tests/integration/test_ray_serve.py.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gateway.ray_routing import rank_replicas
+from gateway.verifier_pool import VerifierPool
+from workers.acceptance import SamplingParams
+from workers.batch_worker import BatchWorker, WorkItem
+from workers.drafters.base import TreeBudget
+from workers.llama_forward import LlamaForward
+from workers.verifier import Verifier
+
+
+@pytest.mark.parametrize("replicas, pinned, loads, assigned, expected", [
+    (["a", "b"], "b", {"a": 0, "b": 9}, {}, [["b"]]),                 # a pin wins over load
+    (["a", "b", "c"], None, {"a": 2, "b": 1}, {}, [["c"], ["b"], ["a"]]),   # fewest resident first
+    (["a", "b"], None, {}, {"a": 3, "b": 2}, [["b"], ["a"]]),         # ties: fewest assigned
+    (["a", "b"], None, {}, {}, [["a"], ["b"]]),                       # then by id
+    (["a", "b"], "dead", {"a": 1}, {}, [["b"], ["a"]]),               # a dead pin: the others
+])
+def test_rank_replicas(replicas, pinned, loads, assigned, expected):
+    assert rank_replicas(replicas, pinned, loads, assigned) == expected
+
+
+class _Response:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _Method:
+    def __init__(self, handle, name):
+        self.handle, self.name = handle, name
+
+    def remote(self, *args, replica=None, loads=None, assigned=None, release=(), **kwargs):
+        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned)[0][0]
+        self.handle.log.append((self.name, rid, args[0] if self.name == "prefill" else None))
+        worker = self.handle.replicas[rid]
+        for r in (release.get(rid, ()) if isinstance(release, dict) else release):
+            worker.release(r)
+        if self.name == "prefill":
+            worker.prefill(*args, **kwargs)
+            return _Response(rid)
+        if self.name == "step":
+            self.handle.step_sizes.append(len(args[0]))
+            return _Response(worker.step(args[0]))
+        for r in args[0]:                                   # release
+            worker.release(r)
+        return _Response(None)
+
+
+class StandInHandle:
+    """Routes like KVAffinityRouter over in-process workers named "r0", "r1"."""
+
+    def __init__(self, workers):
+        self.replicas = {f"r{i}": w for i, w in enumerate(workers)}
+        self.log: list = []
+        self.step_sizes: list[int] = []
+
+    def __getattr__(self, name):
+        return _Method(self, name)
+
+
+@pytest.fixture
+def pool_and_workers(tiny_model):
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model))) for _ in range(2)]
+    handle = StandInHandle(workers)
+    return VerifierPool(handle, context_limit=workers[0].context_limit), handle, workers
+
+
+def prefill(pool, rid, n=6):
+    pool.prefill(rid, list(range(5, 5 + n)), prompt_len=n, sampling=SamplingParams(), max_new_tokens=20)
+
+
+def test_new_requests_spread_and_every_step_goes_home(pool_and_workers):
+    pool, handle, workers = pool_and_workers
+    for i in range(4):
+        prefill(pool, f"q{i}")
+    assert Counter(pool.home.values()) == {"r0": 2, "r1": 2}
+    items = [WorkItem(f"q{i}", TreeBudget(4, 4)) for i in (3, 0, 2, 1)]
+    results = pool.step(items)
+    assert [r.request_id for r in results] == ["q3", "q0", "q2", "q1"]    # in item order
+    assert sorted(handle.step_sizes) == [2, 2]                            # one call per replica
+    steps = [(name, rid) for name, rid, _ in handle.log if name == "step"]
+    assert len(steps) == 2 and {rid for _, rid in steps} == {"r0", "r1"}
+    for rid, worker in handle.replicas.items():
+        assert sorted(worker.resident()) == sorted(q for q, h in pool.home.items() if h == rid)
+
+
+def test_releases_ride_along_and_idle_replicas_are_flushed(pool_and_workers):
+    pool, handle, workers = pool_and_workers
+    for i in range(4):
+        prefill(pool, f"q{i}")
+    gone = [q for q, h in pool.home.items() if h == "r0"]
+    for q in gone:
+        pool.release(q)
+    assert all(q in handle.replicas["r0"].resident() for q in gone)      # no call of its own yet
+    calls = len(handle.log)
+    pool.step([WorkItem(q, TreeBudget(2, 2)) for q, h in pool.home.items() if h == "r1"])
+    assert handle.replicas["r0"].resident() == []                         # flushed in the step
+    assert len(handle.log) == calls + 2                                   # one step, one release
+    assert set(pool.resident()) == {q for q in pool.home}
+
+
+def test_a_re_prefill_frees_the_old_home(pool_and_workers):
+    pool, handle, workers = pool_and_workers
+    prefill(pool, "a")
+    prefill(pool, "b")
+    old = pool.home["a"]
+    prefill(pool, "a", n=8)                    # evicted and planned again: prefilled afresh
+    new = pool.home["a"]
+    pool.step([WorkItem("a", TreeBudget(2, 2))])
+    holders = [rid for rid, w in handle.replicas.items() if "a" in w.resident()]
+    assert holders == [new]
+    assert old in handle.replicas and (old == new or "a" not in handle.replicas[old].resident())
