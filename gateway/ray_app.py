@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -83,20 +84,31 @@ class VerifierServer:
 
     def prefill(self, request_id: str, token_ids: list[int], *, prompt_len: int, sampling: Any,
                 max_new_tokens: int, tenant: str, drafter: str | None, replica: str | None,
-                loads: Any = None, assigned: Any = None, release: dict | None = None) -> str:
+                loads: Any = None, assigned: Any = None, avoid: Any = None,
+                release: dict | None = None) -> str:
         with self._lock:
             self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
+            self.worker.release(request_id)     # a stale copy (a restarted scheduler's request)
             self._note(request_id, "prefill")
             self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
                                 max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
         return self.replica_id
 
-    def step(self, items: list, *, replica: str, release: list[str] = ()) -> list:
+    def step(self, items: list, *, replica: str, release: list[str] = ()) -> dict[str, Any]:
+        """{"results": StepResults, "missing": request ids not held here, "busy_s": time spent}.
+        A batch naming a request this replica does not hold (it was routed here because its home
+        died) is not run at all: the pool re-prefills those requests and sends the batch again."""
+        t0 = time.perf_counter()
         with self._lock:
             self._release(release)
+            held = set(self.worker.resident())
+            missing = [item.request_id for item in items if item.request_id not in held]
+            if missing:
+                return {"results": [], "missing": missing, "busy_s": 0.0}
             for item in items:
                 self._note(item.request_id, "step")
-            return self.worker.step(items)
+            results = self.worker.step(items)
+        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0}
 
     def release(self, request_ids: list[str], *, replica: str) -> None:
         with self._lock:
@@ -157,6 +169,10 @@ class SchedulerServer:
 
     def calls(self) -> dict[str, int]:
         return dict(self.pool.calls)
+
+    def replaced(self) -> int:
+        """Requests prefilled again after their verifier replica was lost."""
+        return self.pool.replaced
 
     def check_health(self) -> None:
         if not self.embedded.loop_alive():

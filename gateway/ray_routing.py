@@ -10,6 +10,7 @@ add, replace and drain replicas.
 Rules (`rank_replicas`, pure):
 - a call naming `replica=<id>` (every call after a request's prefill, see `VerifierPool`) goes to
   that replica; if it is gone, to the others, whose answer says the request is not resident;
+- replicas named in `avoid` (seen to die) are used only when no other is left;
 - a call naming none (a new request's prefill) goes to the replica holding the fewest requests,
   from the `loads` the call carries: the one scheduler knows where every request lives (Serve's
   own routing stats are refreshed only every few seconds, so a burst would all land on one
@@ -24,7 +25,8 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 
 def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[str, int] | None = None,
-                  assigned: Mapping[str, int] | None = None) -> list[list[str]]:
+                  assigned: Mapping[str, int] | None = None,
+                  avoid: Sequence[str] = ()) -> list[list[str]]:
     """Replica ids in ranks of preference, from the running replicas, the call's pin and loads.
 
     >>> rank_replicas(["a", "b", "c"], "a", {"a": 3, "b": 1})
@@ -36,6 +38,9 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
     """
     if pinned is not None and pinned in replicas:
         return [[pinned]]
+    # Replicas the caller saw die may still be listed until Serve notices; use them only if
+    # nothing else is left.
+    replicas = [rid for rid in replicas if rid not in avoid] or list(replicas)
     loads, assigned = loads or {}, assigned or {}
     return [[rid] for rid in sorted(replicas, key=lambda rid: (loads.get(rid, 0), assigned.get(rid, 0), rid))]
 
@@ -45,5 +50,6 @@ class KVAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
-        ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"), kwargs.get("assigned"))
+        ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"),
+                              kwargs.get("assigned"), kwargs.get("avoid") or ())
         return [[by_id[rid] for rid in rank] for rank in ranks]

@@ -13,33 +13,101 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
   a home with no work in a step, go out in one call that nobody waits for.
 
 Every call after the prefill names the home (`replica=`), and the router sends it there.
+
+A replica that dies takes its requests' KV with it, never their tokens: the pool keeps each
+request's committed context (prompt + every token a step returned), so a request whose home is
+gone (the call fails, or a replacement answers that it does not hold the request) is prefilled
+again on another replica from exactly what was committed, and its step is redone there. Clients
+see no missing or repeated token: only results a replica returned were ever committed.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from workers.batch_worker import WorkItem
 from workers.verifier import StepResult
 
+log = logging.getLogger(__name__)
+
+MAX_REPLACEMENTS = 3      # re-prefill rounds within one step before the step fails
+
+
+@dataclass
+class _Placed:
+    """What a prefill needs to rebuild a request anywhere: its committed context and settings."""
+    token_ids: list[int]
+    prompt_len: int
+    sampling: Any
+    max_new_tokens: int           # as first asked: the KV room is sized on prompt + this
+    tenant: str
+    drafter: str | None
+    committed: int = 0            # tokens committed since the first prefill
+
 
 class VerifierPool:
-    def __init__(self, handle: Any, *, context_limit: int) -> None:
-        """`handle`: a Ray Serve DeploymentHandle of the verifier deployment (methods `prefill`,
-        `step`, `release`, each taking `replica=` and `release=`)."""
+    def __init__(self, handle: Any, *, context_limit: int,
+                 lost_errors: tuple[type[BaseException], ...] | None = None) -> None:
+        """`handle`: a Ray Serve DeploymentHandle of the verifier deployment (see
+        `gateway.ray_app.VerifierServer`); `lost_errors`: the exceptions that mean a replica is
+        gone (default: Ray's actor-died and actor-unavailable errors)."""
         self.handle = handle
         self.context_limit = context_limit
         self.home: dict[str, str] = {}                 # request id -> replica id holding its KV
         self.calls: Counter = Counter()                # replica id -> calls sent (a metric; tests)
         self.assigned: Counter = Counter()             # replica id -> requests ever prefilled there
+        self.replaced = 0                              # requests re-prefilled after losing a home
+        self.busy_s = 0.0                              # replicas' time inside their steps (max per step)
+        self.dead: set[str] = set()                    # replicas seen to die: never routed to again
+        self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[str]] = defaultdict(list)
         self._lock = threading.Lock()
+        self._lost_errors = lost_errors if lost_errors is not None else _ray_lost_errors()
 
+    # ---- the worker interface -----------------------------------------------------------------
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: Any,
                 max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> None:
+        self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
+                                           tenant, drafter)
+        self._place(request_id)
+
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
+        by_id: dict[str, StepResult] = {}
+        todo = list(items)
+        for _ in range(MAX_REPLACEMENTS + 1):
+            lost = self._step_once(todo, by_id)
+            if not lost:
+                break
+            for rid in lost:                   # rebuilt elsewhere, then stepped again
+                self._place(rid)
+                self.replaced += 1
+            todo = [item for item in todo if item.request_id in set(lost)]
+        else:
+            raise RuntimeError(f"verifier replicas kept failing for {len(todo)} request(s)")
+        for r in by_id.values():
+            placed = self._placed[r.request_id]
+            placed.token_ids.extend(r.tokens)
+            placed.committed += len(r.tokens)
+        return [by_id[item.request_id] for item in items]
+
+    def release(self, request_id: str) -> None:
+        self._placed.pop(request_id, None)
+        home = self.home.pop(request_id, None)
+        if home is not None:
+            self._queue_release(home, request_id)
+
+    def resident(self) -> list[str]:
+        return list(self.home)
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def _place(self, request_id: str) -> None:
+        """Prefill `request_id` from its committed context on the least-loaded live replica."""
+        p = self._placed[request_id]
         old = self.home.pop(request_id, None)
-        if old is not None:                            # re-prefill after eviction: free the old KV
+        if old is not None and old not in self.dead:   # re-prefill after eviction: free the old KV
             self._queue_release(old, request_id)
         # Which replica the router picks is known only from the answer, so the call carries every
         # replica's pending releases and the chosen one applies its own (a re-prefill may land
@@ -47,10 +115,10 @@ class VerifierPool:
         with self._lock:
             pending = {home: list(ids) for home, ids in self._releases.items()}
         replica = self.handle.prefill.remote(
-            request_id, list(token_ids), prompt_len=prompt_len, sampling=sampling,
-            max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter,
+            request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
+            max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
             replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
-            release=pending).result()
+            avoid=sorted(self.dead), release=pending).result()
         with self._lock:
             done = set(pending.get(replica, ()))
             left = [r for r in self._releases.pop(replica, []) if r not in done]
@@ -60,26 +128,37 @@ class VerifierPool:
         self.assigned[replica] += 1
         self.calls[replica] += 1
 
-    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
+    def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
+        """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""
         by_home: dict[str, list[WorkItem]] = defaultdict(list)
         for item in items:
             by_home[self.home[item.request_id]].append(item)
-        # All replicas verify at once: send every call before waiting for any.
-        pending = [self.handle.step.remote(batch, replica=home, release=self._take_releases(home))
-                   for home, batch in by_home.items()]
+        pending = {home: self.handle.step.remote(batch, replica=home, release=self._take_releases(home))
+                   for home, batch in by_home.items()}
         for home in by_home:
             self.calls[home] += 1
         self._flush_releases(skip=by_home)
-        by_id = {r.request_id: r for response in pending for r in response.result()}
-        return [by_id[item.request_id] for item in items]
-
-    def release(self, request_id: str) -> None:
-        home = self.home.pop(request_id, None)
-        if home is not None:
-            self._queue_release(home, request_id)
-
-    def resident(self) -> list[str]:
-        return list(self.home)
+        lost: list[str] = []
+        busy = 0.0
+        for home, response in pending.items():
+            try:
+                answer = response.result()
+            except self._lost_errors:
+                log.warning("verifier replica %s is gone; re-prefilling its %d request(s)",
+                            home, len(by_home[home]))
+                self.dead.add(home)
+                lost += [item.request_id for item in by_home[home]]
+                continue
+            if answer["missing"]:              # a replacement, or a router that could not pin
+                lost += answer["missing"]
+                continue
+            busy = max(busy, answer["busy_s"])
+            for r in answer["results"]:
+                by_id[r.request_id] = r
+        self.busy_s += busy
+        for rid in lost:
+            self.home.pop(rid, None)
+        return lost
 
     def _queue_release(self, home: str, request_id: str) -> None:
         with self._lock:
@@ -91,9 +170,18 @@ class VerifierPool:
             for home in idle:
                 del self._releases[home]
         for home, ids in idle.items():
-            self.handle.release.remote(ids, replica=home)          # not awaited: off the step's path
+            if home not in self.dead:
+                self.handle.release.remote(ids, replica=home)      # not awaited: off the step's path
 
     def _take_releases(self, home: str) -> list[str]:
         """Releases to piggyback on a call to `home`."""
         with self._lock:
             return self._releases.pop(home, [])
+
+
+def _ray_lost_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:                                # no Ray: nothing can be lost that way
+        return ()
+    return (RayActorError, ActorUnavailableError)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -138,3 +139,36 @@ def test_the_shipped_config_file_validates():
     assert cfg.verifier.num_replicas == 2 and cfg.ingress.autoscaling_config["min_replicas"] == 2
     with pytest.raises(ValueError, match="Redis URL"):
         RayAppConfig(settings={"redis_url": None}).gateway_settings()
+
+
+def test_killing_a_verifier_replica_mid_generation_loses_and_repeats_nothing(ray_app, embedded_url, model_dir):
+    """Streams in flight on a replica that is killed finish, token for token as embedded mode
+    gives them: their requests are prefilled again elsewhere from what was committed."""
+    url, _ = ray_app
+    model, prompts, max_tokens = str(model_dir), [p * 4 for p in PROMPTS[:4]], 300
+    expected = [client(embedded_url).completions.create(model=model, prompt=p, max_tokens=max_tokens,
+                                                        temperature=0).choices[0].text for p in prompts]
+    scheduler = serve.get_deployment_handle("scheduler", app_name="specgate")
+    started = threading.Barrier(len(prompts) + 1)
+
+    def stream(prompt: str) -> str:
+        parts = []
+        for i, chunk in enumerate(client(url).completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)):
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+            if i == 2:
+                started.wait(60)                     # every stream is under way
+        return "".join(parts)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, p) for p in prompts]
+        started.wait(60)
+        homes = scheduler.homes.remote().result()
+        victim = Counter(homes.values()).most_common(1)[0][0]
+        replaced_before = scheduler.replaced.remote().result()
+        name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].endswith(f"#verifier#{victim}"))
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+        got = [f.result(timeout=120) for f in futures]
+    assert got == expected
+    assert scheduler.replaced.remote().result() > replaced_before    # the kill did hit live requests

@@ -31,11 +31,17 @@ def test_rank_replicas(replicas, pinned, loads, assigned, expected):
     assert rank_replicas(replicas, pinned, loads, assigned) == expected
 
 
+class ReplicaGone(Exception):
+    """Stands in for Ray's actor-died error."""
+
+
 class _Response:
     def __init__(self, value):
         self.value = value
 
     def result(self):
+        if isinstance(self.value, ReplicaGone):
+            raise self.value
         return self.value
 
 
@@ -43,9 +49,12 @@ class _Method:
     def __init__(self, handle, name):
         self.handle, self.name = handle, name
 
-    def remote(self, *args, replica=None, loads=None, assigned=None, release=(), **kwargs):
-        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned)[0][0]
+    def remote(self, *args, replica=None, loads=None, assigned=None, avoid=(), release=(), **kwargs):
+        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned, avoid)[0][0]
         self.handle.log.append((self.name, rid, args[0] if self.name == "prefill" else None))
+        if rid in self.handle.dying:                       # the replica dies under this call
+            del self.handle.replicas[rid]
+            return _Response(ReplicaGone(rid))
         worker = self.handle.replicas[rid]
         for r in (release.get(rid, ()) if isinstance(release, dict) else release):
             worker.release(r)
@@ -54,7 +63,10 @@ class _Method:
             return _Response(rid)
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))
-            return _Response(worker.step(args[0]))
+            missing = [i.request_id for i in args[0] if i.request_id not in worker.resident()]
+            if missing:
+                return _Response({"results": [], "missing": missing, "busy_s": 0.0})
+            return _Response({"results": worker.step(args[0]), "missing": [], "busy_s": 0.001})
         for r in args[0]:                                   # release
             worker.release(r)
         return _Response(None)
@@ -67,6 +79,7 @@ class StandInHandle:
         self.replicas = {f"r{i}": w for i, w in enumerate(workers)}
         self.log: list = []
         self.step_sizes: list[int] = []
+        self.dying: set[str] = set()         # replicas that die at their next call
 
     def __getattr__(self, name):
         return _Method(self, name)
@@ -76,7 +89,7 @@ class StandInHandle:
 def pool_and_workers(tiny_model):
     workers = [BatchWorker(Verifier(LlamaForward(tiny_model))) for _ in range(2)]
     handle = StandInHandle(workers)
-    return VerifierPool(handle, context_limit=workers[0].context_limit), handle, workers
+    return VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,)), handle, workers
 
 
 def prefill(pool, rid, n=6):
@@ -124,3 +137,49 @@ def test_a_re_prefill_frees_the_old_home(pool_and_workers):
     holders = [rid for rid, w in handle.replicas.items() if "a" in w.resident()]
     assert holders == [new]
     assert old in handle.replicas and (old == new or "a" not in handle.replicas[old].resident())
+
+
+def run_to_end(pool, ids, steps=12, kill=None):
+    """Step `ids` `steps` times (greedy, trees of 4); `kill(step)` may kill replicas. Tokens per id."""
+    out = {rid: [] for rid in ids}
+    for step in range(steps):
+        if kill:
+            kill(step)
+        for r in pool.step([WorkItem(rid, TreeBudget(4, 4)) for rid in ids]):
+            out[r.request_id] += r.tokens
+    return out
+
+
+@pytest.mark.parametrize("how", ["dies_during_a_call", "replaced_between_calls"])
+def test_a_lost_replica_costs_no_token(tiny_model, how):
+    """Requests on a replica that dies are prefilled again from what was committed and finish with
+    exactly the tokens an undisturbed run gives: none missing, none repeated."""
+    def fresh():
+        workers = [BatchWorker(Verifier(LlamaForward(tiny_model))) for _ in range(2)]
+        handle = StandInHandle(workers)
+        pool = VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,))
+        ids = [f"q{i}" for i in range(4)]
+        for i, rid in enumerate(ids):
+            pool.prefill(rid, list(range(5 + i, 17 + i)) * 2, prompt_len=24, sampling=SamplingParams(),
+                         max_new_tokens=100)
+        return pool, handle, ids
+
+    pool, handle, ids = fresh()
+    expected = run_to_end(pool, ids)
+    pool, handle, ids = fresh()
+    victim = pool.home["q0"]
+    victims = {rid for rid, home in pool.home.items() if home == victim}
+
+    def kill(step):
+        if step == 5:
+            if how == "dies_during_a_call":
+                handle.dying.add(victim)
+            else:
+                del handle.replicas[victim]          # gone; the router sends its calls elsewhere
+
+    got = run_to_end(pool, ids, kill=kill)
+    assert got == expected
+    assert pool.replaced == len(victims) and victims
+    assert set(pool.home.values()) == set(handle.replicas) == {"r0", "r1"} - {victim}
+    if how == "dies_during_a_call":
+        assert pool.dead == {victim}
