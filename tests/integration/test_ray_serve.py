@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -172,3 +173,47 @@ def test_killing_a_verifier_replica_mid_generation_loses_and_repeats_nothing(ray
         got = [f.result(timeout=120) for f in futures]
     assert got == expected
     assert scheduler.replaced.remote().result() > replaced_before    # the kill did hit live requests
+
+
+def test_restarting_the_scheduler_replica_finishes_every_request_from_redis(ray_app, model_dir, redis_url):
+    """The scheduler replica dies mid-run; Serve starts another, which recovers every live request
+    from Redis and finishes it with exactly plain greedy decoding's tokens (none lost or repeated).
+    The dead replica's clients get an error, as in embedded mode: the requests are not lost."""
+    from transformers import AutoModelForCausalLM
+
+    from gateway.serve_cmd import scheduler_prefix
+    from scheduler.request import Status
+    from scheduler.store.redis_store import RedisStore
+    from tests.helpers import hf_greedy
+
+    url, cfg = ray_app
+    model, max_tokens = str(model_dir), 300
+    scheduler = serve.get_deployment_handle("scheduler", app_name="specgate")
+    prompts = [p * 4 for p in PROMPTS[:4]]
+    pool = ThreadPoolExecutor(len(prompts))
+    futures = [pool.submit(lambda p: client(url).completions.create(
+        model=model, prompt=p, max_tokens=max_tokens, temperature=0), p) for p in prompts]
+    deadline = time.monotonic() + 60
+    while len(live := scheduler.homes.remote().result()) < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(live) == len(prompts)
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#scheduler#" in a["name"])
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for f in futures:
+        with pytest.raises(Exception):
+            f.result(timeout=60)
+    pool.shutdown()
+    reader = RedisStore.from_url(redis_url, scheduler_prefix(Settings(**cfg.settings)))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and any(
+                (r := reader.get(rid)) is None or r.stats.status is not Status.FINISHED for rid in live):
+            time.sleep(0.1)
+        target = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        for rid in live:
+            rec = reader.get(rid)
+            assert rec is not None and rec.stats.status is Status.FINISHED, rid
+            assert list(rec.output_ids) == hf_greedy(target, list(rec.prompt_ids), max_tokens, eos=2)
+    finally:
+        reader.close()
