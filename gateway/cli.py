@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", help="measure step time vs batch size and tree tokens on the real verifier"))
     from scheduler import bench_plan
     bench_plan.add_arguments(bench.add_parser("plan", help="time one scheduling decision with many queued requests"))
+    from loadtest import bench_ray
+    bench_ray.add_arguments(bench.add_parser(
+        "ray", help="tokens/s of the Ray Serve deployment vs the embedded gateway, and its step overhead"))
 
     from loadtest import loadgen
     loadgen.add_arguments(sub.add_parser(
@@ -88,6 +91,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "profile":
         from scheduler import bench_profile
         return bench_profile.run(args)
+    if args.command == "bench" and args.bench_command == "ray":
+        from loadtest import bench_ray
+        return bench_ray.run(args)
     if args.command == "bench" and args.bench_command == "plan":
         from scheduler import bench_plan
         return bench_plan.run(args)

@@ -60,7 +60,9 @@ class VerifierPool:
         self.calls: Counter = Counter()                # replica id -> calls sent (a metric; tests)
         self.assigned: Counter = Counter()             # replica id -> requests ever prefilled there
         self.replaced = 0                              # requests re-prefilled after losing a home
-        self.busy_s = 0.0                              # replicas' time inside their steps (max per step)
+        # replicas' time inside prefills and steps (a step's slowest replica): compute, the rest of
+        # a step's wall time is orchestration (RPC, planning, persisting)
+        self.busy_s = 0.0
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
         self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[str]] = defaultdict(list)
@@ -114,11 +116,13 @@ class VerifierPool:
         # where the request's old KV still is).
         with self._lock:
             pending = {home: list(ids) for home, ids in self._releases.items()}
-        replica = self.handle.prefill.remote(
+        answer = self.handle.prefill.remote(
             request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
             max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
             replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
             avoid=sorted(self.dead), release=pending).result()
+        replica = answer["replica"]
+        self.busy_s += answer["busy_s"]
         with self._lock:
             done = set(pending.get(replica, ()))
             left = [r for r in self._releases.pop(replica, []) if r not in done]

@@ -90,6 +90,7 @@ class StepLoop:
         self.clock = clock
         self.state = SchedulerState()
         self.steps = 0
+        self.busy_s = 0.0              # wall time of the iterations that verified something
         self._requests: dict[str, Request] = {}
         self._limits: dict[str, int] = {}              # request id -> output token limit
         self._sinks: dict[str, Sink] = {}
@@ -208,6 +209,7 @@ class StepLoop:
         if not self.state.requests:
             return False
         start = self.clock()
+        t0 = time.perf_counter()
         plan = self.policy.plan(self.state, start)
         keep = set(plan.request_ids)
         planned = [rid for rid in plan.request_ids if self._ensure_resident(rid, keep)]
@@ -225,6 +227,7 @@ class StepLoop:
         now = self.clock()
         self.steps += 1
         self._record(results, now, now - start)
+        self.busy_s += time.perf_counter() - t0        # plan, prefills, step, commit, persist
         return True
 
     # ---- internals --------------------------------------------------------------------------------

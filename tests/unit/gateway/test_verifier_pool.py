@@ -60,7 +60,7 @@ class _Method:
             worker.release(r)
         if self.name == "prefill":
             worker.prefill(*args, **kwargs)
-            return _Response(rid)
+            return _Response({"replica": rid, "busy_s": 0.001})
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))
             missing = [i.request_id for i in args[0] if i.request_id not in worker.resident()]
