@@ -64,6 +64,9 @@ class GatewayMetrics:
         self.preemptions = Counter("specgate_preemptions",
                                    "Requests in one step's batch left out of the next "
                                    "while still live", registry=r)
+        self.verified_tokens = Counter("specgate_verified_tokens",
+                                       "Verifier work done for a tenant: per step and request, "
+                                       "the root row plus every tree node", ["tenant"], registry=r)
         self.refusals = Counter("specgate_rate_limit_refusals",
                                 "Requests refused by a tenant limit or a full queue",
                                 ["tenant", "reason"], registry=r)
@@ -115,11 +118,17 @@ class GatewayMetrics:
     def instrument(self, worker: Any) -> "InstrumentedWorker":
         return InstrumentedWorker(worker, self)
 
-    def watch(self, step_loop: Any) -> None:
-        """Report the loop's live requests (by level and status) and steps when scraped."""
-        self.registry.register(SchedulerCollector(step_loop))
+    def watch(self, step_loop: Any, components: dict[str, Callable[[], bool]] | None = None) -> None:
+        """Report the loop's live requests (by level and status) and steps when scraped, and
+        whether each of `components` (name -> check; e.g. the state store) is up."""
+        self.registry.register(SchedulerCollector(step_loop, components or {}))
         if isinstance(step_loop.worker, InstrumentedWorker):
             step_loop.worker.is_live = lambda rid: rid in step_loop.state.requests
+
+            def tenant_of(rid: str) -> str | None:
+                req = step_loop.state.requests.get(rid)
+                return None if req is None else req.tenant
+            step_loop.worker.tenant_of = tenant_of
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -136,6 +145,7 @@ class InstrumentedWorker:
         self.worker = worker
         self.metrics = metrics
         self.is_live = is_live or (lambda rid: False)
+        self.tenant_of: Callable[[str], str | None] = lambda rid: None
         self._previous: set[str] = set()
 
     def step(self, items: Sequence[Any]):
@@ -148,6 +158,13 @@ class InstrumentedWorker:
         results = self.worker.step(items)
         self.metrics.step_duration.observe(time.perf_counter() - t0)
         self.metrics.batch_size.observe(len(items))
+        work: dict[str, int] = {}
+        for r in results:
+            tenant = self.tenant_of(r.request_id)
+            if tenant is not None:
+                work[tenant] = work.get(tenant, 0) + r.tree_tokens
+        for tenant, n in work.items():
+            self.metrics.verified_tokens.labels(tenant).inc(n)
         return results
 
     def __getattr__(self, name: str) -> Any:    # prefill, release, context_limit, resident, …
@@ -158,8 +175,9 @@ class SchedulerCollector:
     """Gauges read from the loop's state when scraped (a copy of the live set: the loop's thread
     may change it meanwhile; `dict.copy` of a plain dict is atomic under the GIL)."""
 
-    def __init__(self, step_loop: Any) -> None:
+    def __init__(self, step_loop: Any, components: dict[str, Callable[[], bool]] | None = None) -> None:
         self.step_loop = step_loop
+        self.components = dict(components or {})
 
     def describe(self) -> Iterable:
         return []                                   # collected lazily; no names to pre-check
@@ -168,7 +186,9 @@ class SchedulerCollector:
         live = list(self.step_loop.state.requests.copy().values())
         depth = GaugeMetricFamily("specgate_queue_depth", "Live requests by scheduler level "
                                   "and status (queued, running, preempted)", labels=["level", "status"])
-        counts: dict[tuple[str, str], int] = {}
+        # Every live status has a series even when idle (level 0 at zero), so "how deep is the
+        # queue" is answered with 0, not with no data.
+        counts: dict[tuple[str, str], int] = {("0", st): 0 for st in ("queued", "running", "preempted")}
         perceptible = 0
         for s in live:
             key = (str(s.level), s.status.value)
@@ -184,3 +204,12 @@ class SchedulerCollector:
         steps = CounterMetricFamily("specgate_steps", "Verification steps run by the loop")
         steps.add_metric([], self.step_loop.steps)
         yield steps
+        up = GaugeMetricFamily("specgate_component_up", "1 while a component answers (step_loop, "
+                               "state_store, ...), else 0", labels=["component"])
+        for name, check in sorted(self.components.items()):
+            try:
+                ok = bool(check())
+            except Exception:                          # an unreachable store is "down", not an error
+                ok = False
+            up.add_metric([name], 1.0 if ok else 0.0)
+        yield up

@@ -140,7 +140,6 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     store = open_store(settings.redis_url, scheduler_prefix(settings))
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident)
-    metrics.watch(step_loop)
     recovered = step_loop.recover()
     if settings.tenants_file is not None:
         tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
@@ -158,9 +157,12 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
                    recovered)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
+    components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
     if settings.redis_url:
         from gateway.tenants import connect_store
         checks.append(connect_store(settings.redis_url).ping)     # the store answers
+        components["state_store"] = checks[-1]
+    metrics.watch(step_loop, components)
     emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
                                     limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,
                                     drafters=settings.drafter_names, ready_checks=checks)
