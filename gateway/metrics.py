@@ -133,6 +133,10 @@ class GatewayMetrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    async def exposition(self) -> tuple[bytes, str]:
+        """What GET /metrics serves (Ray mode's ingress asks the scheduler replica instead)."""
+        return self.render()
+
 
 class InstrumentedWorker:
     """The worker with each step timed and counted; every other call passes through.

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 
 SCHEDULER, VERIFIER, INGRESS = "scheduler", "verifier", "ingress"
@@ -203,6 +204,10 @@ class SchedulerServer:
         return {"loop_s": self.embedded.step_loop.busy_s, "compute_s": self.pool.busy_s,
                 "steps": self.embedded.step_loop.steps}
 
+    def metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of the service and step loop (the ingress serves it)."""
+        return self.embedded.metrics.render()
+
     def replaced(self) -> int:
         """Requests prefilled again after their verifier replica was lost."""
         return self.pool.replaced
@@ -236,7 +241,6 @@ class IngressServer:
     def __serve_build_asgi_app__(self):
         from gateway.app import build_app
         from gateway.limits import Limiter
-        from gateway.metrics import GatewayMetrics
         from gateway.tenants import TenantRegistry
 
         s = self.settings
@@ -245,7 +249,20 @@ class IngressServer:
         else:
             tenants = TenantRegistry(s.redis_url, s.store_prefix)
         limiter = Limiter(s.redis_url, s.store_prefix)
-        return build_app(s, self.service, tenants, limiter, GatewayMetrics())
+        return build_app(s, self.service, tenants, limiter, SchedulerMetrics(self.scheduler))
+
+
+class SchedulerMetrics(GatewayMetrics):
+    """An ingress replica's metrics: GET /metrics serves the scheduler replica's, where requests,
+    tokens, latencies and steps are counted (one scheduler: one consistent view, whichever
+    ingress replica Prometheus reaches)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    async def exposition(self) -> tuple[bytes, str]:
+        return await self.scheduler.metrics.remote()
 
 
 # ---- the builder ----------------------------------------------------------------------------------

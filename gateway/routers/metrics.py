@@ -11,5 +11,5 @@ router = APIRouter(tags=["metrics"])
 
 @router.get("/metrics")
 async def metrics(_: AdminDep, registry: MetricsDep) -> Response:
-    body, content_type = registry.render()
+    body, content_type = await registry.exposition()
     return Response(body, media_type=content_type)

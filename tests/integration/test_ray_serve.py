@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
@@ -29,6 +30,7 @@ from tests.helpers import tiny_model_dir  # noqa: E402
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
 KEY = "sk-ray-test-tenant"
+ADMIN = "adm-ray-test"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
            "Repeat: red green blue red green blue red"]
 
@@ -49,7 +51,7 @@ def ray_app(model_dir, redis_url):
     prefix = unique_prefix()
     TenantRegistry(redis_url, prefix).put(Tenant(name="t1"), [KEY])
     cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url,
-                                  "store_prefix": prefix, "drafters": "ngram"})
+                                  "store_prefix": prefix, "drafters": "ngram", "admin_key": ADMIN})
     cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
@@ -131,6 +133,13 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
                    headers={"Authorization": "Bearer sk-wrong"})
         assert r.status_code == 401
         assert h.get("/ready").status_code == 200
+        # /metrics (admin key) on an ingress replica is the scheduler's: requests were counted there
+        metrics = h.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert metrics.status_code == 200
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for fam in text_string_to_metric_families(metrics.text) for x in fam.samples}
+        assert samples[("specgate_requests_total", (("status", "finished"), ("tenant", "t1")))] > 0
+        assert samples[("specgate_steps_total", ())] > 0
         assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [str(model_dir)]
 
 
