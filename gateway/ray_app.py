@@ -2,7 +2,8 @@
 
     ingress (FastAPI gateway, N replicas) --stream--> scheduler (1 replica: GenerationService,
         StepLoop, policy, state in Redis) --one call per replica per step--> verifier (M replicas:
-        BatchWorker = drafter + lean forward + KV; one GPU each when `num_gpus` is set)
+        BatchWorker = lean forward + KV; one GPU each when `num_gpus` is set) --one call per
+        step--> draft (K CPU replicas: the drafters)
 
 Every class below wraps an embedded-mode class and adds no logic of its own: the ingress builds
 the app with `gateway.app.build_app` over a `RemoteService`; the scheduler builds the embedded
@@ -12,8 +13,9 @@ Use it from Python (`serve.run(build(RayAppConfig(...)))`), from a Serve config 
 (`import_path: gateway.ray_app:app_builder`, see deploy/serve/specgate.yaml), or with
 `specgate serve --ray [--config FILE]`.
 
-Drafting runs inside the verifier replicas for now (the drafter's per-request index lives next
-to the request's KV); separately scaled draft workers are not built yet.
+Draft workers (a CPU deployment, scaled on its own) propose the trees: a verifier replica asks
+once per step for all its requests (`gateway.draft_pool.RemoteDrafter`); losing them costs only
+speculation. With `draft: null` each verifier replica drafts for its own requests.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pydantic import BaseModel, Field
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 
-SCHEDULER, VERIFIER, INGRESS = "scheduler", "verifier", "ingress"
+SCHEDULER, VERIFIER, INGRESS, DRAFT = "scheduler", "verifier", "ingress", "draft"
 SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
 
 
@@ -53,6 +55,8 @@ class RayAppConfig(BaseModel):
     ingress: DeploymentOptions = DeploymentOptions(num_replicas=2, num_cpus=0.1)
     scheduler: DeploymentOptions = DeploymentOptions(num_cpus=0.2)
     verifier: DeploymentOptions = DeploymentOptions(num_replicas=1, num_cpus=1.0)
+    # Draft workers; None: each verifier replica drafts for its own requests.
+    draft: DeploymentOptions | None = DeploymentOptions(num_replicas=1, num_cpus=0.2)
     route_prefix: str = "/"
 
     def gateway_settings(self) -> Settings:
@@ -67,19 +71,25 @@ class RayAppConfig(BaseModel):
 class VerifierServer:
     """One verifier replica: the embedded mode's BatchWorker (drafter, lean forward, KV caches)."""
 
-    def __init__(self, settings: dict[str, Any], torch_threads: int | None = None) -> None:
+    def __init__(self, settings: dict[str, Any], torch_threads: int | None = None,
+                 drafts: Any = None) -> None:
+        """`drafts`: a handle to the draft deployment (None: the replica drafts itself)."""
         import torch
         from ray import serve
 
+        from gateway.draft_pool import RemoteDrafter
         from gateway.serve_cmd import batch_worker
         from workers.runtime import load_runtime
 
         if torch_threads:              # and OMP_NUM_THREADS, see _deployment
             torch.set_num_threads(torch_threads)
         s = Settings(**settings)
-        self.runtime = load_runtime(s.model, dtype=s.dtype, progress=False)
-        self.worker = batch_worker(s, self.runtime)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.runtime = load_runtime(s.model, dtype=s.dtype, progress=False)
+        remote = {} if drafts is None else {
+            name: RemoteDrafter(drafts, name, affinity=self.replica_id)
+            for name in s.drafter_names if name != "none"}
+        self.worker = batch_worker(s, self.runtime, drafters=remote)
         self._lock = threading.Lock()          # one call at a time touches the KV caches
         self._reniced: set[int] = set()
         # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)
@@ -159,6 +169,28 @@ class VerifierServer:
     def _release(self, request_ids) -> None:
         for rid in request_ids:
             self.worker.release(rid)
+
+
+class DraftServer:
+    """One draft replica (CPU): the drafters, for the verifier replicas' steps."""
+
+    def __init__(self) -> None:
+        from gateway.draft_pool import DraftService
+
+        self.service = DraftService()
+        self._lock = threading.Lock()
+
+    def propose(self, items: list, *, drafter: str, affinity: str | None = None,
+                release: list[str] = ()) -> list:
+        with self._lock:
+            return self.service.propose(items, drafter, release)
+
+    def forget(self, request_ids: list[str], *, drafter: str, affinity: str | None = None) -> None:
+        with self._lock:
+            self.service.forget(request_ids, drafter)
+
+    def proposed(self) -> int:
+        return self.service.proposed
 
 
 class SchedulerServer:
@@ -267,16 +299,19 @@ class SchedulerMetrics(GatewayMetrics):
 
 # ---- the builder ----------------------------------------------------------------------------------
 def build(config: RayAppConfig):
-    """The Serve application: ingress → scheduler → verifier."""
+    """The Serve application: ingress → scheduler → verifier (→ draft workers)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     settings = config.gateway_settings().model_dump(mode="json", exclude_none=True)
     settings["admin_key"] = _secret(config.gateway_settings().admin_key)
     settings = {k: v for k, v in settings.items() if v is not None}
-    verifier = _deployment(VerifierServer, VERIFIER, config.verifier, request_router_config=RequestRouterConfig(
-        request_router_class="gateway.ray_routing:KVAffinityRouter")).bind(
-            settings, config.verifier.torch_threads)
+    router = RequestRouterConfig(request_router_class="gateway.ray_routing:KVAffinityRouter")
+    drafts = None
+    if config.draft is not None:
+        drafts = _deployment(DraftServer, DRAFT, config.draft, request_router_config=router).bind()
+    verifier = _deployment(VerifierServer, VERIFIER, config.verifier, request_router_config=router).bind(
+        settings, config.verifier.torch_threads, drafts)
     scheduler = _deployment(SchedulerServer, SCHEDULER, config.scheduler).bind(settings, verifier)
     ingress = _deployment(serve.ingress()(IngressServer), INGRESS, config.ingress)
     return ingress.bind(settings, scheduler)

@@ -11,6 +11,8 @@ Rules (`rank_replicas`, pure):
 - a call naming `replica=<id>` (every call after a request's prefill, see `VerifierPool`) goes to
   that replica; if it is gone, to the others, whose answer says the request is not resident;
 - replicas named in `avoid` (seen to die) are used only when no other is left;
+- a call naming `affinity=<key>` (draft workers: the calling verifier replica's id) goes to the
+  replica the key hashes to (rendezvous hashing), so a key's drafter state stays in one place;
 - a call naming none (a new request's prefill) goes to the replica holding the fewest requests,
   from the `loads` the call carries: the one scheduler knows where every request lives (Serve's
   own routing stats are refreshed only every few seconds, so a burst would all land on one
@@ -19,14 +21,15 @@ Rules (`rank_replicas`, pure):
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 
 def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[str, int] | None = None,
-                  assigned: Mapping[str, int] | None = None,
-                  avoid: Sequence[str] = ()) -> list[list[str]]:
+                  assigned: Mapping[str, int] | None = None, avoid: Sequence[str] = (),
+                  affinity: str | None = None) -> list[list[str]]:
     """Replica ids in ranks of preference, from the running replicas, the call's pin and loads.
 
     >>> rank_replicas(["a", "b", "c"], "a", {"a": 3, "b": 1})
@@ -41,8 +44,16 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
     # Replicas the caller saw die may still be listed until Serve notices; use them only if
     # nothing else is left.
     replicas = [rid for rid in replicas if rid not in avoid] or list(replicas)
+    if affinity is not None:
+        # Rendezvous hashing: each key prefers the replica with the highest hash of (key, replica);
+        # adding or removing a replica moves only the keys that preferred it.
+        return [[rid] for rid in sorted(replicas, key=lambda rid: _weight(affinity, rid), reverse=True)]
     loads, assigned = loads or {}, assigned or {}
     return [[rid] for rid in sorted(replicas, key=lambda rid: (loads.get(rid, 0), assigned.get(rid, 0), rid))]
+
+
+def _weight(key: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
 
 
 class KVAffinityRouter(RequestRouter):
@@ -51,5 +62,5 @@ class KVAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
         ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"),
-                              kwargs.get("assigned"), kwargs.get("avoid") or ())
+                              kwargs.get("assigned"), kwargs.get("avoid") or (), kwargs.get("affinity"))
         return [[by_id[rid] for rid in rank] for rank in ranks]

@@ -188,13 +188,14 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
     return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, StepCostModel.from_json()
 
 
-def batch_worker(settings: Settings, rt: Any) -> Any:
-    """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray)."""
+def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> Any:
+    """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray,
+    where `drafters` are the draft workers' remote drafters by name)."""
     from workers.batch_worker import BatchWorker
 
     return BatchWorker(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes)),
                        default_drafter=settings.drafter_names[0],
-                       speculation=rt.speculation_config())
+                       speculation=rt.speculation_config(), drafters=drafters)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ def ray_app(model_dir, redis_url):
     cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url,
                                   "store_prefix": prefix, "drafters": "ngram", "admin_key": ADMIN})
     cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
+    cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
@@ -99,6 +100,25 @@ def test_openai_client_gets_what_embedded_mode_gives(ray_app, embedded_url, mode
     got = answers(url, str(model_dir))
     assert got == answers(embedded_url, str(model_dir))
     assert all(got)                                    # real text came back
+
+
+def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, embedded_url, model_dir):
+    url, _ = ray_app
+    draft = serve.get_deployment_handle("draft", app_name="specgate")
+    before = draft.proposed.remote().result()
+    prompt = "red green blue " * 8                   # repetitive: the n-gram drafter proposes
+    expected = answers(embedded_url, str(model_dir))
+    assert answers(url, str(model_dir)) == expected
+    assert draft.proposed.remote().result() > before        # the trees came from the draft worker
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if "#draft#" in a["name"])
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    c = client(url)
+    out = c.completions.create(model=str(model_dir), prompt=prompt, max_tokens=40, temperature=0)
+    ref = client(embedded_url).completions.create(model=str(model_dir), prompt=prompt, max_tokens=40,
+                                                  temperature=0)
+    assert out.choices[0].text == ref.choices[0].text          # correct without (some) drafts
+    assert answers(url, str(model_dir)) == expected             # and after Serve replaces it
 
 
 def test_every_call_of_a_request_reaches_one_replica_and_requests_spread(ray_app, model_dir):

@@ -31,6 +31,19 @@ def test_rank_replicas(replicas, pinned, loads, assigned, expected):
     assert rank_replicas(replicas, pinned, loads, assigned) == expected
 
 
+def test_affinity_keys_stay_put_and_spread():
+    """Rendezvous hashing: a key always prefers one replica; removing another replica does not
+    move it; many keys spread over the replicas."""
+    replicas = [f"r{i}" for i in range(4)]
+    first = {k: rank_replicas(replicas, None, affinity=f"key{k}")[0][0] for k in range(200)}
+    assert first == {k: rank_replicas(list(reversed(replicas)), None, affinity=f"key{k}")[0][0] for k in range(200)}
+    assert set(first.values()) == set(replicas)
+    survivors = [r for r in replicas if r != "r3"]
+    for k, top in first.items():
+        if top != "r3":
+            assert rank_replicas(survivors, None, affinity=f"key{k}")[0][0] == top
+
+
 class ReplicaGone(Exception):
     """Stands in for Ray's actor-died error."""
 
