@@ -55,7 +55,8 @@ class GatewayMetrics:
         self.accepted = Counter("specgate_accepted_tokens", "Draft tokens accepted by the target",
                                 ["tenant", "drafter"], registry=r)
         self.tau = Histogram("specgate_tau", "Tokens committed per step and request "
-                             "(τ = accepted + 1)", ["tenant"], buckets=TAU_BUCKETS, registry=r)
+                             "(τ = accepted + 1)", ["tenant", "drafter"], buckets=TAU_BUCKETS,
+                             registry=r)
         self.step_duration = Histogram("specgate_step_duration_seconds",
                                        "One verification step (draft + verify) of the batch",
                                        buckets=LATENCY_BUCKETS, registry=r)
@@ -110,7 +111,7 @@ class GatewayMetrics:
         if drafted:
             self.drafted.labels(tenant, drafter).inc(drafted)
             self.accepted.labels(tenant, drafter).inc(stats.accepted_sum)
-        h = self.tau.labels(tenant)
+        h = self.tau.labels(tenant, drafter)
         for tau in stats.tau_history:
             h.observe(tau)
 

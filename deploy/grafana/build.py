@@ -81,6 +81,9 @@ DASHBOARDS = {
         ("τ (tokens committed per step) by tenant", "none", [
             q(f"sum by (tenant) (rate(specgate_tau_sum{{{T}}}[{RATE}])) / "
               f"sum by (tenant) (rate(specgate_tau_count{{{T}}}[{RATE}]))", "{{tenant}}")]),
+        ("τ by drafter", "none", [
+            q(f"sum by (drafter) (rate(specgate_tau_sum{{{T}}}[{RATE}])) / "
+              f"sum by (drafter) (rate(specgate_tau_count{{{T}}}[{RATE}]))", "{{drafter}}")]),
         ("Tree size (draft nodes per request and step)", "none", [
             q(f"sum(rate(specgate_drafted_tokens_total{{{T}}}[{RATE}])) / "
               f"sum(rate(specgate_tau_count{{{T}}}[{RATE}]))", "nodes")]),

@@ -158,11 +158,12 @@ scrape_configs:
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:              # Prometheus up and scraping the gateway
-            try:
-                up = httpx.get(f"{api}/query", params={"query": 'up{job="specgate"}'}, timeout=2).json()
+            try:        # while starting, Prometheus answers 503 in plain text
+                r = httpx.get(f"{api}/query", params={"query": 'up{job="specgate"}'}, timeout=2)
+                up = r.json() if r.status_code == 200 else {"data": {"result": []}}
                 if up["data"]["result"] and up["data"]["result"][0]["value"][1] == "1":
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
         else:
