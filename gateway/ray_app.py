@@ -145,8 +145,10 @@ class VerifierServer:
                 return {"results": [], "missing": missing, "busy_s": 0.0}
             for item in items:
                 self._note(item.request_id, "step")
+            d0 = self.worker.draft_s
             results = self.worker.step(items)
-        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0}
+            draft_s = self.worker.draft_s - d0
+        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s}
 
     def release(self, request_ids: list[str], *, replica: str) -> None:
         with self._lock:
@@ -232,9 +234,10 @@ class SchedulerServer:
 
     def timing(self) -> dict[str, float]:
         """Where the scheduler's time went: `loop_s` (iterations that verified something, whole),
-        `compute_s` (inside the verifier replicas' prefills and steps), `steps`."""
+        `compute_s` (inside the verifier replicas' prefills and steps), `draft_s` (of that, drafting,
+        draft workers' round trips included), `steps`."""
         return {"loop_s": self.embedded.step_loop.busy_s, "compute_s": self.pool.busy_s,
-                "steps": self.embedded.step_loop.steps}
+                "draft_s": self.pool.draft_s, "steps": self.embedded.step_loop.steps}
 
     def metrics(self) -> tuple[bytes, str]:
         """The Prometheus exposition of the service and step loop (the ingress serves it)."""

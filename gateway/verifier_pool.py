@@ -63,6 +63,7 @@ class VerifierPool:
         # replicas' time inside prefills and steps (a step's slowest replica): compute, the rest of
         # a step's wall time is orchestration (RPC, planning, persisting)
         self.busy_s = 0.0
+        self.draft_s = 0.0                             # of which drafting (the slowest replica's)
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
         self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[str]] = defaultdict(list)
@@ -143,7 +144,7 @@ class VerifierPool:
             self.calls[home] += 1
         self._flush_releases(skip=by_home)
         lost: list[str] = []
-        busy = 0.0
+        busy = draft = 0.0
         for home, response in pending.items():
             try:
                 answer = response.result()
@@ -156,10 +157,12 @@ class VerifierPool:
             if answer["missing"]:              # a replacement, or a router that could not pin
                 lost += answer["missing"]
                 continue
-            busy = max(busy, answer["busy_s"])
+            if answer["busy_s"] >= busy:
+                busy, draft = answer["busy_s"], answer.get("draft_s", 0.0)
             for r in answer["results"]:
                 by_id[r.request_id] = r
         self.busy_s += busy
+        self.draft_s += draft
         for rid in lost:
             self.home.pop(rid, None)
         return lost

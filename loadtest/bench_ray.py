@@ -5,12 +5,13 @@
 The same requests (round-robin over every workload, greedy chat completions through HTTP, at most
 `--concurrency` in flight) go first to the embedded gateway (one process), then to the Ray Serve
 application on a local Ray cluster (one ingress, the scheduler, one verifier replica with as many
-torch threads as the embedded process), on the same machine and model. JSON keys:
+torch threads as the embedded process, one draft worker unless `--no-draft-workers`), on the
+same machine and model. JSON keys:
 
     ratio_vs_embedded   Ray mode's output tokens/s ÷ the embedded gateway's (target ≥ 0.8)
     overhead_fraction   of the scheduler's step time, the part not spent inside the verifier
-                        replica's prefills and steps (drafting and forward passes): planning,
-                        RPC, persisting (target ≤ 0.1)
+                        replica's prefills and steps (forward passes, and drafting, which
+                        includes the draft call): planning, RPC, persisting (target ≤ 0.1)
     identical           both modes returned the same text for every request (greedy)
 
 Needs a Redis (`--redis-url`, default redis://127.0.0.1:6379/0); its keys go under a fresh prefix
@@ -42,12 +43,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--no-draft-workers", action="store_true",
+                   help="verifier replicas draft for themselves (no draft deployment)")
     p.add_argument("--json", type=Path, required=True)
 
 
 def run(args: argparse.Namespace) -> int:
     report = bench_ray(model=args.model, requests=args.requests, concurrency=args.concurrency,
-                       max_tokens=args.max_tokens, redis_url=args.redis_url)
+                       max_tokens=args.max_tokens, redis_url=args.redis_url,
+                       draft_workers=not args.no_draft_workers)
     args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=1))
     return 0
@@ -84,7 +88,8 @@ async def drive(url: str, bodies: list[dict], concurrency: int) -> tuple[list[st
         return texts, tokens[0], time.perf_counter() - t0
 
 
-def bench_ray(*, model: str, requests: int, concurrency: int, max_tokens: int, redis_url: str) -> dict[str, Any]:
+def bench_ray(*, model: str, requests: int, concurrency: int, max_tokens: int, redis_url: str,
+              draft_workers: bool = True) -> dict[str, Any]:
     from gateway.tenants import Tenant, TenantRegistry
 
     prefix = f"bench-ray:{uuid.uuid4().hex[:8]}:"
@@ -97,14 +102,14 @@ def bench_ray(*, model: str, requests: int, concurrency: int, max_tokens: int, r
         print("bench ray: embedded gateway ...", file=sys.stderr)
         emb_texts, emb_tokens, emb_s, emb_timing = _embedded(settings, bodies, concurrency)
         print("bench ray: Ray Serve application ...", file=sys.stderr)
-        ray_texts, ray_tokens, ray_s, timing = _ray(settings, bodies, concurrency, threads)
+        ray_texts, ray_tokens, ray_s, timing = _ray(settings, bodies, concurrency, threads, draft_workers)
     finally:
         _delete_prefix(redis_url, prefix)
     emb_rate, ray_rate = emb_tokens / emb_s, ray_tokens / ray_s
     loop_s, compute_s = timing["loop_s"], timing["compute_s"]
     return {
         "model": model, "requests": requests, "concurrency": concurrency, "max_tokens": max_tokens,
-        "torch_threads": threads,
+        "torch_threads": threads, "draft_workers": draft_workers,
         "embedded_tokens_per_s": round(emb_rate, 2), "ray_tokens_per_s": round(ray_rate, 2),
         "ratio_vs_embedded": round(ray_rate / emb_rate, 3),
         "overhead_fraction": round((loop_s - compute_s) / loop_s, 4) if loop_s else None,
@@ -112,6 +117,7 @@ def bench_ray(*, model: str, requests: int, concurrency: int, max_tokens: int, r
         "embedded_step_ms": round(1000 * emb_timing["loop_s"] / max(1, emb_timing["steps"]), 2),
         "ray_steps": timing["steps"],
         "ray_compute_ms_per_step": round(1000 * compute_s / max(1, timing["steps"]), 2),
+        "ray_draft_ms_per_step": round(1000 * timing["draft_s"] / max(1, timing["steps"]), 2),
         "ray_step_ms": round(1000 * loop_s / max(1, timing["steps"]), 2),
         "ray_overhead_ms_per_step": round(1000 * (loop_s - compute_s) / max(1, timing["steps"]), 2),
         "identical": emb_texts == ray_texts,
@@ -135,7 +141,7 @@ def _embedded(settings: dict, bodies: list[dict], concurrency: int):
         emb.stop()
 
 
-def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int):
+def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, draft_workers: bool = True):
     import ray
     from ray import serve
 
@@ -143,7 +149,8 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int):
 
     cfg = RayAppConfig(settings=settings, ingress=DeploymentOptions(num_replicas=1, num_cpus=0.1),
                        scheduler=DeploymentOptions(num_cpus=0.1),
-                       verifier=DeploymentOptions(num_replicas=1, num_cpus=1, torch_threads=threads))
+                       verifier=DeploymentOptions(num_replicas=1, num_cpus=1, torch_threads=threads),
+                       draft=DeploymentOptions(num_replicas=1, num_cpus=0.1) if draft_workers else None)
     port = _free_port()
     ray.init(include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
