@@ -246,3 +246,46 @@ def test_restarting_the_scheduler_replica_finishes_every_request_from_redis(ray_
             assert list(rec.output_ids) == hf_greedy(target, list(rec.prompt_ids), max_tokens, eos=2)
     finally:
         reader.close()
+
+
+def test_scaling_verifiers_down_mid_generation_drops_no_request(ray_app, embedded_url, model_dir):
+    """Serve drains the replica it removes; requests whose KV was there are prefilled again on the
+    one left and every one finishes, whole. (Token identity across a move is the kill test's; over
+    1,200 tokens of a random model's degenerate loops, recomputing the KV in one prefill may flip
+    an fp32 near-tie late in the output, so here the outputs must agree over their first half.)"""
+    url, cfg = ray_app
+    # long enough to outlast the scale-down (a few seconds), so live requests must move
+    model, prompts, max_tokens = str(model_dir), [p * 4 for p in PROMPTS[1:5]], 1200
+    expected = [client(embedded_url).completions.create(model=model, prompt=p, max_tokens=max_tokens,
+                                                        temperature=0).choices[0].text for p in prompts]
+    scheduler = serve.get_deployment_handle("scheduler", app_name="specgate")
+    started = threading.Barrier(len(prompts) + 1)
+
+    def stream(prompt: str) -> tuple[str, int, str]:
+        parts, usage, reason = [], 0, ""
+        for i, chunk in enumerate(client(url).completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})):
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+            if i == 2:
+                started.wait(60)
+        return "".join(parts), usage, reason
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream, p) for p in prompts]
+        started.wait(60)
+        assert len(set(scheduler.homes.remote().result().values())) == 2    # spread over both
+        replaced = scheduler.replaced.remote().result()
+        smaller = cfg.model_copy(deep=True)
+        smaller.verifier.num_replicas = 1
+        serve.run(build(smaller), name="specgate", route_prefix="/")        # scale down, drain
+        got = [f.result(timeout=120) for f in futures]
+    for (text, tokens, reason), ref in zip(got, expected):
+        assert (tokens, reason) == (max_tokens, "length")                   # finished, whole
+        assert text[: len(ref) // 2] == ref[: len(ref) // 2]
+    assert serve.status().applications["specgate"].deployments["verifier"].replica_states.get("RUNNING") == 1
+    assert scheduler.replaced.remote().result() > replaced     # live requests did move
