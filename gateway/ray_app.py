@@ -20,6 +20,7 @@ speculation. With `draft: null` each verifier replica drafts for its own request
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -31,8 +32,11 @@ from pydantic import BaseModel, Field
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 
+log = logging.getLogger(__name__)
+
 SCHEDULER, VERIFIER, INGRESS, DRAFT = "scheduler", "verifier", "ingress", "draft"
 SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
+LEASE_TTL_S = 10.0            # the scheduler lease: a crashed holder's is free after this
 
 
 class DeploymentOptions(BaseModel):
@@ -211,9 +215,43 @@ class SchedulerServer:
                                             progress=False)
         self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
         target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]), StepCostModel.from_json())
-        self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target)
+        self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target,
+                                                recover=False)
         self.endpoint = SchedulerEndpoint(self.embedded.service)
+        # Step only while holding the scheduler lease: during a rolling update or an unnoticed
+        # crash Serve may run two scheduler replicas at once (scheduler/lease.py).
+        from ray import serve
+
+        from scheduler.lease import Lease
+
+        holder = serve.get_replica_context().replica_id.unique_id
+        self._redis = _redis_client(s.redis_url)
+        self.lease = Lease(self._redis, f"{s.store_prefix}sched:{s.replica_id}:lease", holder, LEASE_TTL_S)
+        self.lease_lost = False
+        self._stopping = threading.Event()
+        threading.Thread(target=self._hold_lease, name="specgate-lease", daemon=True).start()
+
+    def _hold_lease(self) -> None:
+        """Wait for the lease, take over the stored requests, run the loop; stop if it is lost."""
+        while not self._stopping.is_set() and not self._try(self.lease.try_acquire):
+            self._stopping.wait(LEASE_TTL_S / 10)
+        if self._stopping.is_set():
+            return
+        self.embedded.recovered = self.embedded.step_loop.recover()
         self.embedded.start()
+        while not self._stopping.wait(LEASE_TTL_S / 3):
+            if not self._try(self.lease.renew):
+                log.error("scheduler lease lost: stopping this replica's step loop")
+                self.lease_lost = True
+                self.embedded.step_loop.stop()
+                return
+
+    @staticmethod
+    def _try(call) -> bool:
+        try:
+            return bool(call())
+        except Exception:                          # Redis away: not ours (yet)
+            return False
 
     async def generate(self, inp: Any) -> tuple:
         return await self.endpoint.generate(inp)
@@ -248,13 +286,25 @@ class SchedulerServer:
         return self.pool.replaced
 
     def check_health(self) -> None:
-        if not self.embedded.loop_alive():
+        if self.lease_lost:
+            raise RuntimeError("lost the scheduler lease to another replica")
+        if self.embedded.thread is not None and not self.embedded.loop_alive():
             raise RuntimeError("the step loop has stopped")
 
     def __del__(self) -> None:
+        """Serve's shutdown: stop stepping, then hand the lease over at once."""
+        stopping = getattr(self, "_stopping", None)
+        if stopping is not None:
+            stopping.set()
         embedded = getattr(self, "embedded", None)
-        if embedded is not None:
+        if embedded is not None and embedded.thread is not None:
             embedded.stop()
+        lease = getattr(self, "lease", None)
+        if lease is not None and not self.lease_lost:
+            try:
+                lease.release()
+            except Exception:
+                pass
 
 
 class IngressServer:
@@ -323,6 +373,12 @@ def build(config: RayAppConfig):
 def app_builder(args: dict[str, Any]):
     """For a Serve config file's `import_path`: `args` is a `RayAppConfig` as a mapping."""
     return build(RayAppConfig(**(args or {})))
+
+
+def _redis_client(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
 
 
 def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):

@@ -118,11 +118,12 @@ def scheduler_prefix(settings: Settings) -> str:
 
 
 def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None,
-                   target: tuple | None = None) -> Embedded:
+                   target: tuple | None = None, recover: bool = True) -> Embedded:
     """Everything but the listening: `runtime` (a `workers.runtime.Runtime` already loaded, e.g.
     by a test or a benchmark) is used instead of loading `settings.model`; `target` (tokenizer,
     worker, stop token ids, step-cost model) replaces the model altogether (Ray mode's scheduler
-    drives verifier replicas through `gateway.verifier_pool.VerifierPool`)."""
+    drives verifier replicas through `gateway.verifier_pool.VerifierPool`). `recover=False` leaves
+    recovery from the store to the caller (Ray mode recovers once it holds the scheduler lease)."""
     from gateway.limits import Limiter
     from gateway.tenants import TenantRegistry, new_api_key
 
@@ -140,7 +141,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     store = open_store(settings.redis_url, scheduler_prefix(settings))
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident)
-    recovered = step_loop.recover()
+    recovered = step_loop.recover() if recover else []
     if settings.tenants_file is not None:
         tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
                                            settings.store_prefix)

@@ -187,10 +187,12 @@ class StepLoop:
     def recover(self) -> list[str]:
         """Take over every live request from the store (after a restart). Returns their ids.
 
-        Call once, before the first step. Their KV is rebuilt lazily: a recovered request is
-        prefilled with prompt + committed output when a plan first picks it."""
+        Call before the first step. Their KV is rebuilt lazily: a recovered request is prefilled
+        with prompt + committed output when a plan first picks it. Requests this loop already
+        holds (admitted here while it waited to take over) are left as they are."""
         stored = self.store.load()
         self.state.virtual_time.update(stored.virtual_time)
+        stored.requests = [r for r in stored.requests if r.stats.request_id not in self._requests]
         for req in stored.requests:
             s = req.stats
             if s.status is Status.RUNNING:

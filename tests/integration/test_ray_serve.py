@@ -248,13 +248,17 @@ def test_restarting_the_scheduler_replica_finishes_every_request_from_redis(ray_
         reader.close()
 
 
-def test_scaling_verifiers_down_mid_generation_drops_no_request(ray_app, embedded_url, model_dir):
-    """Serve drains the replica it removes; requests whose KV was there are prefilled again on the
-    one left and every one finishes, whole. (Token identity across a move is the kill test's; over
-    1,200 tokens of a random model's degenerate loops, recomputing the KV in one prefill may flip
-    an fp32 near-tie late in the output, so here the outputs must agree over their first half.)"""
+def test_a_rolling_update_that_scales_verifiers_down_mid_generation_drops_no_request(
+        ray_app, embedded_url, model_dir):
+    """Redeploying with one verifier replica fewer is a rolling update of every deployment: Serve
+    drains and stops the old replicas while streams are live. Requests whose KV goes away are
+    prefilled again on the replicas left; the new scheduler replica waits for the old one's lease
+    before touching any request (two schedulers never step the same requests); every stream
+    finishes whole. (Token identity across a move is the kill test's; over 1,200 tokens of a
+    random model's degenerate loops a recomputed KV may flip an fp32 near-tie late in the output,
+    so here the outputs must agree over their first half.)"""
     url, cfg = ray_app
-    # long enough to outlast the scale-down (a few seconds), so live requests must move
+    # long enough to outlast the update (a few seconds), so live requests must move
     model, prompts, max_tokens = str(model_dir), [p * 4 for p in PROMPTS[1:5]], 1200
     expected = [client(embedded_url).completions.create(model=model, prompt=p, max_tokens=max_tokens,
                                                         temperature=0).choices[0].text for p in prompts]
@@ -279,13 +283,16 @@ def test_scaling_verifiers_down_mid_generation_drops_no_request(ray_app, embedde
         futures = [pool.submit(stream, p) for p in prompts]
         started.wait(60)
         assert len(set(scheduler.homes.remote().result().values())) == 2    # spread over both
-        replaced = scheduler.replaced.remote().result()
         smaller = cfg.model_copy(deep=True)
         smaller.verifier.num_replicas = 1
-        serve.run(build(smaller), name="specgate", route_prefix="/")        # scale down, drain
-        got = [f.result(timeout=120) for f in futures]
+        serve.run(build(smaller), name="specgate", route_prefix="/")        # roll, drain, scale down
+        got = [f.result(timeout=180) for f in futures]
     for (text, tokens, reason), ref in zip(got, expected):
         assert (tokens, reason) == (max_tokens, "length")                   # finished, whole
         assert text[: len(ref) // 2] == ref[: len(ref) // 2]
     assert serve.status().applications["specgate"].deployments["verifier"].replica_states.get("RUNNING") == 1
-    assert scheduler.replaced.remote().result() > replaced     # live requests did move
+    deadline = time.monotonic() + 60                                        # the new scheduler took over
+    while not scheduler.ready.remote().result() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    out = client(url).completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert out.usage.completion_tokens == 8
