@@ -49,6 +49,12 @@ def slo_attainment(metric: str, var: str) -> str:
             f"sum(rate({metric}_count{{{T}}}[{RATE}]))")
 
 
+def ratio_by(label: str, num: str, den: str) -> dict:
+    """Per `label`: rate(num) ÷ rate(den), e.g. accepted ÷ drafted tokens = α."""
+    return q(f"sum by ({label}) (rate({num}{{{T}}}[{RATE}])) / "
+             f"sum by ({label}) (rate({den}{{{T}}}[{RATE}]))", f"{{{{{label}}}}}")
+
+
 ERRORS = f'sum(rate(specgate_requests_total{{{T}, status="failed"}}[{RATE}]))'
 ALL_REQUESTS = f"sum(rate(specgate_requests_total{{{T}}}[{RATE}]))"
 
@@ -72,18 +78,13 @@ DASHBOARDS = {
             q(f"sum by (status) (rate(specgate_requests_total{{{T}}}[{RATE}]))", "{{status}}")]),
     ]),
     "speculation": ("specgate: speculation", [
-        ("Acceptance rate α by tenant", "percentunit", [
-            q(f"sum by (tenant) (rate(specgate_accepted_tokens_total{{{T}}}[{RATE}])) / "
-              f"sum by (tenant) (rate(specgate_drafted_tokens_total{{{T}}}[{RATE}]))", "{{tenant}}")]),
-        ("Acceptance rate α by drafter", "percentunit", [
-            q(f"sum by (drafter) (rate(specgate_accepted_tokens_total{{{T}}}[{RATE}])) / "
-              f"sum by (drafter) (rate(specgate_drafted_tokens_total{{{T}}}[{RATE}]))", "{{drafter}}")]),
-        ("τ (tokens committed per step) by tenant", "none", [
-            q(f"sum by (tenant) (rate(specgate_tau_sum{{{T}}}[{RATE}])) / "
-              f"sum by (tenant) (rate(specgate_tau_count{{{T}}}[{RATE}]))", "{{tenant}}")]),
-        ("τ by drafter", "none", [
-            q(f"sum by (drafter) (rate(specgate_tau_sum{{{T}}}[{RATE}])) / "
-              f"sum by (drafter) (rate(specgate_tau_count{{{T}}}[{RATE}]))", "{{drafter}}")]),
+        ("Acceptance rate α by tenant", "percentunit",
+         [ratio_by("tenant", "specgate_accepted_tokens_total", "specgate_drafted_tokens_total")]),
+        ("Acceptance rate α by drafter", "percentunit",
+         [ratio_by("drafter", "specgate_accepted_tokens_total", "specgate_drafted_tokens_total")]),
+        ("τ (tokens committed per step) by tenant", "none",
+         [ratio_by("tenant", "specgate_tau_sum", "specgate_tau_count")]),
+        ("τ by drafter", "none", [ratio_by("drafter", "specgate_tau_sum", "specgate_tau_count")]),
         ("Tree size (draft nodes per request and step)", "none", [
             q(f"sum(rate(specgate_drafted_tokens_total{{{T}}}[{RATE}])) / "
               f"sum(rate(specgate_tau_count{{{T}}}[{RATE}]))", "nodes")]),
