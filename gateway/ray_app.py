@@ -27,48 +27,18 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from pydantic import BaseModel, Field
-
 from gateway.metrics import GatewayMetrics
+from gateway.ray_config import DeploymentOptions, RayAppConfig
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
 
+__all__ = ["DeploymentOptions", "RayAppConfig", "VerifierServer", "DraftServer", "SchedulerServer",
+           "IngressServer", "build", "app_builder"]
+
 SCHEDULER, VERIFIER, INGRESS, DRAFT = "scheduler", "verifier", "ingress", "draft"
 SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
 LEASE_TTL_S = 10.0            # the scheduler lease: a crashed holder's is free after this
-
-
-class DeploymentOptions(BaseModel):
-    """Per-deployment Serve options (a subset, typed)."""
-    num_replicas: int | None = Field(1, ge=1)          # None with autoscaling
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    max_ongoing_requests: int = Field(64, ge=1)
-    autoscaling_config: dict[str, Any] | None = None   # Serve's own keys (min/max_replicas, ...)
-    health_check_period_s: float = Field(10.0, gt=0)
-    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
-    torch_threads: int | None = Field(None, ge=1)      # verifier only: torch's intra-op threads
-
-
-class RayAppConfig(BaseModel):
-    """Everything `build` needs. `settings` are the embedded gateway's settings (`SPECGATE_*`
-    environment variables fill what is left out); Ray mode needs `redis_url`, where the scheduler's
-    requests, the tenants and the rate limits live for every replica to see."""
-    settings: dict[str, Any] = Field(default_factory=dict)
-    ingress: DeploymentOptions = DeploymentOptions(num_replicas=2, num_cpus=0.1)
-    scheduler: DeploymentOptions = DeploymentOptions(num_cpus=0.2)
-    verifier: DeploymentOptions = DeploymentOptions(num_replicas=1, num_cpus=1.0)
-    # Draft workers; None: each verifier replica drafts for its own requests.
-    draft: DeploymentOptions | None = DeploymentOptions(num_replicas=1, num_cpus=0.2)
-    route_prefix: str = "/"
-
-    def gateway_settings(self) -> Settings:
-        settings = Settings(**self.settings)
-        if not settings.redis_url:
-            raise ValueError("Ray mode needs a Redis URL (settings.redis_url or SPECGATE_REDIS_URL): "
-                             "every replica reads the tenants, limits and requests from there")
-        return settings
 
 
 # ---- the deployments' classes (plain classes; `build` turns them into deployments) ---------------

@@ -17,7 +17,8 @@ from typing import Any
 
 import yaml
 
-from gateway.ray_app import RayAppConfig, build
+from gateway.ray_app import build
+from gateway.ray_config import RayAppConfig
 from gateway.settings import Settings
 
 APP_NAME = "specgate"

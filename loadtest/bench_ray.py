@@ -145,7 +145,8 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, dra
     import ray
     from ray import serve
 
-    from gateway.ray_app import DeploymentOptions, RayAppConfig, build
+    from gateway.ray_app import build
+    from gateway.ray_config import DeploymentOptions, RayAppConfig
 
     cfg = RayAppConfig(settings=settings, ingress=DeploymentOptions(num_replicas=1, num_cpus=0.1),
                        scheduler=DeploymentOptions(num_cpus=0.1),

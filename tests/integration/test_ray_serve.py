@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from gateway.ray_app import RayAppConfig, build  # noqa: E402
+from gateway.ray_app import build  # noqa: E402
+from gateway.ray_config import RayAppConfig  # noqa: E402
 from gateway.ray_cmd import load_config  # noqa: E402
 from gateway.serve_cmd import background_server, build_embedded  # noqa: E402
 from gateway.settings import Settings  # noqa: E402

@@ -11,7 +11,7 @@ import yaml
 
 helm = pytest.importorskip("helm_python")
 
-from gateway.ray_app import RayAppConfig  # noqa: E402
+from gateway.ray_config import RayAppConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specgate"
