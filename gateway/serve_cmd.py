@@ -254,6 +254,14 @@ async def _serve(emb: Embedded, server: Any) -> None:
             await grpc.stop()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for servers that take a port number, not a socket:
+    Ray Serve's proxy, Prometheus)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 @contextlib.contextmanager
 def background_server(app: Any, host: str = "127.0.0.1", port: int = 0,
                       log_level: str = "warning") -> Iterator[str]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 import time
 import uuid
@@ -147,12 +146,13 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, dra
 
     from gateway.ray_app import build
     from gateway.ray_config import DeploymentOptions, RayAppConfig
+    from gateway.serve_cmd import free_port
 
     cfg = RayAppConfig(settings=settings, ingress=DeploymentOptions(num_replicas=1, num_cpus=0.1),
                        scheduler=DeploymentOptions(num_cpus=0.1),
                        verifier=DeploymentOptions(num_replicas=1, num_cpus=1, torch_threads=threads),
                        draft=DeploymentOptions(num_replicas=1, num_cpus=0.1) if draft_workers else None)
-    port = _free_port()
+    port = free_port()
     ray.init(include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -168,12 +168,6 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, dra
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _delete_prefix(redis_url: str, prefix: str) -> None:

@@ -1,6 +1,8 @@
 """Test helpers shared by the engine tests: reference generation and an oracle drafter."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -90,3 +92,23 @@ def tiny_model_dir(path, seed: int = 0):
         if (source / name).exists():
             shutil.copy(source / name, path / name)
     return path
+
+
+@contextlib.contextmanager
+def serving(settings, tenants: dict[str, list[str]], *, tenant_options: dict | None = None,
+            log_level: str = "warning"):
+    """An embedded gateway built from `settings`, with `tenants` (name -> API keys; options per
+    name in `tenant_options`, e.g. {"limited": {"rpm": 1}}), its step loop running, served on a
+    free loopback port: yields (embedded, base URL); stops it all on exit."""
+    from gateway.serve_cmd import background_server, build_embedded
+    from gateway.tenants import Tenant
+
+    emb = build_embedded(settings, progress=False)
+    for name, keys in tenants.items():
+        emb.tenants.put(Tenant(name=name, **(tenant_options or {}).get(name, {})), keys)
+    emb.start()
+    try:
+        with background_server(emb.app, log_level=log_level) as url:
+            yield emb, url
+    finally:
+        emb.stop()

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -20,11 +19,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.serve_cmd import free_port
 from gateway.settings import Settings
-from gateway.tenants import Tenant
 from redis_server import delete_prefix, unique_prefix
-from tests.helpers import tiny_model_dir
+from tests.helpers import serving, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,16 +69,13 @@ def metric_names(expr: str) -> set[str]:
 def gateway(tmp_path_factory, redis_url):
     prefix = unique_prefix()
     model = tiny_model_dir(tmp_path_factory.mktemp("obs") / "tiny")
-    emb = build_embedded(Settings(model=str(model), redis_url=redis_url, store_prefix=prefix,
-                                  admin_key=ADMIN, max_batch=4, log_level="warning"), progress=False)
-    for name, key in KEYS.items():
-        emb.tenants.put(Tenant(name=name, rpm=1 if name == "limited" else None), [key])
-    emb.start()
     try:
-        with background_server(emb.app) as url:
+        with serving(Settings(model=str(model), redis_url=redis_url, store_prefix=prefix,
+                              admin_key=ADMIN, max_batch=4, log_level="warning"),
+                     {name: [key] for name, key in KEYS.items()},
+                     tenant_options={"limited": {"rpm": 1}}) as (_, url):
             yield url, str(model)
     finally:
-        emb.stop()
         delete_prefix(redis_url, prefix)
 
 
@@ -129,11 +124,6 @@ def test_rules_pass_promtool():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus (Debian package) not installed")

@@ -4,7 +4,6 @@ replicas, answering the official `openai` client exactly as the embedded gateway
 every request's prefill and verifications on one replica. Ray starts once for the module."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import Counter
@@ -22,11 +21,11 @@ from ray import serve  # noqa: E402
 from gateway.ray_app import build  # noqa: E402
 from gateway.ray_config import RayAppConfig  # noqa: E402
 from gateway.ray_cmd import load_config  # noqa: E402
-from gateway.serve_cmd import background_server, build_embedded  # noqa: E402
+from gateway.serve_cmd import free_port  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.tenants import Tenant, TenantRegistry  # noqa: E402
 from redis_server import delete_prefix, unique_prefix  # noqa: E402
-from tests.helpers import tiny_model_dir  # noqa: E402
+from tests.helpers import serving, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
@@ -35,11 +34,6 @@ ADMIN = "adm-ray-test"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
            "Repeat: red green blue red green blue red"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +64,11 @@ def ray_app(model_dir, redis_url):
 @pytest.fixture(scope="module")
 def embedded_url(model_dir, redis_url):
     prefix = unique_prefix()
-    emb = build_embedded(Settings(model=str(model_dir), redis_url=redis_url, store_prefix=prefix,
-                                  drafters="ngram"), progress=False)
-    emb.tenants.put(Tenant(name="t1"), [KEY])
-    emb.start()
     try:
-        with background_server(emb.app) as url:
+        with serving(Settings(model=str(model_dir), redis_url=redis_url, store_prefix=prefix,
+                              drafters="ngram"), {"t1": [KEY]}) as (_, url):
             yield url
     finally:
-        emb.stop()
         delete_prefix(redis_url, prefix)
 
 

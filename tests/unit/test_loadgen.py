@@ -91,20 +91,12 @@ def test_parse_tenants():
 # ---- against a fake-worker gateway ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gateway_url():
-    from gateway.serve_cmd import background_server, build_embedded
     from gateway.settings import Settings
-    from gateway.tenants import Tenant
+    from tests.helpers import serving
 
-    emb = build_embedded(Settings(fake_worker=True, fake_step_ms=2.0, redis_url=None,
-                                  tenants_file=None, log_level="warning"), progress=False)
-    emb.tenants.put(Tenant("a"), ["sk-a"])
-    emb.tenants.put(Tenant("b"), ["sk-b"])
-    emb.start()
-    try:
-        with background_server(emb.app) as url:
-            yield url
-    finally:
-        emb.stop()
+    with serving(Settings(fake_worker=True, fake_step_ms=2.0, redis_url=None, tenants_file=None,
+                          log_level="warning"), {"a": ["sk-a"], "b": ["sk-b"]}) as (_, url):
+        yield url
 
 
 def test_end_to_end_against_fake_gateway(gateway_url, tmp_path):
