@@ -28,6 +28,9 @@ class Segment:
     start: int            # first packed row of this request
     rows: int             # pending tokens + tree nodes
     mask: torch.Tensor    # [rows, rows] additive float mask among the new rows (0 = visible, -inf = hidden)
+    # [rows, cache.length] additive float mask over the cached slots; None = every slot visible.
+    # Drafts use it: sliding-window attention, and tree nodes kept in the cache while drafting.
+    past: torch.Tensor | None = None
 
 
 class LlamaForward:
@@ -138,7 +141,10 @@ class LlamaForward:
     def _full_mask(self, seg: Segment) -> torch.Tensor:
         # Every new row sees the whole committed context; among new rows, the segment's own mask.
         # NOTE: the mask must be additive float: a boolean mask is silently wrong under eager attention.
-        past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
+        if seg.past is not None:
+            past = seg.past.to(self.kv_dtype)
+        else:
+            past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
         return torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
 
 

@@ -8,6 +8,9 @@ per deployment or per test, so that registrations do not leak between them.
 options go to each part by name: ``create_drafter("merge:ngram+suffix", suffix={"min_prob": 0.2})``.
 ``names()`` lists the registered drafters plus the merges in ``LISTED_MERGES`` whose parts are
 registered; ``knows(name)`` accepts any valid merge.
+
+A name that is a model directory (it holds config.json) is a model drafter
+(``workers.drafters.model``): ``create_drafter("/path/to/draft", mode="widths")``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Callable, Mapping, Optional
 
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
+from workers.drafters.model import ModelDrafter, is_model_dir
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.suffix import SuffixDrafter
 
@@ -58,6 +62,8 @@ class Registry:
         factory = self._factories.get(name)
         if factory is not None:
             return factory(**options)
+        if is_model_dir(name):
+            return ModelDrafter.load(name, **options)
         parts = self._merge_parts(name)
         for key in options:
             if key not in parts:
@@ -69,7 +75,7 @@ class Registry:
 
     def knows(self, name: str) -> bool:
         """Whether ``create(name)`` can build it: a registered name or a merge of registered names."""
-        if name in self._factories:
+        if name in self._factories or is_model_dir(name):
             return True
         try:
             self._merge_parts(name)

@@ -1,0 +1,297 @@
+"""Model drafter: a small causal LM proposes the tree, keeping its own KV per request.
+
+Any model directory whose tokenizer is the target's works (`workers.draft_model`); one built by
+`specgate draft build` attends sink + window, so its KV stays constant-size.
+
+Per request the drafter keeps the draft's KV of every committed token except the root, as the
+verifier does for the target. A call first feeds what was committed since the last call (the
+accepted tokens and the bonus; on the first call the whole prompt, in chunks), then grows the tree
+one depth per forward pass; the tree's own rows are dropped from the KV before returning, so the
+KV always matches the committed text whatever the verifier accepted.
+
+Tree shapes (``mode``):
+* "dynamic" (EAGLE-2 style, default): at each depth, the ``width`` candidates with the highest
+  cumulative draft log-probability (over all children of the last depth's nodes, ``top_k`` each)
+  join the tree, until ``max_nodes`` or ``max_depth``. A confident draft goes deep and narrow, an
+  unsure one wide and shallow.
+* "widths" (SpecInfer's width vector ⟨k1,…,kd⟩): every node at depth i − 1 gets its top k_i
+  children, cut to ``max_nodes`` in breadth-first order.
+* ``sample=True``: one chain whose tokens are drawn from the draft's distribution q (seeded per
+  request and position), with q attached to every node (`TokenTree.draft_probs`), so multi-step
+  speculative sampling accepts with min(1, p/q) and stays exact; deterministic trees carry no q
+  (one-hot), which is exact too.
+
+All requests of a call share each forward pass (`propose_batch`), as the verifier's do.
+"""
+from __future__ import annotations
+
+import heapq
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
+from workers.drafters.base import DraftContext, TreeBudget
+from workers.llama_forward import LlamaForward, Segment
+from workers.tree import TokenTree
+
+__all__ = ["ModelDrafter", "is_model_dir"]
+
+PREFILL_CHUNK = 128        # prompt rows per pass: bounds the KV a windowed draft needs
+MAX_TREE_ROWS = 128        # draft KV rows a tree may hold while it grows (its expanded nodes)
+
+
+def is_model_dir(name: str) -> bool:
+    """Whether a drafter name is a model directory (it holds config.json)."""
+    try:
+        return (Path(name) / "config.json").is_file()
+    except (OSError, ValueError):
+        return False
+
+
+@dataclass
+class _State:
+    kv: SparseKV
+    fed: list[int]        # tokens fed so far, the last root included (its KV is cached too)
+    root_logits: torch.Tensor | None = None   # [V] the draft's logits at the last root fed
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int           # index among the request's nodes, -1 = child of the root
+    depth: int
+    logp: float           # cumulative draft log-probability from the root
+    q: np.ndarray | None = None   # [V] the distribution the token was drawn from (sample mode)
+    slot: int = -1        # its KV row among the tree rows once expanded, -1 = not expanded
+
+
+class ModelDrafter:
+    def __init__(self, forward: LlamaForward, spec: DraftSpec | None = None, *, name: str = "model",
+                 mode: str = "dynamic", top_k: int = 4, width: int = 4,
+                 widths: Sequence[int] = (4, 2, 1, 1), sample: bool = False, seed: int = 0):
+        if mode not in ("dynamic", "widths"):
+            raise ValueError(f"mode must be 'dynamic' or 'widths', not {mode!r}")
+        if top_k < 1 or width < 1 or not widths or min(widths) < 1:
+            raise ValueError("top_k, width and every width must be >= 1")
+        self.forward = forward
+        self.spec = spec or DraftSpec()
+        self.name = name
+        self.mode = mode
+        self.top_k = top_k
+        self.width = width
+        self.widths = tuple(int(w) for w in widths)
+        self.sample = sample
+        self.seed = seed
+        self._states: dict[str, _State] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **options) -> "ModelDrafter":
+        """A drafter from a model directory (its specgate_draft.json, if any, sets the attention)."""
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        options.setdefault("name", str(path))
+        return cls(LlamaForward(model), read_spec(path), **options)
+
+    # -- the Drafter protocol -------------------------------------------------------------------
+
+    def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
+        return self.propose_batch([(ctx, budget)])[0]
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def kv_length(self, request_id: str) -> int:
+        """Cached draft KV slots of a request (0 when none): constant-bounded for a windowed draft."""
+        state = self._states.get(request_id)
+        return state.kv.length if state else 0
+
+    def propose_batch(self, items: Sequence[tuple[DraftContext, TreeBudget]]) -> list[TokenTree]:
+        trees = [TokenTree.empty()] * len(items)
+        live = [(i, ctx, b) for i, (ctx, b) in enumerate(items) if b.speculates and len(ctx.tokens) > 0]
+        if not live:
+            return trees
+        states = [self._sync(ctx) for _, ctx, _ in live]
+        root_logits = self._catch_up(states, [ctx.tokens for _, ctx, _ in live])       # [R, V]
+        built = self._grow([ctx for _, ctx, _ in live], [b for _, _, b in live], states, root_logits)
+        for (i, _, _), nodes in zip(live, built):
+            trees[i] = _as_tree(nodes, self.sample)
+        return trees
+
+    # -- keeping the KV in step with commits ------------------------------------------------------
+
+    def _sync(self, ctx: DraftContext) -> _State:
+        """The request's state, reset if the context is not a continuation of what was fed."""
+        state = self._states.get(ctx.request_id)
+        n = len(state.fed) if state else 0
+        if state is None or n > len(ctx.tokens) or (n and ctx.tokens[n - 1] != state.fed[-1]):
+            state = _State(SparseKV(self.forward.new_cache, self.spec, PREFILL_CHUNK + MAX_TREE_ROWS), [])
+            self._states[ctx.request_id] = state
+        return state
+
+    def _catch_up(self, states: list[_State], contexts: list[Sequence[int]]) -> torch.Tensor:
+        """Feed each request's committed tokens not yet fed, the root last, in chunks; all requests
+        share each pass. The root's KV stays (tree rows see it; `fed` includes it, so the next call
+        starts after it). Returns the logits at every root: [R, V]."""
+        out: list[torch.Tensor | None] = [s.root_logits for s in states]
+        # A request with nothing new (asked twice between commits) reuses its last root's logits.
+        todo = {r: list(ctx[len(s.fed):]) for r, (s, ctx) in enumerate(zip(states, contexts))
+                if len(ctx) > len(s.fed)}
+        while todo:
+            ids, pos, segs, last_rows, finishing = [], [], [], [], []
+            for r, pending in todo.items():
+                chunk = pending[:PREFILL_CHUNK]
+                s = states[r]
+                start = len(s.fed)
+                positions = torch.arange(start, start + len(chunk))
+                s.kv.make_room(len(chunk), start)
+                own = sparse_mask(positions, positions, self.spec.sink, self.spec.window)
+                segs.append(Segment(s.kv.cache, len(ids), len(chunk), own, s.kv.past_mask(positions)))
+                ids.extend(chunk)
+                pos.append(positions)
+                if len(chunk) == len(pending):
+                    last_rows.append(len(ids) - 1)
+                    finishing.append(r)
+            logits = self.forward.forward(torch.tensor(ids), torch.cat(pos), segs,
+                                          torch.tensor(last_rows) if last_rows else None)
+            for r, seg, positions in zip(list(todo), segs, pos):
+                states[r].kv.append(positions)
+                states[r].fed.extend(todo[r][: seg.rows])
+                todo[r] = todo[r][seg.rows:]
+            for k, r in enumerate(finishing):
+                out[r] = states[r].root_logits = logits[k]
+                del todo[r]
+        return torch.stack(out)
+
+    # -- growing the tree ----------------------------------------------------------------------
+
+    def _grow(self, contexts: list[DraftContext], budgets: list[TreeBudget], states: list[_State],
+              root_logits: torch.Tensor) -> list[list[_Node]]:
+        """Expand every request's tree depth by depth, one forward pass per depth for all of them;
+        returns each request's chosen nodes, parents first."""
+        seen: list[list[_Node]] = [[] for _ in states]     # every node drafted, parents first
+        base = [s.kv.length for s in states]                 # committed KV length, restored at the end
+        for r, s in enumerate(states):
+            s.kv.make_room(MAX_TREE_ROWS, len(s.fed))       # the only move: tree rows stay put
+        frontier = [self._children(contexts[r], -1, 0, 0.0, root_logits[r]) for r in range(len(states))]
+        try:
+            for depth in range(1, max(b.max_depth for b in budgets) + 1):
+                expand: list[tuple[int, list[int]]] = []     # (request, its nodes to expand now)
+                for r, cands in enumerate(frontier):
+                    first = len(seen[r])
+                    seen[r].extend(cands)
+                    if depth < budgets[r].max_depth and cands:
+                        kv = states[r].kv
+                        room = min(kv.cache.capacity - kv.length, MAX_TREE_ROWS - (kv.length - base[r]))
+                        picked = self._pick(seen[r], first, budgets[r])[:max(room, 0)]
+                        if picked:
+                            expand.append((r, picked))
+                frontier = [[] for _ in states]
+                if not expand:
+                    break
+                logits = self._tree_pass(states, seen, expand, base)
+                row = 0
+                for r, picked in expand:
+                    for i in picked:
+                        frontier[r].extend(self._children(contexts[r], i, depth, seen[r][i].logp, logits[row]))
+                        row += 1
+        finally:
+            for s, n in zip(states, base):
+                s.kv.cache.length = n                        # forget the tree rows: only commits stay
+        return [self._choose(nodes, b) for nodes, b in zip(seen, budgets)]
+
+    def _pick(self, nodes: list[_Node], first: int, budget: TreeBudget) -> list[int]:
+        """Which of the nodes drafted at this depth (indices first..) to expand."""
+        new = range(first, len(nodes))
+        if self.sample or self.mode == "widths":
+            kept = [i for i in new if i < budget.max_nodes]   # breadth-first within the node budget
+            return kept
+        # Dynamic: the `width` best by cumulative log-probability, and only those that can still be
+        # chosen: a node's children are less likely than itself, so once max_nodes drafted nodes
+        # beat it, nothing below it can enter the tree.
+        order = sorted(new, key=lambda i: -nodes[i].logp)[: self.width]
+        if len(nodes) > budget.max_nodes:
+            cut = heapq.nlargest(budget.max_nodes, (n.logp for n in nodes))[-1]
+            order = [i for i in order if nodes[i].logp > cut]
+        return order
+
+    def _choose(self, nodes: list[_Node], budget: TreeBudget) -> list[_Node]:
+        """The tree: in dynamic mode the max_nodes most likely nodes (EAGLE-2's re-ranking; a parent
+        is at least as likely as its child, so the set keeps every chosen node's path), else every
+        node within the budget; either way at depth <= max_depth, parents first, re-indexed."""
+        ok = [i for i, n in enumerate(nodes) if n.depth <= budget.max_depth]
+        if self.mode == "dynamic" and not self.sample:
+            ranked = sorted(ok, key=lambda i: (-nodes[i].logp, nodes[i].depth))
+            chosen: set[int] = set()
+            for i in ranked:
+                if len(chosen) >= budget.max_nodes:
+                    break
+                if nodes[i].parent < 0 or nodes[i].parent in chosen:
+                    chosen.add(i)
+            ok = sorted(chosen)
+        else:
+            ok = ok[: budget.max_nodes]
+        index = {old: new for new, old in enumerate(ok)}
+        return [_Node(nodes[i].token, index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp, nodes[i].q)
+                for i in ok]
+
+    def _children(self, ctx: DraftContext, parent: int, depth: int, logp: float,
+                  logits: torch.Tensor) -> list[_Node]:
+        """Candidate children of one row (at `depth`): its top-k (dynamic), top k_{depth+1}
+        (widths), or one token drawn from q (sample)."""
+        logq = torch.log_softmax(logits.float(), dim=-1)          # [V]
+        if self.sample:
+            q = logq.double().exp().numpy()
+            q /= q.sum()
+            # Seeded by request and position: a retried step drafts the same chain.
+            rng = np.random.default_rng([self.seed, zlib.crc32(ctx.request_id.encode()), len(ctx.tokens), depth])
+            tok = min(int(np.searchsorted(np.cumsum(q), rng.random(), side="right")), q.size - 1)
+            if q[tok] <= 0:
+                tok = int(np.argmax(q))
+            return [_Node(tok, parent, depth + 1, logp + float(logq[tok]), q)]
+        k = self.top_k if self.mode == "dynamic" else self.widths[min(depth, len(self.widths) - 1)]
+        vals, toks = torch.topk(logq, k)
+        return [_Node(int(t), parent, depth + 1, logp + float(v)) for v, t in zip(vals, toks)]
+
+    def _tree_pass(self, states: list[_State], nodes: list[list[_Node]],
+                   expand: list[tuple[int, list[int]]], base: list[int]) -> torch.Tensor:
+        """One forward pass over the nodes to expand; each sees the committed KV and its ancestors
+        (expanded earlier, so held in the KV after the committed slots). Returns [rows, V]."""
+        ids, pos, segs = [], [], []
+        for r, idx in expand:
+            s, tree = states[r], nodes[r]
+            root_pos = len(s.fed) - 1
+            positions = torch.tensor([root_pos + tree[i].depth for i in idx])
+            past = s.kv.past_mask(positions)                      # [rows, committed + tree rows]
+            past[:, base[r]:] = float("-inf")
+            for row, i in enumerate(idx):
+                a = tree[i].parent
+                while a >= 0:
+                    past[row, base[r] + tree[a].slot] = 0.0
+                    a = tree[a].parent
+            for k, i in enumerate(idx):
+                tree[i].slot = s.kv.length - base[r] + k
+            segs.append(Segment(s.kv.cache, len(ids), len(idx), _diagonal(len(idx)), past))
+            ids.extend(tree[i].token for i in idx)
+            pos.append(positions)
+        logits = self.forward.forward(torch.tensor(ids), torch.cat(pos), segs, torch.arange(len(ids)))
+        for (r, _), p in zip(expand, pos):
+            states[r].kv.append(p)
+        return logits
+
+
+def _as_tree(nodes: list[_Node], sample: bool) -> TokenTree:
+    """Chosen nodes (parents first) as a TokenTree; siblings are distinct (top-k of one row)."""
+    probs = tuple(n.q for n in nodes) if sample else None
+    return TokenTree(tuple(n.token for n in nodes), tuple(n.parent for n in nodes), probs)
+
+
+def _diagonal(n: int) -> torch.Tensor:
+    m = torch.full((n, n), float("-inf"))
+    m.fill_diagonal_(0.0)
+    return m
