@@ -19,8 +19,8 @@ from typing import Mapping, Sequence
 from workers.acceptance import SamplingParams
 from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, TreeBudget
 from workers.drafters.registry import create_drafter
-from workers.speculation import SpeculationConfig, SpeculationState, next_budget, record
-from workers.tree import TokenTree, truncate
+from workers.speculation import SpeculationConfig, SpeculationState, next_budget, record, record_draft_time
+from workers.tree import TokenTree, depths, truncate
 from workers.verifier import StepResult, Verifier, VerifyItem
 
 _EMPTY = TokenTree.empty()
@@ -116,12 +116,22 @@ class BatchWorker:
                 batched.setdefault(id(res.drafter), []).append((i, ctx, budget))
                 by_id[id(res.drafter)] = res.drafter
             else:
+                t0 = time.perf_counter()
                 trees[i] = res.drafter.propose(ctx, budget)
+                self._charge(res, time.perf_counter() - t0, trees[i])
         for key, group in batched.items():
+            t0 = time.perf_counter()
             proposed = by_id[key].propose_batch([(ctx, budget) for _, ctx, budget in group])
+            share = (time.perf_counter() - t0) / len(group)    # one call drafted for all of them
             for (i, _, budget), tree in zip(group, proposed):
                 trees[i] = truncate(tree, budget.max_nodes, budget.max_depth)   # held to the budget here
+                self._charge(self._resident[items[i].request_id], share, trees[i])
         return trees
+
+    def _charge(self, res: _Resident, seconds: float, tree: TokenTree) -> None:
+        """Book drafting time against the request, per tree level, so its sizing weighs it."""
+        if len(tree):
+            res.spec = record_draft_time(res.spec, seconds, max(depths(tree)))
 
     def _budget(self, res: _Resident, allowed: TreeBudget) -> TreeBudget:
         if not allowed.speculates:

@@ -9,7 +9,7 @@ import torch
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
 from workers.speculation import SpeculationConfig
-from workers.step_cost import measure_step_cost
+from workers.step_cost import measure_step_costs
 from workers.verifier import Verifier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -29,7 +29,8 @@ class Runtime:
     def speculation_config(self) -> SpeculationConfig:
         """Speculation sizing from this machine's measured step-cost curve (measured once)."""
         if self._speculation is None:
-            self._speculation = SpeculationConfig(step_cost=measure_step_cost(self.forward))
+            table, plain_s = measure_step_costs(self.forward)
+            self._speculation = SpeculationConfig(step_cost=table, plain_s=plain_s)
         return self._speculation
 
 

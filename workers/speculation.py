@@ -10,8 +10,12 @@ Model: the drafter's tokens along the path are accepted one after another, each 
 
     E[tau](d) = 1 + a + a^2 + ... + a^d          (the 1 is the bonus token)
 
-and the step's goodput relative to plain decoding is E[tau](d) / cost(d). Each step picks the d
-that maximises it (d = 0, no drafting, has goodput 1 by definition), within the planner's budget.
+and the step's goodput relative to plain decoding is E[tau](d) / (cost(d) + d * t_draft), where
+t_draft is what drafting one more level costs the request, in plain passes (SPIRe's TM = tau ÷
+((k·t_draft + t_verify) ÷ t_target)): ~0 for n-gram and suffix drafters, one draft-model pass per
+level for a model drafter (`record_draft_time` keeps a decayed measurement per request). Each step
+picks the d that maximises it (d = 0, no drafting, has goodput 1 by definition), within the
+planner's budget.
 
 `a` is estimated per request from what its own steps accepted: every accepted token is a success,
 a step that stopped before the end of its path is one failure (the geometric likelihood), with
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from workers.drafters.base import NO_SPECULATION, TreeBudget
 
 __all__ = ["CPU_FP32_STEP_COST", "SpeculationConfig", "SpeculationState", "expected_tau", "best_depth",
-           "step_cost", "next_budget", "record"]
+           "step_cost", "next_budget", "record", "record_draft_time"]
 
 # (tree nodes, cost of the pass ÷ cost of a plain 1-token pass), SmolLM2-135M, fp32, 2 threads, on
 # a 2-core Intel Xeon (AVX-512) with the lean forward's pre-packed weights, 2026-12-01 (`specgate
@@ -52,6 +56,9 @@ class SpeculationConfig:
     decay: float = 0.85             # weight kept by old evidence per step (~7 steps of memory)
     idle_relax: float = 0.95        # per plain step, evidence relaxes towards the prior by this factor
     min_gain: float = 1.05          # speculate only when predicted goodput beats plain decoding by 5%
+    # Seconds of one plain target pass on this machine (measured with the curve); None: drafting
+    # time is not weighed (as if free), since it cannot be put in plain-pass units.
+    plain_s: float | None = None
 
     def __post_init__(self) -> None:
         nodes = [n for n, _ in self.step_cost]
@@ -70,6 +77,7 @@ class SpeculationState:
     accepted: float = 0.0
     rejected: float = 0.0
     misses: int = 0     # drafting steps in a row that accepted nothing
+    draft_cost: float = 0.0   # measured cost of drafting one tree level, in plain target passes
 
     @property
     def acceptance(self) -> float:
@@ -100,19 +108,26 @@ def expected_tau(a: float, depth: int) -> float:
     return sum(a ** i for i in range(depth + 1))
 
 
-def best_depth(a: float, table: tuple[tuple[int, float], ...], max_depth: int, min_gain: float = 1.0) -> int:
-    """The depth in [0, max_depth] with the highest predicted goodput E[tau](d) / cost(d); 0 unless
-    some depth beats plain decoding by `min_gain`.
+def best_depth(a: float, table: tuple[tuple[int, float], ...], max_depth: int, min_gain: float = 1.0,
+               draft_cost: float = 0.0) -> int:
+    """The depth in [0, max_depth] with the highest predicted goodput E[tau](d) / (cost(d) +
+    d * draft_cost); 0 unless some depth beats plain decoding by `min_gain`.
 
     >>> table = ((0, 1.0), (1, 1.6), (4, 1.8), (8, 2.1), (16, 2.5), (32, 4.6))
     >>> best_depth(0.2, table, 16), best_depth(0.8, table, 16), best_depth(0.97, table, 32)
     (0, 10, 16)
+
+    A draft model costing 0.2 plain passes per level keeps requests shallower (10 -> 4; and on a
+    flat curve, 4 -> 1 at a = 0.4):
+    >>> flat = ((0, 1.0), (1, 1.01))
+    >>> best_depth(0.8, table, 16, draft_cost=0.2), best_depth(0.4, flat, 8, 1.05), best_depth(0.4, flat, 8, 1.05, 0.2)
+    (4, 4, 1)
     """
     best, best_gain = 0, min_gain
     tau = 1.0
     for d in range(1, max_depth + 1):
         tau += a ** d
-        gain = tau / step_cost(d, table)
+        gain = tau / (step_cost(d, table) + d * draft_cost)
         if gain > best_gain:
             best, best_gain = d, gain
     return best
@@ -134,7 +149,7 @@ def next_budget(state: SpeculationState, base: TreeBudget) -> TreeBudget:
     if not base.speculates:
         return NO_SPECULATION
     cfg = state.config
-    depth = best_depth(state.acceptance, cfg.step_cost, base.max_depth, cfg.min_gain)
+    depth = best_depth(state.acceptance, cfg.step_cost, base.max_depth, cfg.min_gain, state.draft_cost)
     if depth == 0:
         return NO_SPECULATION
     # The node budget follows the depth: spare nodes let the drafter branch where its matches
@@ -163,3 +178,22 @@ def record(state: SpeculationState, drafted: int, accepted: int) -> SpeculationS
     return replace(state, accepted=state.accepted * cfg.decay + accepted,
                    rejected=state.rejected * cfg.decay + failed,
                    misses=0 if accepted else state.misses + 1)
+
+
+def record_draft_time(state: SpeculationState, seconds: float, levels: int) -> SpeculationState:
+    """The state after drafting `levels` tree levels took `seconds` (this request's share of the
+    call). Kept as a decayed average in plain target passes; needs the config's `plain_s`.
+
+    >>> cfg = SpeculationConfig(plain_s=0.02)
+    >>> round(record_draft_time(SpeculationState(cfg), 0.012, 3).draft_cost, 3)   # 4 ms a level = 0.2
+    0.2
+    >>> record_draft_time(SpeculationState(), 0.012, 3).draft_cost                 # no plain_s: free
+    0.0
+    """
+    cfg = state.config
+    if cfg.plain_s is None or levels <= 0:
+        return state
+    measured = seconds / levels / cfg.plain_s
+    # The first measurement replaces the prior of 0; later ones blend in at the evidence decay.
+    cost = measured if state.draft_cost == 0.0 else cfg.decay * state.draft_cost + (1 - cfg.decay) * measured
+    return replace(state, draft_cost=cost)

@@ -92,3 +92,43 @@ def test_failed_probes_become_exponentially_rarer():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) < 12  # a tiny fraction of 400 steps pays for a tree
     assert gaps[-1] > 4 * gaps[1]
+
+
+class _SlowPerfectDrafter:
+    """Always proposes the true continuation (a chain), taking `delay` seconds per call."""
+    name = "slow"
+
+    def __init__(self, truth: dict[str, list[int]], delay: float):
+        self.truth, self.delay = truth, delay
+
+    def propose(self, ctx, budget):
+        import time
+
+        from workers.tree import TokenTree
+        time.sleep(self.delay)
+        done = len(ctx.tokens) - ctx.prompt_len
+        return TokenTree.chain(self.truth[ctx.request_id][done: done + budget.max_depth])
+
+    def release(self, request_id):
+        pass
+
+
+@pytest.mark.parametrize("plain_s, speculates", [(None, True), (0.001, False)])
+def test_drafting_time_counts_against_speculation(tiny_model, plain_s, speculates):
+    """A perfect drafter that takes 20 plain passes per call stops being used once its cost is
+    known (plain_s set); without a plain-pass time, drafting counts as free and it keeps drafting."""
+    from tests.helpers import hf_greedy
+    from workers.acceptance import SamplingParams
+    from workers.batch_worker import BatchWorker, WorkItem
+    from workers.llama_forward import LlamaForward
+    from workers.verifier import Verifier
+
+    prompt = [5, 9, 13, 17]
+    truth = hf_greedy(tiny_model, prompt, 40)
+    worker = BatchWorker(Verifier(LlamaForward(tiny_model), max_tree_nodes=8),
+                         speculation=SpeculationConfig(plain_s=plain_s),
+                         drafters={"slow": _SlowPerfectDrafter({"r": truth}, 0.02)})
+    worker.prefill("r", prompt, prompt_len=4, sampling=SamplingParams(), max_new_tokens=40, drafter="slow")
+    drafted = [worker.step([WorkItem("r", TreeBudget(4, 4))])[0].drafted for _ in range(6)]
+    assert drafted[0] > 0                        # the first step drafts on the prior
+    assert (sum(drafted[1:]) > 0) == speculates, drafted
