@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1,
                    help="N > 1: N concurrent streams through the step loop, on --workload or, "
                         "without one, on all workloads mixed")
+    p.add_argument("--fixed-budget", action="store_true",
+                   help="draft the whole --tree-nodes/--tree-depth budget every step (no per-request "
+                        "sizing): measures a drafter's acceptance as such, e.g. a draft model's")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--workload is needed for a single-stream run")
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
-                              prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype)
+                              prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
+                              adaptive=not args.fixed_budget)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
-                 warmup: int = 0, dtype: str = "float32") -> dict:
+                 warmup: int = 0, dtype: str = "float32", adaptive: bool = True) -> dict:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     records = load_workload(workload)
@@ -86,7 +90,8 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     hf = ref.hf_model
     rt = ref if dtype == "float32" else load_runtime(model, dtype=dtype, progress=False)
     prompts = [encode_record(rt.tokenizer, r) for r in records]
-    engine = Engine(rt.verifier(), create_drafter(drafter), budget, speculation=rt.speculation_config())
+    engine = Engine(rt.verifier(), create_drafter(drafter), budget, speculation=rt.speculation_config(),
+                    adaptive=adaptive)
     # The same engine without drafts: separates what the lean forward gives from what speculation gives.
     plain = Engine(rt.verifier(), create_drafter("none"), TreeBudget(0, 0), adaptive=False)
 
@@ -138,6 +143,7 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     report = summarize(workload, rows, engine, max_tokens, budget, drafter)
     report["warmup_prompts"] = warmup
     report["dtype"] = dtype
+    report["adaptive"] = adaptive
     if dtype != "float32":
         verdicts = [r["vs_own_plain"] for r in rows]
         report.update(near_ties=verdicts.count("near_tie"), divergent=verdicts.count("divergent"),
