@@ -275,7 +275,9 @@ class StepLoop:
             victim = next((r for r in self._resident if r not in keep), None)
             if victim is None:
                 break
-            self.worker.release(victim)                # evicted: re-prefilled when planned again
+            # Evicted, not finished: re-prefilled when planned again (a worker without `evict`
+            # releases, which frees the same KV).
+            getattr(self.worker, "evict", self.worker.release)(victim)
             del self._resident[victim]
         req = self._requests[request_id]
         try:

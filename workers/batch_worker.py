@@ -81,11 +81,19 @@ class BatchWorker:
                                                SpeculationState(self.speculation))
 
     def release(self, request_id: str) -> None:
-        """Free a request's KV and drafter state (idempotent)."""
+        """Free a finished request's KV and drafter state (idempotent)."""
         res = self._resident.pop(request_id, None)
         self.verifier.release(request_id)
         if res is not None:
             res.drafter.release(request_id)
+
+    def evict(self, request_id: str) -> None:
+        """Free the KV and drafter state of a request that is not finished and will be prefilled
+        again: drafters that learn from finished outputs (suffix) must not learn from it yet."""
+        res = self._resident.pop(request_id, None)
+        self.verifier.release(request_id)
+        if res is not None:
+            getattr(res.drafter, "evict", res.drafter.release)(request_id)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         """Draft for every item, verify all trees in one pass, commit. Results in item order."""

@@ -371,3 +371,30 @@ def test_registered_and_satisfies_the_protocol():
     d = create_drafter("suffix", min_prob=0.2)
     assert isinstance(d, Drafter) and d.name == "suffix" and d.min_prob == 0.2
     assert SuffixDrafter().anchors == (2, 8, 32) and SuffixDrafter(min_match=1, max_match=20).anchors == (1, 4, 16)
+
+
+def test_an_evicted_request_joins_the_cache_once_when_it_finishes():
+    """Eviction (KV freed, the request prefilled again later) is not the end of the request: its
+    output must not enter the tenant's cache then and again when it finishes. With room for two
+    outputs, a double entry would push out the older one."""
+    s = SuffixDrafter(max_requests=2)
+    finish(s, [31, 32, 33, 34], prompt=[1])
+    grown = [2, 41, 42, 43]
+    s.propose(DraftContext("r", "A", grown, 1), NO_SPECULATION)
+    s.evict("r")
+    s.propose(DraftContext("r", "A", grown + [44, 45], 1), NO_SPECULATION)   # prefilled again, goes on
+    s.release("r")
+    assert s.propose(ctx([9, 31, 32]), BIG) == TokenTree.chain([33, 34])      # the older output stayed
+    assert s.propose(ctx([9, 43, 44]), BIG) == TokenTree.chain([45])          # and the finished one is in
+
+
+def test_merge_forwards_evict_to_the_parts_that_have_it():
+    from workers.drafters.merge import MergeDrafter
+    from workers.drafters.ngram import NgramDrafter
+
+    suffix = SuffixDrafter(max_requests=1)
+    merged = MergeDrafter([NgramDrafter(), suffix])
+    finish(suffix, [31, 32, 33], prompt=[1])
+    merged.propose(DraftContext("r", "A", [2, 41, 42], 1), NO_SPECULATION)
+    merged.evict("r")                                # the suffix part must not store r's output yet
+    assert suffix.propose(ctx([9, 31, 32]), BIG) == TokenTree.chain([33])

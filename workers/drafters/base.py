@@ -61,7 +61,10 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree: ...
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (the request finished or was evicted)."""
+        """Forget per-request state: the request finished (or was cancelled). A drafter that learns
+        from finished outputs may learn from it now. A drafter may also offer ``evict(request_id)``:
+        forget the state of a request that is *not* finished (its KV was evicted; it will be
+        prefilled again), learning nothing from it yet; without one, ``release`` is called."""
         ...
 
 

@@ -125,3 +125,7 @@ class MergeDrafter:
     def release(self, request_id: str) -> None:
         for d in self.drafters:
             d.release(request_id)
+
+    def evict(self, request_id: str) -> None:
+        for d in self.drafters:
+            getattr(d, "evict", d.release)(request_id)

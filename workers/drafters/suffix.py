@@ -363,6 +363,11 @@ class SuffixDrafter:
             cache = self._tenants[state.tenant] = _TenantCache(self.anchors, self.max_requests, self.max_tokens)
         cache.add(array("q", map(int, source[start:])))
 
+    def evict(self, request_id: str) -> None:
+        """Forget a request that will come back (evicted, not finished): its output joins the
+        tenant's cache only once, when it finishes."""
+        self._requests.pop(request_id, None)
+
     def _state(self, ctx: DraftContext) -> _RequestState:
         state = self._requests.get(ctx.request_id)
         if state is None or state.tenant != ctx.tenant:
