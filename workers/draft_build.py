@@ -9,6 +9,13 @@ a sliding window of ``window`` tokens, which keep its KV constant-size (`workers
 
 Untrained, such a draft agrees with the target on ~1% of tokens (FINDINGS.md); `specgate distill`
 is what makes it useful.
+
+Which blocks: SPIRe keeps the target's last two. On SmolLM2-135M the first blocks learn faster:
+the same 80 training sequences, ~3 minutes of `specgate distill` each on 2 cores, greedy acceptance
+on the chat workload (before → after): last two 0.004 → 0.25, first + last 0.00 → 0.30, first two
+0.05 → 0.37, first three 0.05 → 0.35 with the lowest loss (2.44 against 2.59 for first two). The
+first blocks already read token embeddings; the last ones expect the deep residual stream. So the
+default is the first three; `--layers last2` builds SPIRe's choice.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ __all__ = ["parse_layers", "prune", "build_draft", "add_arguments", "run"]
 
 
 def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
-    """Block indices from "last2" (the default: SPIRe's choice), "first3", or "0,14,29"; negative
+    """Block indices from "last2" (SPIRe's choice), "first3" (the default), or "0,14,29"; negative
     indices count from the end.
 
     >>> parse_layers("last2", 30), parse_layers("first3", 30), parse_layers("0,-1", 30)
@@ -75,7 +82,7 @@ def prune(target, layers: Sequence[int]):
     return draft
 
 
-def build_draft(target_name: str, out: str | Path, *, layers: str = "last2", sink: int = 4,
+def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", sink: int = 4,
                 window: int | None = 256, progress: bool = True) -> Path:
     """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path."""
     out = Path(out)
@@ -95,8 +102,8 @@ def build_draft(target_name: str, out: str | Path, *, layers: str = "last2", sin
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target: built-in name, HF directory or .gguf file")
     p.add_argument("--out", required=True, type=Path, help="the new draft directory")
-    p.add_argument("--layers", default="last2", help="target blocks to keep: lastK (default last2, SPIRe's), "
-                                                     "firstK, or a comma list of indices")
+    p.add_argument("--layers", default="first3", help="target blocks to keep: firstK (default first3), lastK "
+                                                      "(last2 is SPIRe's choice) or a comma list of indices")
     p.add_argument("--sink", type=int, default=4, help="attention-sink tokens every position sees")
     p.add_argument("--window", type=int, default=256, help="sliding-window length; 0 = full attention")
 
