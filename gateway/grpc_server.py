@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 import pydantic
@@ -107,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            out = await self.service.generate(self._input(request, context))
+            out = await self.service.generate(grpc_input(self.tenants, request, context.invocation_metadata()))
             return response_message(out)
         except Exception as exc:            # every failure becomes a status (see `status_of`)
             await abort_with(context, exc)
@@ -119,27 +119,36 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # so cancels the request. A suspended generator would be closed only when collected.
         stream = None
         try:
-            stream = await self.service.open_stream(self._input(request, context))   # admits, or raises
+            stream = await self.service.open_stream(
+                grpc_input(self.tenants, request, context.invocation_metadata()))   # admits, or raises
             await context.send_initial_metadata((("request-id", stream.request_id),))
-            async for item in stream:
-                if isinstance(item, GenerateOutput):
-                    await context.write(pb.GenerateStreamResponse(final=response_message(item)))
-                    if item.finish_reason == "error":      # as REST: the final, then the error
-                        raise generation_failed()
-                else:
-                    await context.write(pb.GenerateStreamResponse(
-                        delta=pb.GenerateDelta(text=item.text, token_ids=item.token_ids)))
+            async for message in stream_messages(stream):
+                await context.write(message)
         except Exception as exc:
             await abort_with(context, exc)
         finally:
             if stream is not None:
                 await stream.aclose()
 
-    def _input(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateInput:
-        tenant = self.tenants.authenticate(api_key(context.invocation_metadata()))
-        if tenant is None:
-            raise errors.unauthorized()
-        return generate_input(request, tenant)
+
+def grpc_input(tenants: Any, request: pb.GenerateRequest, metadata: Any) -> GenerateInput:
+    """The request of an authenticated tenant (401 without a known key)."""
+    tenant = tenants.authenticate(api_key(metadata))
+    if tenant is None:
+        raise errors.unauthorized()
+    return generate_input(request, tenant)
+
+
+async def stream_messages(stream: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+    """A service stream's events as GenerateStream messages: deltas, then the final response (and,
+    as REST does, an error after the final of a request the engine failed)."""
+    async for item in stream:
+        if isinstance(item, GenerateOutput):
+            yield pb.GenerateStreamResponse(final=response_message(item))
+            if item.finish_reason == "error":
+                raise generation_failed()
+        else:
+            yield pb.GenerateStreamResponse(delta=pb.GenerateDelta(text=item.text, token_ids=item.token_ids))
 
 
 def api_key(metadata: Any) -> str | None:

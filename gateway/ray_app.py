@@ -278,14 +278,25 @@ class SchedulerServer:
 
 
 class IngressServer:
-    """An ingress replica: the embedded mode's FastAPI app, its service remote."""
+    """An ingress replica: the embedded mode's FastAPI app, its service remote; and the gRPC
+    service's methods, which Serve's gRPC proxy calls by name (`Generate`, `GenerateStream`, with
+    the call's metadata in `grpc_context`) when the Serve config's `grpc_options` names
+    gateway/proto's servicer (`GRPC_SERVICER`)."""
 
     def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
+        from gateway.limits import Limiter
         from gateway.remote import RemoteService
+        from gateway.tenants import TenantRegistry
 
-        self.settings = Settings(**settings)
+        self.settings = s = Settings(**settings)
         self.scheduler = scheduler
         self.service = RemoteService(scheduler, models=[self.settings.model_id])
+        # One registry and limiter per replica, shared by REST and gRPC.
+        if s.tenants_file is not None:
+            self.tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
+        else:
+            self.tenants = TenantRegistry(s.redis_url, s.store_prefix)
+        self.limiter = Limiter(s.redis_url, s.store_prefix)
         self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
@@ -295,16 +306,51 @@ class IngressServer:
 
     def __serve_build_asgi_app__(self):
         from gateway.app import build_app
-        from gateway.limits import Limiter
-        from gateway.tenants import TenantRegistry
 
-        s = self.settings
-        if s.tenants_file is not None:
-            tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
-        else:
-            tenants = TenantRegistry(s.redis_url, s.store_prefix)
-        limiter = Limiter(s.redis_url, s.store_prefix)
-        return build_app(s, self.service, tenants, limiter, SchedulerMetrics(self.scheduler))
+        return build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
+
+    # ---- gRPC (gateway/proto/specgate.proto), as gateway.grpc_server serves it in embedded mode ----
+
+    async def Generate(self, request, grpc_context):
+        from gateway.grpc_server import grpc_input, response_message
+
+        try:
+            return response_message(await self.service.generate(
+                grpc_input(self.tenants, request, grpc_context.invocation_metadata())))
+        except Exception as exc:
+            _fail_grpc(grpc_context, exc)
+
+    async def GenerateStream(self, request, grpc_context):
+        from gateway.grpc_server import grpc_input, stream_messages
+
+        stream = None
+        try:
+            stream = await self.service.open_stream(
+                grpc_input(self.tenants, request, grpc_context.invocation_metadata()))
+            async for message in stream_messages(stream):
+                yield message
+        except Exception as exc:
+            _fail_grpc(grpc_context, exc)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+
+GRPC_SERVICER = "gateway.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"
+
+
+def _fail_grpc(grpc_context, exc: Exception):
+    """End a gRPC call with the status embedded mode gives the same failure (`status_of`): Serve's
+    proxy answers with the code and details set on the context when the method raises."""
+    from gateway.grpc_server import status_of
+
+    code, details, trailers = status_of(exc)
+    if code.name == "INTERNAL":
+        log.error("gRPC: request failed", exc_info=exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    grpc_context.set_trailing_metadata(trailers)
+    raise RuntimeError(details) from None
 
 
 class SchedulerMetrics(GatewayMetrics):

@@ -4,7 +4,8 @@
     specgate serve --ray --config deploy/serve/specgate.yaml            # a Serve config file
 
 A config file is a Serve config (`applications[0].args` is a `gateway.ray_app.RayAppConfig`, its
-`http_options` the listening address); flags given on the command line override its settings.
+`http_options` the listening address, its `grpc_options` Serve's gRPC proxy); flags given on the
+command line override its settings. `--grpc-port` (setting `grpc_port`) serves gRPC on that port.
 On a cluster that is already running, deploy the same file with Ray's own `serve deploy FILE`.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from gateway.ray_app import build
+from gateway.ray_app import GRPC_SERVICER, build
 from gateway.ray_config import RayAppConfig
 from gateway.settings import Settings
 
@@ -45,6 +46,21 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[RayAppCon
     return cfg, http
 
 
+def load_grpc_options(path: Path | None, cfg: RayAppConfig) -> dict[str, Any] | None:
+    """Serve's `grpc_options`: the config file's, its port replaced by the `grpc_port` setting when
+    that is set; always naming specgate's servicer. None: no gRPC."""
+    grpc: dict[str, Any] = {}
+    if path is not None:
+        grpc = dict((yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("grpc_options") or {})
+    port = cfg.gateway_settings().grpc_port
+    if port is not None:
+        grpc["port"] = port
+    if not grpc:
+        return None
+    grpc["grpc_servicer_functions"] = sorted({*grpc.get("grpc_servicer_functions", ()), GRPC_SERVICER})
+    return grpc
+
+
 def run(args: Any, overrides: dict[str, Any]) -> int:
     import ray
     from ray import serve
@@ -53,6 +69,7 @@ def run(args: Any, overrides: dict[str, Any]) -> int:
 
     try:
         cfg, http = load_config(getattr(args, "config", None), overrides)
+        grpc = load_grpc_options(getattr(args, "config", None), cfg)
     except (ValueError, OSError) as e:
         print(f"specgate serve --ray: {e}", file=sys.stderr)
         return 2
@@ -62,12 +79,13 @@ def run(args: Any, overrides: dict[str, Any]) -> int:
     dev_key = tenants.ensure_dev_tenant()
     ray.init(include_dashboard=False, logging_level="warning")
     try:
-        serve.start(http_options=http)
+        serve.start(http_options=http, grpc_options=grpc)
         serve.run(build(cfg), name=APP_NAME, route_prefix=cfg.route_prefix)
         if dev_key:
             print(f"specgate: dev tenant API key: {dev_key}", file=sys.stderr)
         print(f"specgate: Ray Serve app {APP_NAME!r} serving {settings.model_id} on "
-              f"http://{http['host']}:{http['port']} (Ctrl-C stops it)", file=sys.stderr)
+              f"http://{http['host']}:{http['port']}"
+              + (f" and gRPC port {grpc['port']}" if grpc else "") + " (Ctrl-C stops it)", file=sys.stderr)
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         try:

@@ -20,7 +20,7 @@ from ray import serve  # noqa: E402
 
 from gateway.ray_app import build  # noqa: E402
 from gateway.ray_config import RayAppConfig  # noqa: E402
-from gateway.ray_cmd import load_config  # noqa: E402
+from gateway.ray_cmd import load_config, load_grpc_options  # noqa: E402
 from gateway.serve_cmd import free_port  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.tenants import Tenant, TenantRegistry  # noqa: E402
@@ -45,14 +45,15 @@ def model_dir(tmp_path_factory) -> Path:
 def ray_app(model_dir, redis_url):
     prefix = unique_prefix()
     TenantRegistry(redis_url, prefix).put(Tenant(name="t1"), [KEY])
-    cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url,
-                                  "store_prefix": prefix, "drafters": "ngram", "admin_key": ADMIN})
+    cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url, "store_prefix": prefix,
+                                  "drafters": "ngram", "admin_key": ADMIN, "grpc_port": free_port()})
     cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
     cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port},
+                    grpc_options=load_grpc_options(CONFIG, cfg))
         serve.run(build(cfg), name="specgate", route_prefix="/")
         yield f"http://127.0.0.1:{port}", cfg
     finally:
@@ -91,6 +92,35 @@ def test_openai_client_gets_what_embedded_mode_gives(ray_app, embedded_url, mode
     got = answers(url, str(model_dir))
     assert got == answers(embedded_url, str(model_dir))
     assert all(got)                                    # real text came back
+
+
+def test_grpc_through_serves_proxy_answers_as_rest_does(ray_app, model_dir):
+    """gRPC in Ray mode: Serve's gRPC proxy calls the ingress deployment's Generate and
+    GenerateStream, which authenticate and refuse as embedded mode's gRPC server does."""
+    import grpc
+
+    from gateway.proto import specgate_pb2 as pb
+    from gateway.proto import specgate_pb2_grpc as pb_grpc
+
+    url, cfg = ray_app
+    model = str(model_dir)
+    rest = client(url).completions.create(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+    auth = (("authorization", f"Bearer {KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{cfg.gateway_settings().grpc_port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        req = pb.GenerateRequest(model=model, prompt=PROMPTS[1], max_tokens=24, temperature=0)
+        one = stub.Generate(req, metadata=auth, timeout=120)
+        parts = list(stub.GenerateStream(req, metadata=auth, timeout=120))
+        assert one.text == rest.choices[0].text and one.text
+        assert one.usage.completion_tokens == rest.usage.completion_tokens
+        assert "".join(p.delta.text for p in parts if p.HasField("delta")) == one.text
+        assert parts[-1].final.text == one.text and parts[-1].final.finish_reason == "length"
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(req, metadata=(("authorization", "Bearer sk-nobody"),), timeout=60)
+        assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(model=model, prompt="x", temperature=-1), metadata=auth, timeout=60)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
 
 
 def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, embedded_url, model_dir):
@@ -157,6 +187,9 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
 def test_the_shipped_config_file_validates():
     cfg, http = load_config(CONFIG, {"redis_url": "redis://127.0.0.1:6379/0"})
     assert isinstance(cfg, RayAppConfig) and http["port"] == 8000
+    grpc = load_grpc_options(CONFIG, cfg)
+    assert grpc["port"] == 9000 and grpc["grpc_servicer_functions"] == [
+        "gateway.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"]
     assert cfg.verifier.num_replicas == 2 and cfg.ingress.autoscaling_config["min_replicas"] == 2
     with pytest.raises(ValueError, match="Redis URL"):
         RayAppConfig(settings={"redis_url": None}).gateway_settings()

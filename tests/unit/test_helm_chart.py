@@ -96,6 +96,22 @@ def test_the_serve_config_is_a_valid_application_config(case):
     assert cfg.verifier.num_replicas == (3 if case == "gpu" else 2)
 
 
+def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
+    from gateway.ray_app import GRPC_SERVICER
+
+    for values, port in ((BASE, 9000), ({**BASE, "service": {"grpcPort": 50051}}, 50051),
+                         ({**BASE, "service": {"grpcPort": None}}, None)):
+        docs = render(values)
+        serve_cfg = yaml.safe_load(by_kind(docs, "RayService")[0]["spec"]["serveConfigV2"])
+        service = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "sg-specgate")
+        ports = {p["name"]: p for p in service["spec"]["ports"]}
+        if port is None:
+            assert "grpc_options" not in serve_cfg and set(ports) == {"http"}
+        else:
+            assert serve_cfg["grpc_options"] == {"port": 9000, "grpc_servicer_functions": [GRPC_SERVICER]}
+            assert ports["grpc"]["port"] == port and ports["grpc"]["targetPort"] == 9000
+
+
 def test_gpu_values_make_a_gpu_worker_group():
     groups = {g["groupName"]: g for g in by_kind(render(GPU), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     assert set(groups) == {"cpu", "gpu"}
@@ -143,6 +159,7 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
 @pytest.mark.parametrize("bad", [
     {"serve": {"verifierReplicas": 0}},
     {"service": {"port": "http"}},
+    {"service": {"grpcPort": 70000}},
     {"redis": {"externalUrl": "http://not-redis"}},
     {"settings": {"policy": "random"}},
     {"ray": {"gpuWorkers": {"gpusPerWorker": 0}}},
