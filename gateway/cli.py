@@ -43,6 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from scheduler import sim
     sim.add_arguments(sub.add_parser("sim", help="discrete-event simulation of the scheduling policies"))
+
+    from scheduler import plan_cmd
+    plan_cmd.add_arguments(sub.add_parser(
+        "plan", help="the throughput model's predicted speed-up per drafter x tree shape x batch x context"))
+
+    draft = sub.add_parser("draft", help="draft model commands").add_subparsers(dest="draft_command", required=True)
+    from workers import draft_build
+    draft_build.add_arguments(draft.add_parser(
+        "build", help="prune a SPIRe-style draft from the target (a few blocks, sink + window attention)"))
+    from workers import distill
+    distill.add_arguments(sub.add_parser("distill", help="train a draft against the target on the target's own text"))
     return parser
 
 
@@ -109,6 +120,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sim":
         from scheduler import sim
         return sim.run(args)
+    if args.command == "plan":
+        from scheduler import plan_cmd
+        return plan_cmd.run(args)
+    if args.command == "draft" and args.draft_command == "build":
+        from workers import draft_build
+        return draft_build.run(args)
+    if args.command == "distill":
+        from workers import distill
+        return distill.run(args)
     raise AssertionError(f"unhandled command {args.command}")
 
 

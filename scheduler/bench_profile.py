@@ -13,6 +13,11 @@ the context stays near `prompt_len` (a step commits at least one token). The poi
 A prefill curve (prompt tokens → seconds of one request's `Verifier.prefill`, a pass of its own)
 is measured too: the simulator charges a new or evicted request's prefill from it.
 
+`contexts` (`--contexts 512,1536`): the same grid again with the requests prefilled to each of
+these lengths instead of `prompt_len`, written as `"contexts": [{"context": c, "curves": [...]}]`
+beside the top-level curves (which stay those at `prompt_len`); the step-cost model interpolates
+between contexts. Off by default: each context costs as much as the default grid.
+
 Median, not minimum: the simulator needs a typical step, noise included. Each curve is made
 non-decreasing in tokens (a later point never below an earlier one; `step_s_raw` keeps the medians
 as measured), because a negative marginal cost would make the goodput-aware tree budgets
@@ -63,9 +68,10 @@ def _median_s(fn, repeats: int) -> float:
 def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
                     nodes: Sequence[int] = DEFAULT_NODES, prompt_len: int = 200,
                     repeats: int = 5, prefill_tokens: Sequence[int] = DEFAULT_PREFILL,
-                    seed: int = 0) -> dict[str, Any]:
+                    contexts: Sequence[int] = (), seed: int = 0) -> dict[str, Any]:
     """Time `verifier` (a `workers.verifier.Verifier`) over the grid; returns the profile's
-    `curves` (and `prefill`) in the format `StepCostModel.from_json` reads."""
+    `curves` (and `prefill`, and `contexts` when other contexts are asked for) in the format
+    `StepCostModel.from_json` reads."""
     from workers.acceptance import SamplingParams
     from workers.tree import TokenTree
     from workers.verifier import VerifyItem
@@ -80,34 +86,42 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
     greedy = SamplingParams()
     steps_per_cell = repeats + 1
     headroom = steps_per_cell * (max(nodes) + 1) + 1   # every step could accept its whole chain
-    if prompt_len + headroom > verifier.context_limit:
-        raise ValueError(f"prompt_len {prompt_len} + {headroom} tokens of steps exceed the "
+    if min((prompt_len, *contexts)) < 2:
+        raise ValueError("contexts must be ≥ 2 tokens")
+    longest = max((prompt_len, *contexts))
+    if longest + headroom > verifier.context_limit:
+        raise ValueError(f"prompt_len {longest} + {headroom} tokens of steps exceed the "
                          f"model's context ({verifier.context_limit})")
 
     def prefill(rid: str, length: int) -> None:
         verifier.release(rid)
         verifier.prefill(rid, [rng.randrange(3, vocab) for _ in range(length)], greedy, headroom)
 
-    curves = []
-    for b in sorted(set(batches)):
-        ids = [f"b{b}r{i}" for i in range(b)]
-        tokens, step_s = [], []
-        for n in sorted(set(nodes)):
+    def grid(length: int) -> list[dict[str, Any]]:
+        curves = []
+        for b in sorted(set(batches)):
+            ids = [f"b{b}r{i}" for i in range(b)]
+            tokens, step_s = [], []
+            for n in sorted(set(nodes)):
+                for rid in ids:
+                    prefill(rid, length)
+
+                def step(n=n) -> None:
+                    verifier.verify([VerifyItem(rid, TokenTree.chain(
+                        [rng.randrange(3, vocab) for _ in range(n)])) for rid in ids])
+
+                tokens.append(b * (1 + n))
+                step_s.append(_median_s(step, repeats))
             for rid in ids:
-                prefill(rid, prompt_len)
+                verifier.release(rid)
+            curves.append({"batch": b, "nodes": sorted(set(nodes)), "tokens": tokens,
+                           "step_s": _monotone(step_s), "step_s_raw": step_s})
+        return curves
 
-            def step(n=n) -> None:
-                verifier.verify([VerifyItem(rid, TokenTree.chain(
-                    [rng.randrange(3, vocab) for _ in range(n)])) for rid in ids])
-
-            tokens.append(b * (1 + n))
-            step_s.append(_median_s(step, repeats))
-        for rid in ids:
-            verifier.release(rid)
-        curves.append({"batch": b, "nodes": sorted(set(nodes)), "tokens": tokens,
-                       "step_s": _monotone(step_s), "step_s_raw": step_s})
-
-    out: dict[str, Any] = {"curves": curves}
+    out: dict[str, Any] = {"curves": grid(prompt_len)}
+    others = sorted(set(c for c in contexts if c != prompt_len))
+    if others:
+        out["contexts"] = [{"context": c, "curves": grid(c)} for c in others]
     lengths = sorted(set(t for t in prefill_tokens if 2 <= t < verifier.context_limit))
     if lengths:
         times = [_median_s(lambda t=t: prefill("prefill", t), repeats) for t in lengths]
@@ -153,17 +167,23 @@ def profile_document(measured: dict[str, Any], *, model: str, dtype: str, device
         "prompt_len": prompt_len,
         "repeats": repeats,
         "note": ("step_s = median wall time of one Verifier.verify over the batch (chain trees); "
-                 "tokens = batch × (1 + nodes); prefill = one request's Verifier.prefill"),
+                 "tokens = batch × (1 + nodes); prefill = one request's Verifier.prefill; "
+                 "contexts = the same curves with every request holding `context` tokens "
+                 "(the top-level curves: `prompt_len`)"),
         **measured,
     }
 
 
 def table(doc: dict[str, Any]) -> str:
-    rows = ["| batch | nodes | tokens | step ms | ms per request |", "|---|---|---|---|---|"]
-    for c in doc["curves"]:
-        for n, t, s in zip(c["nodes"], c["tokens"], c["step_s"]):
-            rows.append(f"| {c['batch']} | {n} | {t} | {1000 * s:.1f} | "
-                        f"{1000 * s / c['batch']:.1f} |")
+    rows = ["| context | batch | nodes | tokens | step ms | ms per request |",
+            "|---|---|---|---|---|---|"]
+    grids = [(doc.get("prompt_len", "?"), doc["curves"])]
+    grids += [(g["context"], g["curves"]) for g in doc.get("contexts", ())]
+    for context, curves in grids:
+        for c in curves:
+            for n, t, s in zip(c["nodes"], c["tokens"], c["step_s"]):
+                rows.append(f"| {context} | {c['batch']} | {n} | {t} | {1000 * s:.1f} | "
+                            f"{1000 * s / c['batch']:.1f} |")
     pre = doc.get("prefill")
     if pre:
         rows.append("")
@@ -185,6 +205,9 @@ def add_arguments(parser) -> None:
                         help="comma-separated prompt lengths to time prefill at ('' to skip)")
     parser.add_argument("--prompt-len", type=int, default=200,
                         help="context each request holds while steps are timed")
+    parser.add_argument("--contexts", default="",
+                        help="comma-separated further context lengths to measure the same grid at "
+                             "(default: none, only --prompt-len)")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per point (median)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice)")
@@ -208,7 +231,8 @@ def run(args) -> int:
     verifier = _load_verifier(model, args.dtype, max(64, max(nodes)))
     measured = measure_profile(verifier, batches=_ints(args.batches), nodes=nodes,
                                prompt_len=args.prompt_len, repeats=args.repeats,
-                               prefill_tokens=_ints(args.prefill_tokens))
+                               prefill_tokens=_ints(args.prefill_tokens),
+                               contexts=_ints(args.contexts))
     doc = profile_document(measured, model=os.path.basename(str(model)), dtype=args.dtype,
                            device=describe_device(verifier.target), prompt_len=args.prompt_len,
                            repeats=args.repeats)

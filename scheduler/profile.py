@@ -10,6 +10,16 @@ A profile holds one curve per measured batch size: tokens (ascending) → step s
 bracket `batch`, then linearly between them; outside the measured range it extends the nearest
 segment (the cost of tokens past the last point grows at the last segment's slope).
 
+Context length (tokens of KV each request attends to) is a third, optional dimension: a profile
+may hold further sets of curves measured at other contexts,
+
+    {"prompt_len": 200, "curves": [...], "contexts": [{"context": 1000, "curves": [...]}, ...]}
+
+(the top-level curves belong to context `prompt_len`). `StepCostModel(batch, tokens, context)`
+then interpolates linearly between the two measured contexts that bracket `context` (extending
+the nearest segment outside them); without a context, or in a profile without `contexts` (one
+context: every profile written before they existed), the top-level curves answer.
+
 A profile may also hold a `"prefill"` curve, prompt tokens → seconds of one request's prefill pass
 (`Verifier.prefill`, batch 1); `StepCostModel.prefill(tokens)` reads it, or, in a profile without
 one, extends the batch-1 curve. Other keys (`device`, `date`, `note`, a curve's `nodes`, …) are
@@ -18,6 +28,10 @@ descriptive and ignored here.
 >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08]), (8, [8, 64], [0.09, 0.17])])
 >>> round(m(1, 5), 3), round(m(8, 36), 3)
 (0.06, 0.13)
+>>> c = StepCostModel([(1, [1, 9], [0.04, 0.08])], context=200,
+...                   contexts=[(1000, [(1, [1, 9], [0.06, 0.10])])])
+>>> round(c(1, 1), 3), round(c(1, 1, 600), 3), round(c(1, 9, 1000), 3), c.contexts
+(0.04, 0.05, 0.1, [200, 1000])
 """
 from __future__ import annotations
 
@@ -41,25 +55,58 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-class StepCostModel:
-    def __init__(self, curves: Sequence[Curve], source: str = "",
-                 prefill: tuple[Sequence[float], Sequence[float]] | None = None) -> None:
-        if not curves:
-            raise ValueError("a profile needs at least one curve")
-        curves = sorted(curves, key=lambda c: c[0])
-        for b, xs, ys in curves:
-            if len(xs) != len(ys) or not xs or list(xs) != sorted(xs) or len(set(xs)) != len(xs):
-                raise ValueError(f"curve for batch {b}: tokens must be ascending, one step_s each")
+def _check(curves: Sequence[Curve]) -> list[Curve]:
+    if not curves:
+        raise ValueError("a profile needs at least one curve")
+    curves = sorted(curves, key=lambda c: c[0])
+    for b, xs, ys in curves:
+        if len(xs) != len(ys) or not xs or list(xs) != sorted(xs) or len(set(xs)) != len(xs):
+            raise ValueError(f"curve for batch {b}: tokens must be ascending, one step_s each")
+    return curves
+
+
+class _Grid:
+    """Step seconds over (batch, tokens) at one context length."""
+
+    def __init__(self, curves: Sequence[Curve]) -> None:
+        curves = _check(curves)
         self.batches = [c[0] for c in curves]
         self.curves = [(list(map(float, c[1])), list(map(float, c[2]))) for c in curves]
+
+    def __call__(self, batch: int, tokens: int) -> float:
+        at = [_interp(xs, ys, tokens) for xs, ys in self.curves]
+        if len(self.batches) == 1:
+            return at[0]
+        return _interp(self.batches, at, batch)
+
+
+class StepCostModel:
+    def __init__(self, curves: Sequence[Curve], source: str = "",
+                 prefill: tuple[Sequence[float], Sequence[float]] | None = None, *,
+                 context: int | None = None,
+                 contexts: Sequence[tuple[int, Sequence[Curve]]] = ()) -> None:
+        """`curves` at context `context` (the profile's prompt_len; may be None when there are
+        no other `contexts`), plus (context, curves) sets measured at other contexts."""
+        base = _Grid(curves)
+        self.batches, self.curves = base.batches, base.curves   # the top-level curves
         self.source = source
+        if contexts and context is None:
+            raise ValueError("a profile with several contexts needs the top-level curves' context")
+        grids = {context: base}
+        for c, cs in contexts:
+            if c in grids:
+                raise ValueError(f"context {c} is measured twice")
+            grids[c] = _Grid(cs)
+        self.contexts = sorted(grids) if contexts else [context]
+        self._grids = [grids[c] for c in self.contexts]
+        self._base = base
         if prefill is not None:
             xs, ys = prefill
             if len(xs) != len(ys) or not xs or list(xs) != sorted(xs) or len(set(xs)) != len(xs):
                 raise ValueError("prefill curve: tokens must be ascending, one step_s each")
             prefill = (list(map(float, xs)), list(map(float, ys)))
         self._prefill = prefill
-        self._cache: dict[tuple[int, int], float] = {}
+        self._cache: dict[tuple[int, int, int | None], float] = {}
 
     @classmethod
     def from_json(cls, path: str | Path | None = None) -> "StepCostModel":
@@ -69,16 +116,26 @@ class StepCostModel:
         else:
             text = Path(path).read_text()
         doc = json.loads(text)
-        curves = [(c["batch"], c["tokens"], c["step_s"]) for c in doc["curves"]]
-        pre = doc.get("prefill")
-        return cls(curves, doc.get("source", ""),
-                   None if pre is None else (pre["tokens"], pre["step_s"]))
 
-    def __call__(self, batch: int, tokens: int) -> float:
-        key = (batch, tokens)
+        def curves(cs: list[dict]) -> list[Curve]:
+            return [(c["batch"], c["tokens"], c["step_s"]) for c in cs]
+
+        pre = doc.get("prefill")
+        return cls(curves(doc["curves"]), doc.get("source", ""),
+                   None if pre is None else (pre["tokens"], pre["step_s"]),
+                   context=doc.get("prompt_len"),
+                   contexts=[(c["context"], curves(c["curves"])) for c in doc.get("contexts", ())
+                             if c["context"] != doc.get("prompt_len")])
+
+    def __call__(self, batch: int, tokens: int, context: int | None = None) -> float:
+        """Seconds of one step of `batch` requests verifying `tokens` tree tokens in all, each
+        request holding `context` tokens of KV (None: the top-level curves' context)."""
+        if len(self._grids) == 1:
+            context = None
+        key = (batch, tokens, context)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._compute(batch, tokens)
+            hit = self._cache[key] = self._compute(batch, tokens, context)
         return hit
 
     def prefill(self, tokens: int) -> float:
@@ -88,7 +145,7 @@ class StepCostModel:
         >>> round(m.prefill(150), 3), round(StepCostModel([(1, [1, 9], [0.04, 0.08])]).prefill(17), 3)
         (0.25, 0.12)
         """
-        key = (0, tokens)                 # batch 0 never occurs in a step: the cache is shared
+        key = (0, tokens, None)           # batch 0 never occurs in a step: the cache is shared
         hit = self._cache.get(key)
         if hit is None:
             if self._prefill is None:
@@ -98,9 +155,8 @@ class StepCostModel:
             self._cache[key] = hit
         return hit
 
-    def _compute(self, batch: int, tokens: int) -> float:
-        bs = self.batches
-        at = [_interp(xs, ys, tokens) for xs, ys in self.curves]
-        if len(bs) == 1:
-            return max(at[0], MIN_STEP_S)
-        return max(_interp(bs, at, batch), MIN_STEP_S)
+    def _compute(self, batch: int, tokens: int, context: int | None) -> float:
+        if context is None:
+            return max(self._base(batch, tokens), MIN_STEP_S)
+        at = [g(batch, tokens) for g in self._grids]
+        return max(_interp(self.contexts, at, context), MIN_STEP_S)

@@ -67,9 +67,29 @@ def test_old_profiles_without_prefill_still_load(tmp_path):
         {"batch": 8, "tokens": [8, 64], "step_s": [0.088, 0.168]}]}))
     model = StepCostModel.from_json(old)
     assert model.prefill(799) == pytest.approx(model(1, 799))
+    assert model.contexts == [None] and model(1, 8, 5000) == model(1, 8)   # one context: any
 
 
 def test_the_shipped_default_profile_was_measured_with_prefill():
     model = StepCostModel.from_json()
     assert model.prefill(1000) > model.prefill(100) > 0
     assert model(1, 16) > model(1, 1) > 0
+
+
+def test_contexts_measure_the_grid_again_and_the_model_interpolates_them(tmp_path, verifier):
+    got = bench_profile.measure_profile(verifier, batches=(1, 2), nodes=(0, 3), prompt_len=20,
+                                        repeats=1, prefill_tokens=(), contexts=(80, 20, 40))
+    assert [g["context"] for g in got["contexts"]] == [40, 80]   # prompt_len's grid: top level
+    for g in got["contexts"]:
+        assert [c["batch"] for c in g["curves"]] == [1, 2]
+        assert all(c["tokens"] == [c["batch"], 4 * c["batch"]] for c in g["curves"])
+    path = tmp_path / "ctx.json"
+    path.write_text(json.dumps(bench_profile.profile_document(
+        got, model="tiny", dtype="float32", device="cpu", prompt_len=20, repeats=1)))
+    model = StepCostModel.from_json(path)
+    assert model.contexts == [20, 40, 80]
+    lo, hi = model(2, 8, 40), model(2, 8, 80)
+    assert min(lo, hi) <= model(2, 8, 60) <= max(lo, hi)
+    assert model(2, 8) == model(2, 8, 20)                   # no context: the top-level curves
+    assert verifier.active() == []
+    assert "| 80 | 2 | 3 | 8 |" in bench_profile.table(json.loads(path.read_text()))
