@@ -56,3 +56,24 @@ def test_build_writes_a_draft_directory_the_registry_loads(tmp_path):
     assert 1 <= len(tree) <= 4
     with pytest.raises(ValueError, match="not empty"):
         build_draft(str(target), out, progress=False)
+
+
+def test_a_draft_directory_merges_with_ngram_and_output_stays_greedy(tmp_path, tiny_model):
+    """merge:ngram+DIR (SpecInfer: a small model and prompt lookup in one tree) is still exact."""
+    from tests.helpers import hf_greedy
+    from tests.unit.test_engine import prompts
+    from workers.acceptance import SamplingParams
+    from workers.engine import Engine, GenerationRequest
+    from workers.llama_forward import LlamaForward
+    from workers.verifier import Verifier
+
+    draft_dir = tmp_path / "d"
+    tiny_llama(5).save_pretrained(draft_dir)           # another random model, same vocabulary
+    drafter = create_drafter(f"merge:ngram+{draft_dir}")
+    assert [d.name for d in drafter.drafters] == ["ngram", str(draft_dir)]
+    reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({2}))
+            for i, p in enumerate(prompts(4))]
+    results = Engine(Verifier(LlamaForward(tiny_model), max_tree_nodes=16), drafter, TreeBudget(8, 4),
+                     adaptive=False).generate(reqs)
+    assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 24, eos=2) for p in prompts(4)]
+    assert sum(r.drafted for r in results) > 0

@@ -10,7 +10,8 @@ options go to each part by name: ``create_drafter("merge:ngram+suffix", suffix={
 registered; ``knows(name)`` accepts any valid merge.
 
 A name that is a model directory (it holds config.json) is a model drafter
-(``workers.drafters.model``): ``create_drafter("/path/to/draft", mode="widths")``.
+(``workers.drafters.model``): ``create_drafter("/path/to/draft", mode="widths")``; it can be part
+of a merge too (``merge:ngram+/path/to/draft``: SpecInfer's small model plus prompt lookup).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class Registry:
         if len(parts) < 2 or len(set(parts)) != len(parts):
             raise ValueError(f"drafter {name!r}: a merge names 2 or more distinct drafters, as in merge:ngram+suffix")
         for p in parts:
-            if p not in self._factories:
+            if p not in self._factories and not is_model_dir(p):
                 raise ValueError(f"drafter {name!r}: unknown part {p!r}; available: {', '.join(sorted(self._factories))}")
         return parts
 
