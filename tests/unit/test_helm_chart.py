@@ -112,6 +112,21 @@ def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
             assert ports["grpc"]["port"] == port and ports["grpc"]["targetPort"] == 9000
 
 
+def test_an_optional_grpc_ingress_routes_to_the_grpc_port():
+    assert not [i for i in by_kind(render(BASE), "Ingress")]
+    docs = render({**BASE, "ingress": {"enabled": True, "host": "api.example.com",
+                                       "grpc": {"enabled": True, "host": "grpc.example.com"}}})
+    ingresses = {i["metadata"]["name"]: i for i in by_kind(docs, "Ingress")}
+    assert set(ingresses) == {"sg-specgate", "sg-specgate-grpc"}
+    rule = ingresses["sg-specgate-grpc"]["spec"]["rules"][0]
+    assert rule["host"] == "grpc.example.com"
+    assert rule["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "grpc"}
+    assert ingresses["sg-specgate-grpc"]["metadata"]["annotations"] == {
+        "nginx.ingress.kubernetes.io/backend-protocol": "GRPC"}
+    with pytest.raises(helm.HelmError, match="needs service.grpcPort"):
+        render({**BASE, "service": {"grpcPort": None}, "ingress": {"grpc": {"enabled": True}}})
+
+
 def test_gpu_values_make_a_gpu_worker_group():
     groups = {g["groupName"]: g for g in by_kind(render(GPU), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
     assert set(groups) == {"cpu", "gpu"}
