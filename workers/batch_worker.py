@@ -105,7 +105,23 @@ class BatchWorker:
             res = self._resident[step.request_id]
             res.spec = record(res.spec, step.drafted, step.accepted)
             res.context.extend(step.tokens)
+        self._prefetch(items)
         return results
+
+    def _prefetch(self, items: Sequence[WorkItem]) -> None:
+        """Let drafters that can (remote ones: `prefetch_batch`) start drafting the next step now,
+        for these requests at the budgets they would get again, while the step's results travel."""
+        groups: dict[int, tuple[Drafter, list[tuple[DraftContext, TreeBudget]]]] = {}
+        for item in items:
+            res = self._resident.get(item.request_id)
+            if res is None or not hasattr(res.drafter, "prefetch_batch"):
+                continue
+            budget = self._budget(res, item.budget)
+            if budget.speculates:
+                ctx = DraftContext(item.request_id, res.tenant, res.context, res.prompt_len)
+                groups.setdefault(id(res.drafter), (res.drafter, []))[1].append((ctx, budget))
+        for drafter, group in groups.values():
+            drafter.prefetch_batch(group)
 
     def _draft(self, items: Sequence[WorkItem]) -> list[TokenTree]:
         """One tree per item. A drafter with `propose_batch` (a remote one: Ray mode's draft
@@ -127,7 +143,7 @@ class BatchWorker:
                 t0 = time.perf_counter()
                 trees[i] = res.drafter.propose(ctx, budget)
                 self._charge(res, time.perf_counter() - t0, trees[i])
-        for key, group in batched.items():
+        for key, group in batched.items():   # a remote drafter may have prefetched these trees
             t0 = time.perf_counter()
             proposed = by_id[key].propose_batch([(ctx, budget) for _, ctx, budget in group])
             share = (time.perf_counter() - t0) / len(group)    # one call drafted for all of them
