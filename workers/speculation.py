@@ -1,7 +1,7 @@
 """Per-request speculation sizing: draft as deep as pays, down to zero when nothing does.
 
 A verification pass over n tree nodes costs `cost(n)` plain one-token passes, measured on the
-machine at start-up (`workers.step_cost.measure_step_cost`). On a 2-core CPU in float32 the curve
+machine at start-up (`workers.step_cost.measure_step_costs`). On a 2-core CPU in float32 the curve
 is steep — 16 nodes cost ~1.7x a plain pass, 32 ~2.2x, 64 ~4x — so a tree pays only when enough
 of it is accepted, and how deep to go depends on the request's acceptance.
 

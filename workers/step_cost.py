@@ -15,15 +15,10 @@ from workers.llama_forward import LlamaForward, Segment
 DEFAULT_NODES = (1, 3, 7, 11, 15, 23, 31)
 
 
-def measure_step_cost(forward: LlamaForward, *, nodes=DEFAULT_NODES, context: int = 128,
-                      reps: int = 3) -> tuple[tuple[int, float], ...]:
-    """((0, 1.0), (n, cost(n) / cost(0)), ...), the fastest of `reps` timings of each size."""
-    return measure_step_costs(forward, nodes=nodes, context=context, reps=reps)[0]
-
-
 def measure_step_costs(forward: LlamaForward, *, nodes=DEFAULT_NODES, context: int = 128,
                        reps: int = 3) -> tuple[tuple[tuple[int, float], ...], float]:
-    """(the curve of `measure_step_cost`, seconds of one plain pass)."""
+    """(((0, 1.0), (n, cost(n) / cost(0)), ...), seconds of one plain pass): the fastest of `reps`
+    timings of each size."""
     cache = forward.new_cache(context + max(nodes) + 1)
     ids = torch.randint(0, forward.vocab_size, (context + max(nodes) + 1,), generator=torch.Generator().manual_seed(0))
     causal = torch.full((context, context), float("-inf")).triu(1)

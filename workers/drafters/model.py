@@ -209,8 +209,7 @@ class ModelDrafter:
         """Which of the nodes drafted at this depth (indices first..) to expand."""
         new = range(first, len(nodes))
         if self.sample or self.mode == "widths":
-            kept = [i for i in new if i < budget.max_nodes]   # breadth-first within the node budget
-            return kept
+            return [i for i in new if i < budget.max_nodes]   # breadth-first within the node budget
         # Dynamic: the `width` best by cumulative log-probability, and only those that can still be
         # chosen: a node's children are less likely than itself, so once max_nodes drafted nodes
         # beat it, nothing below it can enter the tree.
