@@ -24,12 +24,19 @@ class DeploymentOptions(BaseModel):
     torch_threads: int | None = Field(None, ge=1)      # verifier only: torch's intra-op threads
 
 
+class IngressOptions(DeploymentOptions):
+    """The ingress holds each client's stream open until its last token, so a replica being
+    drained (rolling update, scale-down) must wait out the longest generation, not Serve's 30 s:
+    a stream cut there is a request lost."""
+    graceful_shutdown_timeout_s: float = Field(900.0, ge=0)
+
+
 class RayAppConfig(BaseModel):
     """Everything `build` needs. `settings` are the embedded gateway's settings (`SPECGATE_*`
     environment variables fill what is left out); Ray mode needs `redis_url`, where the scheduler's
     requests, the tenants and the rate limits live for every replica to see."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    ingress: DeploymentOptions = DeploymentOptions(num_replicas=2, num_cpus=0.1)
+    ingress: IngressOptions = IngressOptions(num_replicas=2, num_cpus=0.1)
     scheduler: DeploymentOptions = DeploymentOptions(num_cpus=0.2)
     verifier: DeploymentOptions = DeploymentOptions(num_replicas=1, num_cpus=1.0)
     # Draft workers; None: each verifier replica drafts for its own requests.

@@ -1,0 +1,18 @@
+"""Ray mode's typed configuration: what the shipped Serve config and a bare one resolve to."""
+from pathlib import Path
+
+import yaml
+
+from gateway.ray_config import RayAppConfig
+
+SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
+
+
+def test_a_draining_ingress_waits_out_long_streams_while_other_deployments_keep_serves_default():
+    """Serve kills a draining replica after graceful_shutdown_timeout_s; for the ingress that is
+    every stream it still carries. A rolling update in CI cut a 1,200-token stream at Serve's 30 s."""
+    (app,) = yaml.safe_load(SHIPPED.read_text())["applications"]
+    for cfg in (RayAppConfig(), RayAppConfig(**app["args"]),
+                RayAppConfig(ingress={"num_replicas": 3})):
+        assert cfg.ingress.graceful_shutdown_timeout_s >= 600
+        assert cfg.verifier.graceful_shutdown_timeout_s == 30.0
