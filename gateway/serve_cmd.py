@@ -138,7 +138,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
-    store = open_store(settings.redis_url, scheduler_prefix(settings))
+    store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s)
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident)
     recovered = step_loop.recover() if recover else []

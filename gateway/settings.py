@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     # Tenants and rate limits are shared by every replica under `store_prefix`; each replica's
     # scheduler keeps its requests under its own `<store_prefix>sched:<replica_id>:`, so a restarted
     # replica recovers its own requests and never another live replica's (e.g. the pod name).
+    # how long an ended request's record stays fetchable (a client's late GET or reconnect);
+    # in Redis every ended request holds a few keys this long, so it sets the store's plateau
+    ended_ttl_s: float = Field(3600.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     admin_key: SecretStr | None = None         # added to the tenants file's admin keys
     policy: Literal["laps", "fcfs", "sjf", "las"] = "laps"

@@ -16,6 +16,14 @@ windows (`--warmup-windows`, default 1: a new process's heap and caches grow at 
 `latency_drift` (p50), each a fraction (0.1: 10% more). A growth past `--warn-growth` (default
 0.10) is printed as a WARN line; the exit code stays 0, since one short run is a hint, not a
 verdict (the Redis memory is the whole server's, and a short run's p50 is noisy).
+
+Because one window's p50 against another's is mostly noise, `latency_trend` also fits a line to
+every post-warm-up window's p50 (`trend`): the change the line makes over the run as a fraction of
+the mean (`change`), the windows' scatter around it (`noise`), and `beyond_noise`, whether the
+slope is more than two standard errors from zero (a t-test on the slope, ~95%).
+
+`--ended-ttl-s` sets how long the gateway keeps ended requests' records (the Redis store's
+plateau is about rate x TTL x a few keys; the default hour cannot level off within a short soak).
 """
 from __future__ import annotations
 
@@ -52,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=["laps", "fcfs", "sjf", "las"])
     p.add_argument("--max-batch", type=int)
     p.add_argument("--redis-url", help="run the gateway's state over this Redis")
+    p.add_argument("--ended-ttl-s", type=float,
+                   help="how long ended requests' records stay (gateway setting ended_ttl_s)")
     p.add_argument("--store-prefix", default="specgate-soak:", help="key prefix in Redis")
     p.add_argument("--warn-growth", type=float, default=0.10)
     p.add_argument("--json", type=Path, help="write the report here")
@@ -69,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         settings["policy"] = args.policy
     if args.max_batch:
         settings["max_batch"] = args.max_batch
+    if args.ended_ttl_s:
+        settings["ended_ttl_s"] = args.ended_ttl_s
     report = soak(settings, windows=window_count(args.minutes, args.window_s),
                   window_s=args.window_s, warmup=args.warmup_windows, rate=args.rate,
                   seed=args.seed, workloads=args.workloads.split(","),
@@ -103,15 +115,48 @@ def growth(values: list[float | None], warmup: int) -> float | None:
     return (last - base) / base
 
 
-def growths(series: list[dict], warmup: int) -> dict[str, float | None]:
-    """Every growth figure of the report (GROWTH_KEYS) from the per-window series."""
-    return {name: growth([w[key] for w in series], warmup) for name, key in GROWTH_KEYS.items()}
+def trend(values: list[float | None]) -> dict[str, float | bool] | None:
+    """Least-squares line through values at x = 0, 1, ...: `change` = slope x (n - 1) / mean (what
+    the line adds over the run, as a fraction), `noise` = residuals' standard deviation / mean, and
+    `beyond_noise` = |slope| > 2 standard errors. None with fewer than 3 values, a missing one, or
+    a mean that is not positive.
+
+    >>> t = trend([1.0, 2.0, 3.0, 4.0]); (t["change"], t["noise"], t["beyond_noise"])
+    (1.2, 0.0, True)
+    """
+    if len(values) < 3 or any(v is None for v in values):
+        return None
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    if mean_y <= 0:
+        return None
+    sxx = sum((x - mean_x) ** 2 for x in range(n))
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values)) / sxx
+    residuals = [y - (mean_y + slope * (x - mean_x)) for x, y in enumerate(values)]
+    sse = sum(r * r for r in residuals)
+    stderr = (sse / (n - 2) / sxx) ** 0.5
+    return {"change": slope * (n - 1) / mean_y, "noise": (sse / (n - 2)) ** 0.5 / mean_y,
+            "beyond_noise": abs(slope) > 2 * stderr}
+
+
+def growths(series: list[dict], warmup: int) -> dict[str, Any]:
+    """Every growth figure of the report (GROWTH_KEYS) from the per-window series, and the p50
+    latency's trend over the windows after warm-up."""
+    out: dict[str, Any] = {name: growth([w[key] for w in series], warmup)
+                           for name, key in GROWTH_KEYS.items()}
+    out["latency_trend"] = trend([w["p50_latency_s"] for w in series[warmup:]])
+    return out
 
 
 def warnings(report: dict, limit: float) -> list[str]:
-    """A WARN line for each growth figure above `limit`."""
-    return [f"WARN: soak: {name} {value:+.1%} (over {limit:.0%})"
-            for name in GROWTH_KEYS if (value := report[name]) is not None and value > limit]
+    """A WARN line for each growth figure above `limit`, and for a latency trend that rises by more
+    than `limit` over the run and stands out of the noise."""
+    lines = [f"WARN: soak: {name} {value:+.1%} (over {limit:.0%})"
+             for name in GROWTH_KEYS if (value := report[name]) is not None and value > limit]
+    t = report.get("latency_trend")
+    if t is not None and t["beyond_noise"] and t["change"] > limit:
+        lines.append(f"WARN: soak: latency_trend {t['change']:+.1%} (over {limit:.0%}, beyond noise)")
+    return lines
 
 
 # ---- sampling the gateway process ---------------------------------------------------------------
@@ -206,7 +251,14 @@ def summary(report: dict) -> str:
             f"{pct(report['rss_growth_after_warmup'])}, "
             f"fds {pct(report['fd_growth_after_warmup'])}, Redis memory "
             f"{pct(report['redis_memory_growth_after_warmup'])}, p50 latency "
-            f"{pct(report['latency_drift'])}")
+            f"{pct(report['latency_drift'])}" + _trend_text(report.get("latency_trend")))
+
+
+def _trend_text(t: dict | None) -> str:
+    if t is None:
+        return ""
+    verdict = "beyond noise" if t["beyond_noise"] else "within noise"
+    return f"; p50 trend {t['change']:+.1%} over the run ({verdict}; scatter {t['noise']:.1%})"
 
 
 def plot(report: dict, path: Path) -> None:

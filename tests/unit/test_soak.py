@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from loadtest.soak import growth, growths, open_fds, rss_bytes, warnings, window_count
+from loadtest.soak import growth, growths, open_fds, rss_bytes, trend, warnings, window_count
 
 
 @pytest.mark.parametrize("values, warmup, want", [
@@ -26,17 +26,38 @@ def test_growth_table(values, warmup, want):
     assert got == pytest.approx(want) if want is not None else got is None
 
 
+@pytest.mark.parametrize("values, change, beyond", [
+    ([1.0, 2.0, 3.0, 4.0], 1.2, True),               # a clean rise: 3 over a mean of 2.5
+    ([2.0, 2.0, 2.0], 0.0, False),                   # flat, no scatter
+    ([1.0, 3.0, 1.0, 3.0, 1.0, 3.0], 3 / 7, False),  # a slope lost in big swings
+    ([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], 0.7 / 1.35, True),
+    ([3.0, 1.0, 3.0, 1.0, 3.1, 1.0], None, False),
+])
+def test_trend_separates_drift_from_noise(values, change, beyond):
+    t = trend(values)
+    assert t["beyond_noise"] is beyond
+    if change is not None:
+        assert t["change"] == pytest.approx(change, abs=1e-9)
+
+
+def test_no_trend_without_enough_windows():
+    assert trend([1.0, 2.0]) is None and trend([1.0, None, 2.0]) is None and trend([0, 0, 0]) is None
+
+
 def test_growths_and_warnings():
     series = [{"rss_bytes": r, "open_fds": f, "redis_used_memory": None, "p50_latency_s": p}
               for r, f, p in ((100, 10, 0.1), (200, 20, 0.2), (240, 20, 0.21))]
     g = growths(series, 1)
     assert set(g) == {"rss_growth_after_warmup", "fd_growth_after_warmup",
-                      "redis_memory_growth_after_warmup", "latency_drift"}
+                      "redis_memory_growth_after_warmup", "latency_drift", "latency_trend"}
     assert g["rss_growth_after_warmup"] == pytest.approx(0.2)
     assert g["fd_growth_after_warmup"] == 0.0 and g["redis_memory_growth_after_warmup"] is None
     assert g["latency_drift"] == pytest.approx(0.05)
+    assert g["latency_trend"] is None                     # two windows after warm-up: no line
     lines = warnings(g, 0.10)
     assert len(lines) == 1 and lines[0].startswith("WARN") and "rss_growth" in lines[0]
+    rising = [{**series[0], "p50_latency_s": 0.1 * (1 + i)} for i in range(6)]
+    assert any("latency_trend" in line for line in warnings(growths(rising, 1), 0.10))
 
 
 def test_window_count():
@@ -60,7 +81,7 @@ def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
     out = tmp_path / "soak.json"
     args = p.parse_args(["--minutes", "0.075", "--window-s", "1.5", "--rate", "8",
                          "--max-tokens", "8", "--fake-step-ms", "2", "--redis-url", redis_url,
-                         "--store-prefix", redis_prefix, "--json", str(out),
+                         "--store-prefix", redis_prefix, "--json", str(out), "--ended-ttl-s", "30",
                          "--plot", str(tmp_path / "soak.png")])
     assert run(args) == 0
     rep = json.loads(out.read_text())
@@ -76,5 +97,12 @@ def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
                 "redis_memory_growth_after_warmup", "latency_drift"):
         assert isinstance(rep[key], float)
     assert rep["settings"]["redis"] is True and "redis_url" not in rep["settings"]["gateway"]
+    # the gateway kept ended requests' records for --ended-ttl-s, not the default hour
+    import redis
+    client = redis.Redis.from_url(redis_url)
+    ttls = [client.pttl(k) for k in client.scan_iter(match=f"{redis_prefix}sched:*", count=1000)]
+    client.close()
+    expiring = [t for t in ttls if t > 0]
+    assert expiring and max(expiring) <= 30_000
     assert "soak: 3 windows" in capsys.readouterr().out
     assert (tmp_path / "soak.png").stat().st_size > 1000
