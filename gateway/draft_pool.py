@@ -24,6 +24,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
+from gateway.releases import Evicted, Release, apply_releases, release_id
 from workers.drafters.base import DraftContext, TreeBudget
 from workers.tree import TokenTree
 
@@ -41,7 +42,7 @@ class RemoteDrafter:
         self.failures = 0
         self.calls = 0                 # calls made to the draft workers
         self.prefetch_hits = 0         # trees a step took from a prefetch
-        self._releases: list[str] = []
+        self._releases: list[Release] = []
         self._client = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"draft-{name}")
         # request id -> (its context length, the budget, the call's future, its index in the call)
         self._prefetched: dict[str, tuple[int, TreeBudget, Future, int]] = {}
@@ -83,7 +84,7 @@ class RemoteDrafter:
         self.calls += 1
         return self._client.submit(self._call, wire, release)
 
-    def _call(self, wire: list, release: list[str]) -> list[TokenTree] | None:
+    def _call(self, wire: list, release: list[Release]) -> list[TokenTree] | None:
         """On the client thread: one call to the draft workers; None when they fail."""
         try:
             trees = self.handle.propose.remote(wire, drafter=self.name, affinity=self.affinity,
@@ -102,8 +103,16 @@ class RemoteDrafter:
         return trees[i] if trees is not None else TokenTree.empty()
 
     def release(self, request_id: str) -> None:
-        self._prefetched.pop(request_id, None)
-        self._releases.append(request_id)
+        self._forget(request_id)
+
+    def evict(self, request_id: str) -> None:
+        """Not finished (it will be prefilled again): the draft workers drop its state without
+        learning from its output (`SuffixDrafter.evict`)."""
+        self._forget(Evicted(request_id))
+
+    def _forget(self, entry: Release) -> None:
+        self._prefetched.pop(release_id(entry), None)
+        self._releases.append(entry)
         if len(self._releases) >= FLUSH_RELEASES:
             release, self._releases = self._releases, []
             try:
@@ -124,16 +133,14 @@ class DraftService:
         self.proposed = 0                              # trees proposed (a metric; tests)
 
     def propose(self, items: Sequence[tuple[DraftContext, TreeBudget]], drafter: str,
-                release: Sequence[str] = ()) -> list[TokenTree]:
+                release: Sequence[Release] = ()) -> list[TokenTree]:
         d = self._drafter(drafter)
         self.forget(release, drafter)
         self.proposed += len(items)
         return [d.propose(ctx, budget) for ctx, budget in items]
 
-    def forget(self, request_ids: Sequence[str], drafter: str) -> None:
-        d = self._drafter(drafter)
-        for rid in request_ids:
-            d.release(rid)
+    def forget(self, entries: Sequence[Release], drafter: str) -> None:
+        apply_releases(self._drafter(drafter), entries)
 
     def _drafter(self, name: str) -> Any:
         if name not in self.drafters:

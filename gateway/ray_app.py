@@ -29,6 +29,7 @@ from typing import Any
 
 from gateway.metrics import GatewayMetrics
 from gateway.ray_config import DeploymentOptions, RayAppConfig
+from gateway.releases import apply_releases
 from gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class VerifierServer:
                                 max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
             return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0}
 
-    def step(self, items: list, *, replica: str, release: list[str] = ()) -> dict[str, Any]:
+    def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:
         """{"results": StepResults, "missing": request ids not held here, "busy_s": time spent}.
         A batch naming a request this replica does not hold (it was routed here because its home
         died) is not run at all: the pool re-prefills those requests and sends the batch again."""
@@ -124,9 +125,9 @@ class VerifierServer:
             draft_s = self.worker.draft_s - d0
         return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s}
 
-    def release(self, request_ids: list[str], *, replica: str) -> None:
+    def release(self, entries: list, *, replica: str) -> None:
         with self._lock:
-            self._release(request_ids)
+            self._release(entries)
 
     def resident(self, *, replica: str | None = None) -> list[str]:
         with self._lock:
@@ -142,9 +143,8 @@ class VerifierServer:
             del self.served[next(iter(self.served))]            # the oldest: bounded memory
         self.served[request_id][call] += 1
 
-    def _release(self, request_ids) -> None:
-        for rid in request_ids:
-            self.worker.release(rid)
+    def _release(self, entries) -> None:
+        apply_releases(self.worker, entries)
 
 
 class DraftServer:
@@ -157,13 +157,13 @@ class DraftServer:
         self._lock = threading.Lock()
 
     def propose(self, items: list, *, drafter: str, affinity: str | None = None,
-                release: list[str] = ()) -> list:
+                release: list = ()) -> list:
         with self._lock:
             return self.service.propose(items, drafter, release)
 
-    def forget(self, request_ids: list[str], *, drafter: str, affinity: str | None = None) -> None:
+    def forget(self, entries: list, *, drafter: str, affinity: str | None = None) -> None:
         with self._lock:
-            self.service.forget(request_ids, drafter)
+            self.service.forget(entries, drafter)
 
     def proposed(self) -> int:
         return self.service.proposed

@@ -9,8 +9,9 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
   which becomes the request's **home**.
 - `step` splits the batch by home and sends each replica *one* call with all its requests' work
   items, all replicas at once; a step costs one round trip, however many requests it verifies.
-- `release` costs no call of its own: releases ride along with the home's next step call, or, for
-  a home with no work in a step, go out in one call that nobody waits for.
+- `release` and `evict` cost no call of their own: they ride along with the home's next step call,
+  or, for a home with no work in a step, go out in one call that nobody waits for
+  (`gateway.releases`: an evicted request is marked, so drafters do not learn from it yet).
 
 Every call after the prefill names the home (`replica=`), and the router sends it there.
 
@@ -28,6 +29,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from gateway.releases import Evicted, Release
 from workers.batch_worker import WorkItem
 from workers.verifier import StepResult
 
@@ -66,7 +68,7 @@ class VerifierPool:
         self.draft_s = 0.0                             # of which drafting (the slowest replica's)
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
         self._placed: dict[str, _Placed] = {}
-        self._releases: dict[str, list[str]] = defaultdict(list)
+        self._releases: dict[str, list[Release]] = defaultdict(list)
         self._lock = threading.Lock()
         self._lost_errors = lost_errors if lost_errors is not None else _ray_lost_errors()
 
@@ -97,10 +99,18 @@ class VerifierPool:
         return [by_id[item.request_id] for item in items]
 
     def release(self, request_id: str) -> None:
+        self._drop(request_id, request_id)
+
+    def evict(self, request_id: str) -> None:
+        """Free the KV of a request that is not finished (the step loop prefills it again later):
+        its home drops it without its drafters learning from it (`BatchWorker.evict`)."""
+        self._drop(request_id, Evicted(request_id))
+
+    def _drop(self, request_id: str, entry: Release) -> None:
         self._placed.pop(request_id, None)
         home = self.home.pop(request_id, None)
         if home is not None:
-            self._queue_release(home, request_id)
+            self._queue_release(home, entry)
 
     def resident(self) -> list[str]:
         return list(self.home)
@@ -110,8 +120,8 @@ class VerifierPool:
         """Prefill `request_id` from its committed context on the least-loaded live replica."""
         p = self._placed[request_id]
         old = self.home.pop(request_id, None)
-        if old is not None and old not in self.dead:   # re-prefill after eviction: free the old KV
-            self._queue_release(old, request_id)
+        if old is not None and old not in self.dead:   # moving, not finished: free the old KV
+            self._queue_release(old, Evicted(request_id))
         # Which replica the router picks is known only from the answer, so the call carries every
         # replica's pending releases and the chosen one applies its own (a re-prefill may land
         # where the request's old KV still is).
@@ -167,9 +177,9 @@ class VerifierPool:
             self.home.pop(rid, None)
         return lost
 
-    def _queue_release(self, home: str, request_id: str) -> None:
+    def _queue_release(self, home: str, entry: Release) -> None:
         with self._lock:
-            self._releases[home].append(request_id)
+            self._releases[home].append(entry)
 
     def _flush_releases(self, skip: Any) -> None:
         with self._lock:
@@ -180,7 +190,7 @@ class VerifierPool:
             if home not in self.dead:
                 self.handle.release.remote(ids, replica=home)      # not awaited: off the step's path
 
-    def _take_releases(self, home: str) -> list[str]:
+    def _take_releases(self, home: str) -> list[Release]:
         """Releases to piggyback on a call to `home`."""
         with self._lock:
             return self._releases.pop(home, [])

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gateway.draft_pool import DraftService, RemoteDrafter
+from gateway.releases import Evicted
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from workers.acceptance import SamplingParams
@@ -94,6 +95,17 @@ def test_a_release_drops_the_prefetch_and_travels_with_the_next_call():
     d.release("a")
     d.propose_batch([(ctx("a", REPEAT), BUDGET)])
     assert len(handle.calls) == 2 and handle.calls[1] == (["a"], ["a"]) and d.prefetch_hits == 0
+
+
+def test_an_eviction_travels_marked_and_the_suffix_cache_learns_only_finished_outputs():
+    handle = FakeDraftHandle()
+    d = RemoteDrafter(handle, "suffix", affinity="v1")
+    d.propose_batch([(ctx("a", REPEAT), BUDGET), (ctx("b", REPEAT[:5]), BUDGET)])
+    d.evict("a")
+    d.release("b")
+    d.propose_batch([(ctx("c", REPEAT[:3]), BUDGET)])
+    assert handle.calls[1] == (["c"], [Evicted("a"), "b"])
+    assert len(handle.service.drafters["suffix"]._tenants["t"].lengths) == 1   # b's, not a's
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

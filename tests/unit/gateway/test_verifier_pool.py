@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from gateway.ray_routing import rank_replicas
+from gateway.releases import Evicted, apply_releases
 from gateway.verifier_pool import VerifierPool
 from workers.acceptance import SamplingParams
 from workers.batch_worker import BatchWorker, WorkItem
@@ -69,8 +70,7 @@ class _Method:
             del self.handle.replicas[rid]
             return _Response(ReplicaGone(rid))
         worker = self.handle.replicas[rid]
-        for r in (release.get(rid, ()) if isinstance(release, dict) else release):
-            worker.release(r)
+        apply_releases(worker, release.get(rid, ()) if isinstance(release, dict) else release)
         if self.name == "prefill":
             worker.prefill(*args, **kwargs)
             return _Response({"replica": rid, "busy_s": 0.001})
@@ -80,8 +80,7 @@ class _Method:
             if missing:
                 return _Response({"results": [], "missing": missing, "busy_s": 0.0})
             return _Response({"results": worker.step(args[0]), "missing": [], "busy_s": 0.001})
-        for r in args[0]:                                   # release
-            worker.release(r)
+        apply_releases(worker, args[0])                     # release
         return _Response(None)
 
 
@@ -196,3 +195,25 @@ def test_a_lost_replica_costs_no_token(tiny_model, how):
     assert set(pool.home.values()) == set(handle.replicas) == {"r0", "r1"} - {victim}
     if how == "dies_during_a_call":
         assert pool.dead == {victim}
+
+
+def test_an_evicted_request_reaches_its_home_as_evicted_so_drafters_do_not_learn_it(tiny_model):
+    """The step loop evicts (KV pressure) through `evict`: the home replica drops the KV, and its
+    suffix drafter keeps nothing of the unfinished output; a finished request's output is kept."""
+    from workers.drafters.suffix import SuffixDrafter
+
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model)), drafters={"suffix": SuffixDrafter()})]
+    handle = StandInHandle(workers)
+    pool = VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,))
+    for rid in ("kept", "moved", "other"):
+        pool.prefill(rid, list(range(5, 11)), prompt_len=6, sampling=SamplingParams(),
+                     max_new_tokens=20, drafter="suffix")
+    pool.step([WorkItem(r, TreeBudget(2, 2)) for r in ("kept", "moved", "other")])
+    pool.evict("moved")
+    pool.release("kept")
+    assert handle.replicas["r0"].resident() == ["kept", "moved", "other"]      # nothing sent yet
+    assert [e for e in pool._releases["r0"]] == [Evicted("moved"), "kept"]
+    pool.step([WorkItem("other", TreeBudget(2, 2))])                          # they ride along
+    assert handle.replicas["r0"].resident() == ["other"]
+    suffix = workers[0].drafter("suffix")
+    assert len(suffix._tenants["default"].lengths) == 1                       # "kept" only
