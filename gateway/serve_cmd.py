@@ -194,7 +194,8 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
     where `drafters` are the draft workers' remote drafters by name)."""
     from workers.batch_worker import BatchWorker
 
-    return BatchWorker(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes)),
+    return BatchWorker(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes),
+                                   prefix_cache_mb=settings.prefix_cache_mb),
                        default_drafter=settings.drafter_names[0],
                        speculation=rt.speculation_config(), drafters=drafters)
 

@@ -76,7 +76,7 @@ class BatchWorker:
         """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
         evicted request re-prefills; its drafter rebuilds its index from the context)."""
         chosen = self.drafter(drafter)
-        self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens)
+        self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
                                                SpeculationState(self.speculation))
 

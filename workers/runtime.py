@@ -8,11 +8,14 @@ import torch
 
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
+from workers.prefix_cache import PrefixCache
 from workers.speculation import SpeculationConfig
 from workers.step_cost import measure_step_costs
 from workers.verifier import Verifier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Per verifier: SmolLM2-135M's fp32 KV is 46 KiB a token, so 256 MiB holds ~5,700 prompt tokens.
+DEFAULT_PREFIX_CACHE_MB = 256.0
 
 
 @dataclass
@@ -23,8 +26,13 @@ class Runtime:
     stop_token_ids: frozenset[int]
     _speculation: SpeculationConfig | None = None
 
-    def verifier(self, max_tree_nodes: int = 64) -> Verifier:
-        return Verifier(self.forward, max_tree_nodes=max_tree_nodes)
+    def verifier(self, max_tree_nodes: int = 64,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Verifier:
+        """`prefix_cache_mb`: KV of earlier prompts' prefixes kept per verifier (0: none)."""
+        f = self.forward
+        cache = PrefixCache.for_bytes(int(prefix_cache_mb * 2**20), f.n_layers, f.n_kv_heads,
+                                      f.head_dim, f.kv_dtype)
+        return Verifier(f, max_tree_nodes=max_tree_nodes, prefix_cache=cache)
 
     def speculation_config(self) -> SpeculationConfig:
         """Speculation sizing from this machine's measured step-cost curve (measured once)."""

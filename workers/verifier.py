@@ -22,6 +22,7 @@ import torch
 from workers.acceptance import Acceptance, SamplingParams, accept_greedy, accept_sampling, warp
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
+from workers.prefix_cache import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,11 @@ class ContextLengthError(ValueError):
 
 
 class Verifier:
-    def __init__(self, target: LlamaForward, *, max_tree_nodes: int = 64):
+    def __init__(self, target: LlamaForward, *, max_tree_nodes: int = 64,
+                 prefix_cache: PrefixCache | None = None):
         self.target = target
         self.max_tree_nodes = max_tree_nodes
+        self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant
         self.timings = StepTimings()
         self._slots: dict[str, _Slot] = {}
 
@@ -83,11 +86,12 @@ class Verifier:
         return list(self._slots)
 
     def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-                max_new_tokens: int) -> None:
+                max_new_tokens: int, tenant: str = "default") -> None:
         """Admit a request: compute the KV of every token but the last, which becomes the root.
 
         `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
-        (restart recovery re-prefills, it never replays steps).
+        (restart recovery re-prefills, it never replays steps). With a prefix cache, the KV of
+        the longest prefix this tenant sent before is copied in and only the rest is computed.
         """
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -105,11 +109,17 @@ class Verifier:
         seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         slot = _Slot(cache, int(token_ids[-1]), sampling, seed, self.context_limit)
         context = list(token_ids[:-1])
-        if context:
-            n = len(context)
+        pc = self.prefix_cache
+        chain = pc.match(tenant, context) if pc is not None else []
+        done = pc.restore(chain, cache) if chain else 0
+        if len(context) > done:
+            n = len(context) - done
             causal = torch.full((n, n), float("-inf")).triu(1)
-            self.target.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal)], None)
-            cache.length = n
+            self.target.forward(torch.tensor(context[done:]), torch.arange(done, len(context)),
+                                [Segment(cache, 0, n, causal)], None)
+            cache.length = len(context)
+        if pc is not None:
+            pc.store(tenant, context, cache, chain)
         self._slots[request_id] = slot
 
     def release(self, request_id: str) -> None:

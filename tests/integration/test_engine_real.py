@@ -45,3 +45,20 @@ def test_sampling_is_reproducible_per_seed_and_batch_independent(real_runtime, c
     alone = engine.generate(reqs[1:2])[0]
     assert together[1].token_ids == alone.token_ids
     assert all(len(r.token_ids) > 0 for r in together)
+
+
+def test_agentic_prompts_reuse_their_shared_preamble_and_stay_identical(real_runtime):
+    """The agentic workload's prompts share ~380 tokens of tool schemas: after the first, each
+    prefill computes only its own tail, and greedy output still equals transformers'."""
+    rt = real_runtime
+    ids = [encode_record(rt.tokenizer, r) for r in load_workload("agentic")[:3]]
+    verifier = rt.verifier()
+    engine = Engine(verifier, create_drafter("suffix"), TreeBudget(16, 8))
+    pc = verifier.prefix_cache
+    for i, p in enumerate(ids):
+        hits = pc.hit_tokens
+        (res,) = engine.generate([GenerationRequest(f"a{i}", tuple(p), 24, SamplingParams(), rt.stop_token_ids)])
+        ref = hf_greedy(rt.hf_model, p, 24, eos=sorted(rt.stop_token_ids))
+        assert res.token_ids == ref, i
+        if i:
+            assert pc.hit_tokens - hits >= 320
