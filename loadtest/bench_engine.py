@@ -23,7 +23,7 @@ from workers.drafters.registry import create_drafter
 from workers.engine import Engine, GenerationRequest
 from workers.loader import DEFAULT_MODEL
 from workers.near_tie import classify
-from workers.runtime import encode_record, load_runtime
+from workers.runtime import DEFAULT_PREFIX_CACHE_MB, encode_record, load_runtime
 from workers.verifier import StepTimings
 
 
@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-budget", action="store_true",
                    help="draft the whole --tree-nodes/--tree-depth budget every step (no per-request "
                         "sizing): measures a drafter's acceptance as such, e.g. a draft model's")
+    p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="specgate's prefix cache (KV of earlier prompts' prefixes), for both its "
+                        "speculative and plain runs; 0: off. transformers has none")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
                               prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
-                              adaptive=not args.fixed_budget)
+                              adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
-                 warmup: int = 0, dtype: str = "float32", adaptive: bool = True) -> dict:
+                 warmup: int = 0, dtype: str = "float32", adaptive: bool = True,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> dict:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     records = load_workload(workload)
@@ -90,10 +94,12 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
     hf = ref.hf_model
     rt = ref if dtype == "float32" else load_runtime(model, dtype=dtype, progress=False)
     prompts = [encode_record(rt.tokenizer, r) for r in records]
-    engine = Engine(rt.verifier(), create_drafter(drafter), budget, speculation=rt.speculation_config(),
-                    adaptive=adaptive)
-    # The same engine without drafts: separates what the lean forward gives from what speculation gives.
-    plain = Engine(rt.verifier(), create_drafter("none"), TreeBudget(0, 0), adaptive=False)
+    engine = Engine(rt.verifier(prefix_cache_mb=prefix_cache_mb), create_drafter(drafter), budget,
+                    speculation=rt.speculation_config(), adaptive=adaptive)
+    # The same engine without drafts: separates what the lean forward gives from what speculation
+    # gives. Its own prefix cache, which the warm-up prompts do not fill.
+    plain = Engine(rt.verifier(prefix_cache_mb=prefix_cache_mb), create_drafter("none"), TreeBudget(0, 0),
+                   adaptive=False)
 
     def hf_generate(ids: list[int], lookup: int | None) -> tuple[list[int], float]:
         inp = torch.tensor([ids])
@@ -118,6 +124,8 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
         ours(-2 - j, encode_record(rt.tokenizer, rec))
     engine.verifier.timings = StepTimings()
     engine.worker.draft_s = 0.0
+    pc = engine.verifier.prefix_cache
+    hits0, computed0 = (pc.hit_tokens, pc.computed_tokens) if pc is not None else (0, 0)
 
     rows = []
     for i, ids in enumerate(prompts):
@@ -142,6 +150,10 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
               f"(tau {res.tau_mean:.2f}, identical {rows[-1]['identical']})", file=sys.stderr)
     report = summarize(workload, rows, engine, max_tokens, budget, drafter)
     report["warmup_prompts"] = warmup
+    report["prefix_cache_mb"] = prefix_cache_mb if pc is not None else 0
+    if pc is not None:   # the measured prompts' prefill tokens: served from the cache / computed
+        report["prefix_hit_tokens"] = pc.hit_tokens - hits0
+        report["prefill_computed_tokens"] = pc.computed_tokens - computed0
     report["dtype"] = dtype
     report["adaptive"] = adaptive
     if dtype != "float32":
