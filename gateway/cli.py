@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from loadtest import bench_engine
     bench_engine.add_arguments(bench.add_parser("engine", help="specgate vs transformers on one workload"))
+    from loadtest import bench_drafters
+    bench_drafters.add_arguments(bench.add_parser(
+        "drafters", help="tokens per step of several drafters (and their merges) on one mixed workload"))
     from loadtest import bench_gateway
     bench_gateway.add_arguments(bench.add_parser(
         "gateway", help="added latency and requests/s of the HTTP gateway over the step loop (fake worker)"))
@@ -96,6 +99,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench" and args.bench_command == "engine":
         from loadtest import bench_engine
         return bench_engine.run(args)
+    if args.command == "bench" and args.bench_command == "drafters":
+        from loadtest import bench_drafters
+        return bench_drafters.run(args)
     if args.command == "bench" and args.bench_command == "gateway":
         from loadtest import bench_gateway
         return bench_gateway.run(args)

@@ -49,3 +49,16 @@ def test_bench_engine_reports_the_agreed_keys(tmp_path):
                 "step_outside_forward_ms"):
         assert key in report
     assert report["identical"] is True
+
+
+def test_bench_drafters_compares_a_merge_with_its_parts(tmp_path):
+    out = tmp_path / "drafters.json"
+    specgate("bench", "drafters", "--workloads", "copy,agentic", "--per-workload", "1", "--warmup", "1",
+             "--max-tokens", "24", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert set(report["drafters"]) == {"ngram", "suffix", "merge:ngram+suffix"}
+    assert report["identical"] is True and report["prompts"] == 2 and report["warmup_prompts"] == 2
+    assert report["best_single"] in ("ngram", "suffix")
+    for d in report["drafters"].values():
+        assert d["tau"] > 1.0 and set(d["tau_by_workload"]) == {"copy", "agentic"}
+    assert report["tau_vs_best_single"]["merge:ngram+suffix"] > 0
