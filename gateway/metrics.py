@@ -68,6 +68,12 @@ class GatewayMetrics:
         self.verified_tokens = Counter("specgate_verified_tokens",
                                        "Verifier work done for a tenant: per step and request, "
                                        "the root row plus every tree node", ["tenant"], registry=r)
+        self.prefill_tokens = Counter("specgate_prefill_tokens",
+                                      "Context tokens prefilled (prompts, and prompt + output when "
+                                      "a request is prefilled again)", ["tenant"], registry=r)
+        self.prefix_cache_hits = Counter("specgate_prefix_cache_hit_tokens",
+                                         "Of the prefilled tokens, those whose KV came from the "
+                                         "prefix cache", ["tenant"], registry=r)
         self.refusals = Counter("specgate_rate_limit_refusals",
                                 "Requests refused by a tenant limit or a full queue",
                                 ["tenant", "reason"], registry=r)
@@ -172,7 +178,15 @@ class InstrumentedWorker:
             self.metrics.verified_tokens.labels(tenant).inc(n)
         return results
 
-    def __getattr__(self, name: str) -> Any:    # prefill, release, context_limit, resident, …
+    def prefill(self, request_id: str, token_ids: Sequence[int], **kwargs: Any) -> int:
+        cached = self.worker.prefill(request_id, token_ids, **kwargs) or 0
+        tenant = kwargs.get("tenant", "default")
+        self.metrics.prefill_tokens.labels(tenant).inc(max(0, len(token_ids) - 1))   # the root: no KV
+        if cached:
+            self.metrics.prefix_cache_hits.labels(tenant).inc(cached)
+        return cached
+
+    def __getattr__(self, name: str) -> Any:    # release, evict, context_limit, resident, …
         return getattr(self.worker, name)
 
 

@@ -102,9 +102,9 @@ class VerifierServer:
             self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
             self.worker.release(request_id)     # a stale copy (a restarted scheduler's request)
             self._note(request_id, "prefill")
-            self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
-                                max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
-            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0}
+            cached = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
+                                         max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
+            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0, "cached": cached}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:
         """{"results": StepResults, "missing": request ids not held here, "busy_s": time spent}.

@@ -74,10 +74,11 @@ class VerifierPool:
 
     # ---- the worker interface -----------------------------------------------------------------
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: Any,
-                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> None:
+                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> int:
+        """Returns the tokens whose KV the chosen replica's prefix cache held."""
         self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
                                            tenant, drafter)
-        self._place(request_id)
+        return self._place(request_id)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         by_id: dict[str, StepResult] = {}
@@ -116,7 +117,7 @@ class VerifierPool:
         return list(self.home)
 
     # ---- calls ----------------------------------------------------------------------------------
-    def _place(self, request_id: str) -> None:
+    def _place(self, request_id: str) -> int:
         """Prefill `request_id` from its committed context on the least-loaded live replica."""
         p = self._placed[request_id]
         old = self.home.pop(request_id, None)
@@ -142,6 +143,7 @@ class VerifierPool:
         self.home[request_id] = replica
         self.assigned[replica] += 1
         self.calls[replica] += 1
+        return int(answer.get("cached") or 0)
 
     def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
         """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""

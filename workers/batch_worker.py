@@ -72,13 +72,15 @@ class BatchWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> None:
+                drafter: str | None = None) -> int:
         """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
-        evicted request re-prefills; its drafter rebuilds its index from the context)."""
+        evicted request re-prefills; its drafter rebuilds its index from the context). Returns the
+        tokens whose KV came from the prefix cache."""
         chosen = self.drafter(drafter)
-        self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
+        cached = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
                                                SpeculationState(self.speculation))
+        return cached
 
     def release(self, request_id: str) -> None:
         """Free a finished request's KV and drafter state (idempotent)."""

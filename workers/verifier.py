@@ -86,12 +86,13 @@ class Verifier:
         return list(self._slots)
 
     def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default") -> None:
+                max_new_tokens: int, tenant: str = "default") -> int:
         """Admit a request: compute the KV of every token but the last, which becomes the root.
 
         `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
         (restart recovery re-prefills, it never replays steps). With a prefix cache, the KV of
         the longest prefix this tenant sent before is copied in and only the rest is computed.
+        Returns how many tokens' KV came from the prefix cache.
         """
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -121,6 +122,7 @@ class Verifier:
         if pc is not None:
             pc.store(tenant, context, cache, chain)
         self._slots[request_id] = slot
+        return done
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV (idempotent)."""

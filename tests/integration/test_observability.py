@@ -117,6 +117,19 @@ def test_every_metric_a_dashboard_or_rule_names_is_exposed(gateway):
     assert not used - exposed, sorted(used - exposed)
 
 
+def test_prefix_cache_hits_are_counted_per_tenant(gateway):
+    """short_load repeats one prompt per tenant: after the first, the verifier's prefix cache
+    serves its whole blocks, and each tenant is counted apart."""
+    url, model = gateway
+    short_load(url, model)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(scrape(url)) for s in f.samples}
+    for tenant in ("acme", "zeta"):
+        hits = samples.get(("specgate_prefix_cache_hit_tokens_total", (("tenant", tenant),)), 0)
+        prefilled = samples[("specgate_prefill_tokens_total", (("tenant", tenant),))]
+        assert 32 <= hits < prefilled
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
 def test_rules_pass_promtool():
     out = subprocess.run(["promtool", "check", "rules", str(ROOT / "deploy/prometheus/specgate-rules.yaml")],

@@ -93,6 +93,10 @@ def test_series_agree_with_the_responses(server):
     assert value(m, "specgate_steps_total") == emb.step_loop.steps > 0
     assert ("specgate_perceptible_requests", ()) in m
     assert ("specgate_preemptions_total", ()) in m
+    # every context token but each request's last was prefilled once; the fake worker caches none
+    assert (value(m, "specgate_prefill_tokens_total", tenant="alpha")
+            == value(m, "specgate_prompt_tokens_total", tenant="alpha") - 5 > 0)
+    assert value(m, "specgate_prefix_cache_hit_tokens_total", tenant="alpha") == 0
 
 
 def test_queue_depth_shows_live_requests_by_level_and_status(server):

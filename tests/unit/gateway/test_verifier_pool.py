@@ -72,8 +72,8 @@ class _Method:
         worker = self.handle.replicas[rid]
         apply_releases(worker, release.get(rid, ()) if isinstance(release, dict) else release)
         if self.name == "prefill":
-            worker.prefill(*args, **kwargs)
-            return _Response({"replica": rid, "busy_s": 0.001})
+            cached = worker.prefill(*args, **kwargs)
+            return _Response({"replica": rid, "busy_s": 0.001, "cached": cached})
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))
             missing = [i.request_id for i in args[0] if i.request_id not in worker.resident()]
