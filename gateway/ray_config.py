@@ -24,10 +24,12 @@ class DeploymentOptions(BaseModel):
     torch_threads: int | None = Field(None, ge=1)      # verifier only: torch's intra-op threads
 
 
-class IngressOptions(DeploymentOptions):
-    """The ingress holds each client's stream open until its last token, so a replica being
-    drained (rolling update, scale-down) must wait out the longest generation, not Serve's 30 s:
-    a stream cut there is a request lost."""
+class StreamingOptions(DeploymentOptions):
+    """For the deployments a client's stream runs through until its last token: the ingress, and
+    the scheduler (the ingress follows each request's tokens there). A replica being drained
+    (rolling update, scale-down) must wait out the longest generation, not Serve's 30 s: a stream
+    cut there is a request lost. While an old scheduler replica drains it keeps its lease and
+    steps every request, so requests sent to the new one wait until it is gone."""
     graceful_shutdown_timeout_s: float = Field(900.0, ge=0)
 
 
@@ -36,8 +38,8 @@ class RayAppConfig(BaseModel):
     environment variables fill what is left out); Ray mode needs `redis_url`, where the scheduler's
     requests, the tenants and the rate limits live for every replica to see."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    ingress: IngressOptions = IngressOptions(num_replicas=2, num_cpus=0.1)
-    scheduler: DeploymentOptions = DeploymentOptions(num_cpus=0.2)
+    ingress: StreamingOptions = StreamingOptions(num_replicas=2, num_cpus=0.1)
+    scheduler: StreamingOptions = StreamingOptions(num_cpus=0.2)
     verifier: DeploymentOptions = DeploymentOptions(num_replicas=1, num_cpus=1.0)
     # Draft workers; None: each verifier replica drafts for its own requests.
     draft: DeploymentOptions | None = DeploymentOptions(num_replicas=1, num_cpus=0.2)

@@ -145,11 +145,11 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, dra
     from ray import serve
 
     from gateway.ray_app import build
-    from gateway.ray_config import DeploymentOptions, IngressOptions, RayAppConfig
+    from gateway.ray_config import DeploymentOptions, RayAppConfig, StreamingOptions
     from gateway.serve_cmd import free_port
 
-    cfg = RayAppConfig(settings=settings, ingress=IngressOptions(num_replicas=1, num_cpus=0.1),
-                       scheduler=DeploymentOptions(num_cpus=0.1),
+    cfg = RayAppConfig(settings=settings, ingress=StreamingOptions(num_replicas=1, num_cpus=0.1),
+                       scheduler=StreamingOptions(num_cpus=0.1),
                        verifier=DeploymentOptions(num_replicas=1, num_cpus=1, torch_threads=threads),
                        draft=DeploymentOptions(num_replicas=1, num_cpus=0.1) if draft_workers else None)
     port = free_port()

@@ -94,7 +94,8 @@ def test_the_serve_config_is_a_valid_application_config(case):
     cfg = RayAppConfig(**app["args"])
     assert cfg.verifier.num_gpus == (1 if case == "gpu" else 0)
     assert cfg.verifier.num_replicas == (3 if case == "gpu" else 2)
-    assert cfg.ingress.graceful_shutdown_timeout_s >= 600      # a drained ingress lets streams end
+    assert cfg.ingress.graceful_shutdown_timeout_s >= 600      # drained, they let streams end
+    assert cfg.scheduler.graceful_shutdown_timeout_s >= 600
 
 
 def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
