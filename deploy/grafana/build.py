@@ -118,6 +118,8 @@ DASHBOARDS = {
             q(f"sum by (tenant) (rate(specgate_generation_tokens_total{{{T}}}[{RATE}]))", "{{tenant}}")]),
         ("Prompt tokens by tenant", "short", [
             q(f"sum by (tenant) (rate(specgate_prompt_tokens_total{{{T}}}[{RATE}]))", "{{tenant}}")]),
+        ("Prefix cache: share of prefilled tokens served from it", "percentunit",
+         [ratio_by("tenant", "specgate_prefix_cache_hit_tokens_total", "specgate_prefill_tokens_total")]),
         ("Rate-limit refusals", "reqps", [
             q(f"sum by (tenant, reason) (rate(specgate_rate_limit_refusals_total{{{T}}}[{RATE}]))",
               "{{tenant}} {{reason}}")]),
