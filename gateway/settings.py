@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     token_budget: int = Field(64, ge=1)        # per step: Σ (1 root + tree nodes)
     max_tree_nodes: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
-    prefix_cache_mb: float = Field(256.0, ge=0)   # KV of earlier prompt prefixes, per tenant; 0: off
+    prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     max_live: int = Field(4096, ge=1)          # queued + running: more is 503
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
     # HTTP

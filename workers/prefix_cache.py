@@ -39,6 +39,7 @@ DEFAULT_BLOCK = 32
 @dataclass(eq=False)
 class _Block:
     id: int
+    key: tuple           # (tenant, parent block's id, its tokens): where it is in the cache
     k: torch.Tensor      # [layers, kv_heads, block, head_dim]
     v: torch.Tensor
 
@@ -78,7 +79,7 @@ class PrefixCache:
                 break
             chain.append(found)
             parent = found.id
-        self._touch(tenant, tokens, chain)
+        self._touch(chain)
         return chain
 
     def restore(self, chain: Sequence[_Block], cache: KVCache) -> int:
@@ -102,24 +103,18 @@ class PrefixCache:
             key = (tenant, parent, tuple(tokens[start:start + b]))
             blk = self._blocks.get(key)
             if blk is None:
-                blk = _Block(self._next_id, cache.k[:, :, start:start + b].clone(),
+                blk = _Block(self._next_id, key, cache.k[:, :, start:start + b].clone(),
                              cache.v[:, :, start:start + b].clone())
                 self._next_id += 1
                 self._blocks[key] = blk
             added.append(blk)
             parent = blk.id
-        self._touch(tenant, tokens, added)
+        self._touch(added)
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
 
-    def _touch(self, tenant: str, tokens: Sequence[int], chain: Sequence[_Block]) -> None:
+    def _touch(self, chain: Sequence[_Block]) -> None:
         """Mark a chain used, last block first, so its first block is the most recent."""
-        b = self.block
-        keys = []
-        parent = -1
-        for i, blk in enumerate(chain):
-            keys.append((tenant, parent, tuple(tokens[i * b:(i + 1) * b])))
-            parent = blk.id
-        for key in reversed(keys):
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
+        for blk in reversed(chain):
+            if blk.key in self._blocks:
+                self._blocks.move_to_end(blk.key)
