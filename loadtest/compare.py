@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from loadtest.bench_gateway import recv_or_none
+from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse_max_tokens
 from loadtest.workload import WORKLOADS
 
 POLICIES = ("laps", "fcfs", "sjf", "las")
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="chat",
                    help=f"comma-separated, from: {', '.join(WORKLOADS)}")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=parse_max_tokens, default=64, help=MAX_TOKENS_HELP)
     p.add_argument("--tenants", type=int, default=2, help="number of tenants (keys made here)")
     p.add_argument("--bursty", action="store_true", help="gamma arrivals (see specgate loadtest)")
     p.add_argument("--model", help="model for the gateways (default: serve's default)")
@@ -127,7 +128,7 @@ def tenant_keys(n: int) -> list[tuple[str, str]]:
 # ---- the runs ------------------------------------------------------------------------------------
 def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: float,
             duration: float, seed: int = 0, workloads: list[str] = ("chat",),
-            max_tokens: int = 64, bursty: bool = False, timeout: float = 300.0) -> dict:
+            max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0) -> dict:
     """Run the same load against one fresh gateway per policy; the comparison report."""
     from loadtest.loadgen import loadtest
 
@@ -143,7 +144,8 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
                 gw.url, keys, rate=rate, duration=duration, seed=seed, workloads=list(workloads),
                 max_tokens=max_tokens, bursty=bursty, timeout=timeout))
     run_settings = {"policies": list(policies), "rate": rate, "duration": duration, "seed": seed,
-                    "workloads": list(workloads), "max_tokens": max_tokens, "tenants": tenants,
+                    "workloads": list(workloads), "max_tokens": max_tokens_label(max_tokens),
+                    "tenants": tenants,
                     "bursty": bursty, "gateway": {k: v for k, v in settings.items()
                                                   if k not in ("redis_url", "tenants_file")}}
     return comparison(reports, run_settings)

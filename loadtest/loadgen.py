@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="chat",
                    help=f"comma-separated, from: {', '.join(WORKLOADS)}")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=parse_max_tokens, default=64, help=MAX_TOKENS_HELP)
     p.add_argument("--model", help="model id (default: the first one /v1/models lists)")
     p.add_argument("--bursty", action="store_true",
                    help=f"gamma inter-arrival gaps with CV {BURSTY_CV:g} instead of Poisson")
@@ -71,6 +71,41 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- pure parts -----------------------------------------------------------------------------------
+MAX_TOKENS_HELP = ("max_tokens of every request (64), or a range LO-HI (8-512) drawn log-uniformly "
+                   "per request: clients ask for different lengths, and only then does the order "
+                   "in which a scheduler serves requests have something to work with")
+
+MaxTokens = int | tuple[int, int]
+
+
+def parse_max_tokens(text: str) -> MaxTokens:
+    """"64" → 64; "8-512" → (8, 512). Both ends ≥ 1, LO ≤ HI."""
+    lo, sep, hi = str(text).partition("-")
+    try:
+        bounds = (int(lo), int(hi)) if sep else (int(lo), int(lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"max tokens must be N or LO-HI, not {text!r}") from None
+    if bounds[0] < 1 or bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"max tokens needs 1 <= LO <= HI, not {text!r}")
+    return bounds[0] if not sep else bounds
+
+
+def draw_max_tokens(spec: MaxTokens, n: int, seed: int) -> list[int]:
+    """Each request's max_tokens: the number itself, or log-uniform over [LO, HI] (as many
+    requests in 8-16 as in 256-512), from an RNG of its own so that the arrivals and the records
+    drawn for a seed stay the same whatever the lengths."""
+    if isinstance(spec, int):
+        return [spec] * n
+    lo, hi = spec
+    rng = np.random.default_rng([seed, 1])
+    draws = np.exp(rng.uniform(np.log(lo), np.log(hi + 1), n))
+    return [int(min(hi, max(lo, x))) for x in draws]
+
+
+def max_tokens_label(spec: MaxTokens) -> int | str:
+    return spec if isinstance(spec, int) else f"{spec[0]}-{spec[1]}"
+
+
 def parse_tenants(text: str) -> list[tuple[str, str]]:
     """"a=sk-1,sk-2" → [("a", "sk-1"), ("t1", "sk-2")]: (label, key) pairs."""
     out = []
@@ -216,7 +251,7 @@ def _samples(results: list[Result]) -> dict[str, list[float]]:
 
 # ---- the run --------------------------------------------------------------------------------------
 async def loadtest(url: str, tenants: list[tuple[str, str]], *, rate: float, duration: float,
-                   seed: int = 0, workloads: list[str] = ("chat",), max_tokens: int = 64,
+                   seed: int = 0, workloads: list[str] = ("chat",), max_tokens: MaxTokens = 64,
                    model: str | None = None, bursty: bool = False, slo_ttft_s: float = 2.0,
                    slo_itl_s: float = 0.2, timeout: float = 300.0,
                    progress: bool = False) -> dict:
@@ -228,6 +263,7 @@ async def loadtest(url: str, tenants: list[tuple[str, str]], *, rate: float, dur
     times = arrival_schedule(rate, duration, rng, bursty=bursty)
     picks = [(tenants[int(rng.integers(len(tenants)))], records[int(rng.integers(len(records)))])
              for _ in times]
+    limits_each = draw_max_tokens(max_tokens, len(times), seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=timeout) as client:
         model = model or await _discover_model(client, [k for _, k in tenants])
@@ -235,12 +271,12 @@ async def loadtest(url: str, tenants: list[tuple[str, str]], *, rate: float, dur
         tasks = []
         reporter = asyncio.ensure_future(_progress(results, len(times))) if progress else None
         clock, t0 = time.perf_counter, time.perf_counter()
-        for t, ((label, key), (wname, rec)) in zip(times, picks):
+        for t, ((label, key), (wname, rec)), limit in zip(times, picks, limits_each):
             if (delay := t0 + t - clock()) > 0:
                 await asyncio.sleep(delay)
             r = Result(label, wname, float(t))
             results.append(r)
-            body = {"model": model, "messages": rec["messages"], "max_tokens": max_tokens,
+            body = {"model": model, "messages": rec["messages"], "max_tokens": limit,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
             tasks.append(asyncio.ensure_future(_fire(client, key, body, r, t0)))
         await asyncio.gather(*tasks)
@@ -249,7 +285,7 @@ async def loadtest(url: str, tenants: list[tuple[str, str]], *, rate: float, dur
             reporter.cancel()
     settings = {"url": url, "tenants": [n for n, _ in tenants], "rate": rate,
                 "duration": duration, "seed": seed, "workloads": list(workloads),
-                "max_tokens": max_tokens, "model": model, "bursty": bursty,
+                "max_tokens": max_tokens_label(max_tokens), "model": model, "bursty": bursty,
                 "arrivals": "gamma cv %g" % BURSTY_CV if bursty else "poisson",
                 "slo_ttft_ms": 1000 * slo_ttft_s, "slo_itl_ms": 1000 * slo_itl_s}
     return build_report(results, settings, elapsed, slo_ttft_s, slo_itl_s)

@@ -14,8 +14,9 @@ remaining time once it is stable (Li, Chen, Li, IJCAI 2025, arXiv 2505.17074).
   (length_model.py): the tenant's record of true vs predicted lengths turns the prediction into a
   belief about the length, and the expected remaining length is taken beyond what the request has
   already committed, so a request that outruns its belief is expected to run on by as much as the
-  tenant's record says. A request without a prediction uses its tenant's length distribution, and
-  so becomes perceptible too once its tenant has a record. "predicted": predicted length −
+  tenant's record says. A request without a prediction uses its tenant's length distribution,
+  and until its tenant has a record, its max_tokens as the prediction (length_model.py says why),
+  so it becomes perceptible like any other. "predicted": predicted length −
   committed; past the prediction, `overrun_factor` × committed; no prediction, never perceptible.
 
 Interleaving (`interleave`):
@@ -134,10 +135,9 @@ class LAPS(Policy):
         return self.remaining_tokens(s) / self.mean_tau(s)
 
     def predictable(self, s: RequestStats) -> bool:
-        """Is there any length belief for it (a prediction, or its tenant's record)?"""
-        if s.predicted_len is not None:
-            return True
-        return self.lengths is not None and self.lengths.belief(s.tenant, None) is not None
+        """Is there any length belief for it? Always with the length model (a prediction, its
+        tenant's record, or its max_tokens); with raw predictions, only when it has one."""
+        return self.lengths is not None or s.predicted_len is not None
 
     def refresh(self, state: SchedulerState, s: RequestStats) -> None:
         s.level = self.levels.level_of(s.attained, s.level)

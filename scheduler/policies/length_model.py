@@ -18,7 +18,14 @@ This replaces a fixed rule for a request that outruns its prediction: the longer
 it, the more the belief moves up, by exactly as much as the tenant's record says it should.
 Requests without a prediction get the tenant's length distribution (mean and spread of ln L).
 Until a tenant has `min_samples` finished requests the prediction is taken at face value with
-spread `prior_sigma`. A request that hit its max_tokens counts with L = max_tokens (censored, a
+spread `prior_sigma`; a request with no prediction then has only its max_tokens to go on, and
+that bound is taken as the prediction. Why not "nothing known": the gateway has no length
+predictor, so for its first `min_samples` requests per tenant LAPS-SD would be plain least
+attained service, which is round robin on traffic of similar lengths, the worst order there is
+for mean latency (`specgate loadtest compare` measured it 27% behind FCFS on 66 requests a
+policy). max_tokens is what the client itself said about the length: requests asking for few
+tokens are short, and among requests asking for the same bound the one nearest to it is nearest
+to done. A request that hit its max_tokens counts with L = max_tokens (censored, a
 slight underestimate). The model is soft state: after a restart it is relearned from scratch.
 
 >>> m = LengthModel(min_samples=2)
@@ -78,12 +85,16 @@ class LengthModel:
         f.samples += 1
         f.coef = f.marginal = None
 
-    def belief(self, tenant: str, predicted: int | None) -> tuple[float, float] | None:
-        """(μ, σ) of ln L for a new request, or None when nothing is known yet."""
+    def belief(self, tenant: str, predicted: int | None,
+               max_tokens: int | None = None) -> tuple[float, float] | None:
+        """(μ, σ) of ln L for a new request, or None when nothing is known yet (no prediction,
+        no max_tokens, no record)."""
         f = self._fits.get(tenant)
         ready = f is not None and f.samples >= self.min_samples
         if predicted is None:
-            return self._marginal(f) if ready else None
+            if ready:
+                return self._marginal(f)
+            return None if max_tokens is None else (math.log(max(1, max_tokens)), self.prior_sigma)
         if not ready or f.n < self.min_samples / 2:
             return math.log(max(1, predicted)), self.prior_sigma
         a, b, r = self._coef(f)
@@ -91,8 +102,9 @@ class LengthModel:
 
     def expected_remaining(self, tenant: str, predicted: int | None, committed: int,
                            max_tokens: int) -> float | None:
-        """E[L − committed | L > committed], within max_tokens; None when nothing is known."""
-        bel = self.belief(tenant, predicted)
+        """E[L − committed | L > committed], within max_tokens (the belief's stand-in for a
+        missing prediction while the tenant has no record)."""
+        bel = self.belief(tenant, predicted, max_tokens)
         if bel is None:
             return None
         left = max(1, max_tokens - committed)

@@ -2,13 +2,15 @@
 gateway on loopback."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 
 import numpy as np
 import pytest
 
-from loadtest.loadgen import (Result, arrival_schedule, build_report, meets_slo, parse_tenants,
+from loadtest.loadgen import (Result, arrival_schedule, build_report, draw_max_tokens, meets_slo,
+                              parse_max_tokens, parse_tenants,
                               plot, quantile, slo_attainment, stats, throughput_series)
 
 
@@ -119,6 +121,36 @@ def test_end_to_end_against_fake_gateway(gateway_url, tmp_path):
     plot(rep, out_png)
     assert json.loads(out_json.read_text())["settings"]["rate"] == 20
     assert out_png.stat().st_size > 1000
+
+
+def test_max_tokens_is_a_number_or_a_range():
+    assert parse_max_tokens("64") == 64 and parse_max_tokens("8-512") == (8, 512)
+    assert parse_max_tokens("5-5") == (5, 5)
+    for bad in ("0", "9-8", "x", "8-", "-3", "1-2-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_max_tokens(bad)
+
+
+def test_max_tokens_ranges_are_drawn_log_uniformly_and_reproducibly():
+    assert draw_max_tokens(64, 3, seed=0) == [64, 64, 64]
+    xs = draw_max_tokens((8, 512), 4000, seed=3)
+    assert min(xs) >= 8 and max(xs) <= 512 and xs == draw_max_tokens((8, 512), 4000, seed=3)
+    assert xs != draw_max_tokens((8, 512), 4000, seed=4)
+    # log-uniform: as many below the geometric midpoint (64) as above it
+    below = sum(x < 64 for x in xs) / len(xs)
+    assert 0.45 < below < 0.55 and min(xs) < 10 and max(xs) > 450
+
+
+def test_a_max_tokens_range_reaches_the_gateway_request_by_request(gateway_url):
+    # the fake worker never stops early: each request's output is exactly its max_tokens
+    from loadtest.loadgen import loadtest
+
+    rep = asyncio.run(loadtest(gateway_url, [("a", "sk-a")], rate=20, duration=1.5, seed=7,
+                               max_tokens=(2, 40)))
+    o = rep["overall"]
+    assert o["completed"] == o["requests"] > 5
+    assert o["output_tokens"] == sum(draw_max_tokens((2, 40), o["requests"], seed=7))
+    assert rep["settings"]["max_tokens"] == "2-40"
 
 
 def test_bad_key_is_counted_as_401(gateway_url):

@@ -25,6 +25,15 @@ def test_learns_the_shrinkage_a_noisy_predictor_calls_for():
     mu, sigma = m.belief("t", None)                           # no prediction: the tenant's own
     assert mu == pytest.approx(5.0, abs=0.03) and sigma == pytest.approx(0.9, abs=0.03)
     assert m.belief("other", None) is None and m.belief("other", 100) == (math.log(100), 0.9)
+    # no prediction and no record: the client's max_tokens stands in for the prediction
+    assert m.belief("other", None, 64) == (math.log(64), 0.9)
+    assert m.belief("t", None, 64) == m.belief("t", None)     # a record outranks the bound
+
+
+def test_without_a_prediction_or_record_the_smaller_bound_and_the_nearer_end_come_first():
+    m = LengthModel()
+    assert m.expected_remaining("new", None, 0, 32) < m.expected_remaining("new", None, 0, 512)
+    assert m.expected_remaining("new", None, 60, 96) < m.expected_remaining("new", None, 10, 96)
 
 
 def test_expected_remaining_grows_as_a_request_outlives_its_belief():

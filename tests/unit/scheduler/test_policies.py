@@ -4,6 +4,11 @@ import random
 import pytest
 
 from sched_helpers import build, stats, step
+from scheduler.state import SchedulerState
+
+
+def build_empty():
+    return SchedulerState()
 from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
 from scheduler.request import Status, StepRecord
 
@@ -98,11 +103,13 @@ def test_laps_perceptible_switch_needs_steps_and_a_small_stderr():
     assert b_stats.perceptible
 
 
-def test_laps_without_prediction_stays_in_the_levels():
-    policy = make_policy("laps", min_steps=2, **NO_AGING)
-    s = stats("x", predicted=None, taus=(2, 2, 2))
-    policy.refresh(None, s)
-    assert not s.perceptible
+def test_laps_without_prediction_stays_in_the_levels_only_on_raw_predictions():
+    # raw predictions have nothing to rank it by; the length model has its max_tokens
+    raw, calibrated = stats("x", predicted=None, taus=(2, 2, 2)), stats("y", predicted=None,
+                                                                        taus=(2, 2, 2))
+    make_policy("laps", min_steps=2, lengths="predicted", **NO_AGING).refresh(build_empty(), raw)
+    make_policy("laps", min_steps=2, **NO_AGING).refresh(build_empty(), calibrated)
+    assert not raw.perceptible and calibrated.perceptible
 
 
 @pytest.mark.parametrize("name", ["las", "laps"])
@@ -265,3 +272,22 @@ def test_laps_learns_lengths_from_finished_requests():
     assert make_policy("laps", lengths="predicted").remaining_tokens(fresh) == 44
     with pytest.raises(ValueError):
         make_policy("laps", lengths="oracle")
+
+
+def test_laps_without_predictions_or_records_does_not_round_robin_similar_requests():
+    # the gateway has no length predictor: before its tenant has a record, a request's max_tokens
+    # stands in, so of requests asking for the same bound the one furthest along goes first
+    # (least attained service alone would rotate them, finishing every one of them late)
+    policy = make_policy("laps", max_batch=1, min_steps=2, **NO_AGING)
+    reqs = [stats(f"r{i}", predicted=None, max_tokens=96, arrival=i) for i in range(3)]
+    state = build(policy, reqs)
+    served = [step(policy, state, 10.0 + t).request_ids[0] for t in range(60)]
+    # each newcomer gets its first quantum (2 steps of 1 + 7 tree tokens), then r0, nearest to
+    # its 96 tokens, runs to the end (48 steps at τ 2 in all) before the others resume
+    assert served[:6] == ["r0", "r0", "r1", "r1", "r2", "r2"]
+    assert served[6:52] == ["r0"] * 46 and served[52] != "r0"
+    assert all(policy.predictable(s) for s in reqs)
+    # and a request that asks for fewer tokens ranks ahead of one that asks for many
+    short, long_ = stable("short", predicted=None, max_tokens=16), stable("long", predicted=None)
+    assert ranked("laps", [long_, short, stats("new", arrival=5)], min_steps=4,
+                  max_rel_stderr=0.2)[0] == "short"
