@@ -108,7 +108,7 @@ class LengthModel:
         if bel is None:
             return None
         left = max(1, max_tokens - committed)
-        return float(min(left, max(1.0, mean_beyond(*bel, committed))))
+        return float(min(left, max(1.0, mean_beyond(*bel, committed, cap=max_tokens))))
 
     def _coef(self, f: _Fit) -> tuple[float, float, float]:
         if f.coef is None:
@@ -128,12 +128,31 @@ class LengthModel:
         return f.marginal
 
 
-def mean_beyond(mu: float, sigma: float, c: float) -> float:
-    """E[L − c | L > c] for ln L ~ N(μ, σ²).
+def mean_beyond(mu: float, sigma: float, c: float, cap: float | None = None) -> float:
+    """E[min(L, cap) − c | L > c] for ln L ~ N(μ, σ²): the output still to come of a request that
+    has committed c tokens and will be cut at `cap` (its max_tokens; None: never).
+
+    Why the cap matters: without it a log-normal's expected remaining length grows with c, so a
+    request well into its run always looks longer than a newcomer and keeps being put off, right
+    up to the bound where it was certain to end (least attained service on bounded lengths: the
+    round robin that makes mean latency worse than FCFS). With it, the expectation falls to 0 as
+    c nears the bound.
 
     >>> round(mean_beyond(math.log(100), 0.5, 0), 1), round(mean_beyond(math.log(100), 0.5, 300), 1)
     (113.3, 62.8)
+    >>> round(mean_beyond(math.log(100), 0.5, 300, cap=320), 1)
+    17.0
     """
+    if cap is not None:
+        if c >= cap:
+            return 0.0
+        a, b = (math.log(max(c, 1e-9)) - mu) / sigma, (math.log(cap) - mu) / sigma
+        tail = 1.0 - _PHI(a)
+        if tail > 1e-12:
+            mean = math.exp(mu + sigma * sigma / 2)
+            inside = mean * (_PHI(b - sigma) - _PHI(a - sigma)) - c * (_PHI(b) - _PHI(a))
+            return max(0.0, (inside + (cap - c) * (1.0 - _PHI(b))) / tail)
+        return min(cap - c, mean_beyond(mu, sigma, c))
     mean = math.exp(mu + sigma * sigma / 2)
     if c <= 0:
         return mean

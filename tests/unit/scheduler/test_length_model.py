@@ -41,8 +41,21 @@ def test_expected_remaining_grows_as_a_request_outlives_its_belief():
     rem = [m.expected_remaining("t", 100, c, 10_000) for c in (0, 50, 100, 200, 400, 1600)]
     assert rem[0] > rem[1]                                    # early on it gets shorter ...
     assert rem[3] < rem[4] < rem[5]                           # ... then overruns push it up
-    assert m.expected_remaining("t", 100, 1600, 1700) == 100  # never past max_tokens
+    assert 1.0 < m.expected_remaining("t", 100, 1600, 1700) < 100  # never past max_tokens
     assert m.expected_remaining("t", 100, 9999, 10_000) == 1.0
+
+
+def test_mean_beyond_with_a_cap_matches_sampling_and_falls_to_zero_at_the_cap():
+    rng = random.Random(5)
+    xs = [math.exp(rng.gauss(4.0, 1.0)) for _ in range(200_000)]
+    for c, cap in [(0, 80), (30, 120), (100, 140), (10, 5000)]:
+        tail = [min(x, cap) - c for x in xs if x > c]
+        assert mean_beyond(4.0, 1.0, c, cap=cap) == pytest.approx(sum(tail) / len(tail), rel=0.02)
+    near = [mean_beyond(4.0, 1.0, c, cap=256) for c in (150, 200, 240, 255, 256)]
+    assert near == sorted(near, reverse=True) and near[-1] == 0.0
+    # uncapped, the same belief says a request at 200 tokens has more to go than at 150: the
+    # cap is what lets a request near its max_tokens rank as nearly done
+    assert mean_beyond(4.0, 1.0, 200) > mean_beyond(4.0, 1.0, 150)
 
 
 def test_mean_beyond_matches_sampling():
