@@ -101,12 +101,10 @@ class LengthModel:
         return a + b * math.log(max(1, predicted)), r
 
     def expected_remaining(self, tenant: str, predicted: int | None, committed: int,
-                           max_tokens: int) -> float | None:
-        """E[L − committed | L > committed], within max_tokens (the belief's stand-in for a
-        missing prediction while the tenant has no record)."""
+                           max_tokens: int) -> float:
+        """E[min(L, max_tokens) − committed | L > committed], at least 1 (max_tokens stands in for
+        a missing prediction while the tenant has no record, so there is always a belief)."""
         bel = self.belief(tenant, predicted, max_tokens)
-        if bel is None:
-            return None
         left = max(1, max_tokens - committed)
         return float(min(left, max(1.0, mean_beyond(*bel, committed, cap=max_tokens))))
 
