@@ -105,8 +105,8 @@ class LengthModel:
         """E[min(L, max_tokens) − committed | L > committed], at least 1 (max_tokens stands in for
         a missing prediction while the tenant has no record, so there is always a belief)."""
         bel = self.belief(tenant, predicted, max_tokens)
-        left = max(1, max_tokens - committed)
-        return float(min(left, max(1.0, mean_beyond(*bel, committed, cap=max_tokens))))
+        # the cap keeps it within max_tokens − committed; 1: a live request has a token to go
+        return float(max(1.0, mean_beyond(*bel, committed, cap=max_tokens)))
 
     def _coef(self, f: _Fit) -> tuple[float, float, float]:
         if f.coef is None:
@@ -141,17 +141,16 @@ def mean_beyond(mu: float, sigma: float, c: float, cap: float | None = None) -> 
     >>> round(mean_beyond(math.log(100), 0.5, 300, cap=320), 1)
     17.0
     """
+    mean = math.exp(mu + sigma * sigma / 2)
     if cap is not None:
         if c >= cap:
             return 0.0
         a, b = (math.log(max(c, 1e-9)) - mu) / sigma, (math.log(cap) - mu) / sigma
         tail = 1.0 - _PHI(a)
         if tail > 1e-12:
-            mean = math.exp(mu + sigma * sigma / 2)
             inside = mean * (_PHI(b - sigma) - _PHI(a - sigma)) - c * (_PHI(b) - _PHI(a))
             return max(0.0, (inside + (cap - c) * (1.0 - _PHI(b))) / tail)
         return min(cap - c, mean_beyond(mu, sigma, c))
-    mean = math.exp(mu + sigma * sigma / 2)
     if c <= 0:
         return mean
     z = (math.log(c) - mu) / sigma
