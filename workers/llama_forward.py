@@ -63,6 +63,10 @@ class LlamaForward:
             self.final_norm = inner.norm.weight.detach()                 # [H]
             self.layers = [self._layer_weights(layer) for layer in inner.layers]
             self.cos, self.sin = self._rope_tables(inner.rotary_emb)     # [P, D] each
+            # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one op
+            # instead of four (slice, slice, neg, cat), and bitwise the same result.
+            half = self.head_dim // 2
+            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)   # [P, D]
 
     def _layer_weights(self, layer) -> dict:
         att, mlp = layer.self_attn, layer.mlp
@@ -104,20 +108,23 @@ class LlamaForward:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
                                  f"({seg.cache.length} + {seg.rows} rows)")
         x = self.embed[input_ids]                                   # x: [T, H]
-        cos, sin = self.cos[positions], self.sin[positions]         # [T, D]
-        cos, sin = cos[:, None, :], sin[:, None, :]                 # [T, 1, D]
+        cos = self.cos[positions][:, None, :]                       # [T, 1, D]
+        sin = self.sin_signed[positions][:, None, :]                # [T, 1, D]
         masks = [self._full_mask(seg) for seg in segments]
-        nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        nq, nkv, d, half = self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim // 2
         for li, w in enumerate(self.layers):
             h = F.rms_norm(x, (self.hidden,), w["ln1"], self.eps)
             qkv = w["wqkv"](h).view(-1, nq + 2 * nkv, d)                         # [T, Hq+2Hkv, D]
             qk = qkv[:, : nq + nkv]
-            qk = qk * cos + _rotate_half(qk) * sin                               # [T, Hq+Hkv, D]
+            qk = qk * cos + qk.roll(half, -1) * sin                              # [T, Hq+Hkv, D]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
-            for seg, mask in zip(segments, masks):
-                att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, k, v)
-            x = x + w["wo"](att.view(-1, nq * d))
+            if len(segments) == 1:      # one request: its attention output is the whole step's
+                att = self._attend(li, segments[0], masks[0], q, k, v)           # [T, Hq, D]
+            else:
+                att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
+                for seg, mask in zip(segments, masks):
+                    att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, k, v)
+            x = x + w["wo"](att.reshape(-1, nq * d))
             h = F.rms_norm(x, (self.hidden,), w["ln2"], self.eps)
             gate, up = w["wgu"](h).chunk(2, dim=-1)
             x = x + w["wdown"](F.silu(gate) * up)
@@ -131,12 +138,23 @@ class LlamaForward:
         end = cache.length + n
         cache.k[li, :, cache.length:end] = k[lo: lo + n].transpose(0, 1)   # [Hkv, n, D]
         cache.v[li, :, cache.length:end] = v[lo: lo + n].transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q[lo: lo + n].transpose(0, 1)[None].to(self.kv_dtype),   # [1, Hq, n, D]
-            cache.k[li, :, :end][None],                  # [1, Hkv, S, D]
-            cache.v[li, :, :end][None],
-            attn_mask=mask, enable_gqa=True)             # out: [1, Hq, n, D]
-        return out[0].transpose(0, 1).to(self.dtype)     # [n, Hq, D]
+        keys, values = cache.k[li, :, :end][None], cache.v[li, :, :end][None]   # [1, Hkv, S, D]
+        q = q[lo: lo + n]
+        if q.dtype != self.kv_dtype:
+            q = q.to(self.kv_dtype)
+        nkv, d = self.n_kv_heads, self.head_dim
+        g = self.n_heads // nkv
+        if n > _FOLD_MAX_ROWS or g == 1:
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
+                                                 attn_mask=mask, enable_gqa=True)   # [1, Hq, n, D]
+            out = out[0].transpose(0, 1)                                           # [n, Hq, D]
+        else:
+            # The g query heads that share a KV head become g * n rows of that head (the mask
+            # repeated g times): ~10-15% less attention time for tree-sized n than enable_gqa.
+            qf = q.view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * n, d)   # [1, Hkv, g*n, D]
+            out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)    # [1, Hkv, g*n, D]
+            out = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nkv * g, d)     # [n, Hq, D]
+        return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _full_mask(self, seg: Segment) -> torch.Tensor:
         # Every new row sees the whole committed context; among new rows, the segment's own mask.
@@ -145,12 +163,16 @@ class LlamaForward:
             past = seg.past.to(self.kv_dtype)
         else:
             past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
-        return torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
+        mask = torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
+        g = self.n_heads // self.n_kv_heads
+        if seg.rows <= _FOLD_MAX_ROWS and g > 1:
+            mask = mask.repeat(g, 1)      # [g * rows, length + rows]: see _attend
+        return mask
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# Up to this many rows a segment's attention folds its query-head groups into rows (measured, 450
+# tokens of context, SmolLM2's 9/3 heads: 4 rows 66 -> 54 us, 16 rows 162 -> 143 us); longer runs
+# such as prefill are as fast or faster with enable_gqa (430 rows: 3.0 vs 3.3 ms).
+_FOLD_MAX_ROWS = 32
