@@ -181,7 +181,7 @@ def test_merge_syntax_in_the_registry():
     d = create_drafter("merge:ngram+suffix")
     assert isinstance(d, MergeDrafter) and d.name == "merge:ngram+suffix"
     assert [p.name for p in d.drafters] == ["ngram", "suffix"]
-    assert d.drafters[0].min_ngram == 2  # the registry's ngram defaults
+    assert d.drafters[0].min_ngram == 1  # the registry's ngram defaults
     d = create_drafter("merge:suffix+ngram", suffix={"min_prob": 0.3}, ngram={"max_ngram": 3})
     assert d.name == "merge:suffix+ngram" and d.drafters[0].min_prob == 0.3 and d.drafters[1].max_ngram == 3
     assert create_drafter("merge:none+ngram+suffix").name == "merge:none+ngram+suffix"

@@ -56,8 +56,9 @@ class NgramDrafter:
     """Prompt-lookup drafter proposing a tree of the continuations of earlier suffix matches.
 
     Options: ``max_ngram`` / ``min_ngram`` bound the suffix length tried (longest first). The registry's
-    ``ngram`` uses ``min_ngram=2``, skipping one-token matches: on free text they are nearly always wrong, and a wrong
-    tree is not free (see workers/speculation.py);
+    ``ngram`` uses ``min_ngram=1`` (why: workers/drafters/registry.py): one-token matches are often
+    wrong on free text, but a small tree costs little and the controller shrinks it where it fails
+    (workers/speculation.py);
     ``max_matches`` bounds how many earlier occurrences become branches.
 
     Worked example: context ``a b c d a b e a b`` (the root is the last ``b``), max_depth 2. No
