@@ -6,7 +6,8 @@ import torch
 
 from tests.conftest import tiny_llama
 from workers.cpu_linear import _usable_backends
-from workers.llama_forward import LlamaForward, Segment
+from workers.kv_cache import KVCache
+from workers.llama_forward import LlamaForward, Segment, _chunkable
 from workers.tree import TokenTree, ancestor_mask, depths
 from workers.verifier import _tree_mask
 
@@ -25,7 +26,7 @@ def causal(n: int) -> torch.Tensor:
 
 def prefilled(lf: LlamaForward, context: list[int]):
     """A cache holding `context`'s KV, as the verifier's prefill leaves it."""
-    cache = lf.new_cache(64)
+    cache = lf.new_cache(256)
     n = len(context)
     lf.forward(torch.tensor(context), torch.arange(n), [Segment(cache, 0, n, causal(n))], None)
     cache.length = n
@@ -51,6 +52,30 @@ def test_full_sequence_matches_transformers(tiny_model, gemm):
     cache = lf.new_cache(64)
     out = lf.forward(torch.tensor(ids), torch.arange(40), [Segment(cache, 0, 40, causal(40))], torch.arange(40))
     assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
+
+
+def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model, gemm):
+    # 150 rows: blocks of 64, 64 and 22; once from an empty cache (a prefill) and once after 40
+    # cached tokens (a prefill that follows a prefix-cache hit).
+    lf = LlamaForward(tiny_model, gemm=gemm)
+    ids = torch.randint(0, 128, (190,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = lf.new_cache(256)
+    out = lf.forward(torch.tensor(ids[:150]), torch.arange(150), [Segment(cache, 0, 150, causal(150))],
+                     torch.arange(150))
+    assert torch.allclose(out, hf_logits(tiny_model, ids[:150]), atol=ATOL)
+    cache = prefilled(lf, ids[:40])
+    out = lf.forward(torch.tensor(ids[40:]), torch.arange(40, 190), [Segment(cache, 0, 150, causal(150))],
+                     torch.arange(150))
+    assert torch.allclose(out, hf_logits(tiny_model, ids)[40:], atol=ATOL)
+
+
+def test_only_segments_whose_rows_never_see_later_rows_are_blocked():
+    cache = KVCache(1, 1, 4, 256)
+    assert _chunkable(Segment(cache, 0, 100, causal(100)))
+    assert not _chunkable(Segment(cache, 0, 64, causal(64)))       # short: one call
+    sees_later = causal(100)
+    sees_later[10, 90] = 0.0
+    assert not _chunkable(Segment(cache, 0, 100, sees_later))
 
 
 def test_qkv_bias_models_match_transformers(gemm):
