@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,9 +56,21 @@ def load_peers(names: Sequence[str], *, model: str, gguf: str | None, prompt_loo
                stop_token_ids: Sequence[int], threads: int | None = None, vllm_python: str | None = None
                ) -> tuple[dict[str, PeerRunner], dict[str, str]]:
     """(runners by configuration name, e.g. 'llama.cpp' and 'llama.cpp+lookup10'; why each peer
-    that could not be loaded was not)."""
+    that could not be loaded was not). Close them with `close_peers`."""
     runners: dict[str, PeerRunner] = {}
     missing: dict[str, str] = {}
+    try:
+        _load(names, runners, missing, model=model, gguf=gguf, prompt_lookup=prompt_lookup,
+              stop_token_ids=stop_token_ids, threads=threads, vllm_python=vllm_python)
+    except BaseException:
+        close_peers(runners)   # a worker that did start must not outlive the failure
+        raise
+    return runners, missing
+
+
+def _load(names: Sequence[str], runners: dict[str, PeerRunner], missing: dict[str, str], *, model: str,
+          gguf: str | None, prompt_lookup: int, stop_token_ids: Sequence[int], threads: int | None,
+          vllm_python: str | None) -> None:
     for name in names:
         if name == "llama.cpp":
             if importlib.util.find_spec("llama_cpp") is None:
@@ -81,7 +94,6 @@ def load_peers(names: Sequence[str], *, model: str, gguf: str | None, prompt_loo
             runners[name] = _VllmWorker(python, hf_dir, 0, threads)
             if prompt_lookup:
                 runners[f"{name}+ngram{prompt_lookup}"] = _VllmWorker(python, hf_dir, prompt_lookup, threads)
-    return runners, missing
 
 
 def close_peers(runners: dict[str, PeerRunner]) -> None:
@@ -103,19 +115,34 @@ class _VllmWorker:
         env.pop("PYTHONPATH", None)   # the worker imports only vLLM and the standard library
         self._log = tempfile.TemporaryFile(mode="w+")
         script = Path(__file__).with_name("peer_vllm.py")
+        # A session of its own, so that the worker and vLLM's engine process can be paused as one
+        # group: idle, vLLM's engine loop still takes CPU (every system ran ~20% slower beside
+        # it), so between its own prompts the worker is stopped (SIGSTOP) and the others run alone.
         self._proc = subprocess.Popen([python, str(script), "--model", str(hf_dir), "--ngram", str(ngram)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      text=True, env=env)
-        ready = self._read(timeout_s=VLLM_START_TIMEOUT_S)
-        if not ready.get("ready"):
+                                      text=True, env=env, start_new_session=True)
+        try:
+            ready = self._read(timeout_s=VLLM_START_TIMEOUT_S)
+            if not ready.get("ready"):
+                raise RuntimeError(f"the vLLM worker did not start: {ready}")
+        except BaseException:
             self.close()
-            raise RuntimeError(f"the vLLM worker did not start: {ready}")
+            raise
+        self._signal(signal.SIGSTOP)
 
     def __call__(self, prompt: Sequence[int], max_tokens: int) -> tuple[list[int], float]:
-        self._proc.stdin.write(json.dumps({"prompt": list(map(int, prompt)), "max_tokens": max_tokens}) + "\n")
-        self._proc.stdin.flush()
-        reply = self._read(timeout_s=VLLM_START_TIMEOUT_S)
+        self._signal(signal.SIGCONT)
+        try:
+            self._proc.stdin.write(json.dumps({"prompt": list(map(int, prompt)), "max_tokens": max_tokens}) + "\n")
+            self._proc.stdin.flush()
+            reply = self._read(timeout_s=VLLM_START_TIMEOUT_S)
+        finally:
+            self._signal(signal.SIGSTOP)
         return [int(t) for t in reply["tokens"]], float(reply["s"])
+
+    def _signal(self, sig: int) -> None:
+        if self._proc.poll() is None:
+            self._signal_group(sig)
 
     def _read(self, timeout_s: float) -> dict:
         import select
@@ -128,13 +155,30 @@ class _VllmWorker:
         return json.loads(line)
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
+        """Stop the worker and every process it started (vLLM's engine and its workers outlive
+        their parent otherwise, and take the CPU from whatever runs next)."""
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            self._signal_group(sig)
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal_group(signal.SIGKILL)   # children that ignored SIGTERM or outlived the worker
+        self._proc.wait()
+        deadline = time.monotonic() + 10      # until the last of them has exited
+        while time.monotonic() < deadline:
             try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+                os.killpg(self._proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
         self._log.close()
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)   # the session's group, even once its leader has exited
+        except ProcessLookupError:
+            pass
 
 
 def _llama_cpp(path: str, lookup: int | None, stop_token_ids: Sequence[int],

@@ -91,3 +91,6 @@ def test_vllm_worker_generates_greedily_from_token_ids():
         assert "Paris" in rt.tokenizer.decode(plain)
     finally:
         close_peers(runners)
+    for run in runners.values():   # vLLM's engine processes went with their worker
+        with pytest.raises(ProcessLookupError):
+            os.killpg(run._proc.pid, 0)
