@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -115,9 +116,9 @@ class _VllmWorker:
         env.pop("PYTHONPATH", None)   # the worker imports only vLLM and the standard library
         self._log = tempfile.TemporaryFile(mode="w+")
         script = Path(__file__).with_name("peer_vllm.py")
-        # A session of its own, so that the worker and vLLM's engine process can be paused as one
-        # group: idle, vLLM's engine loop still takes CPU (every system ran ~20% slower beside
-        # it), so between its own prompts the worker is stopped (SIGSTOP) and the others run alone.
+        # A session of its own, so that the worker and the processes vLLM starts can be paused and
+        # stopped as one group: between its own prompts it is stopped (SIGSTOP), so that nothing
+        # an idle vLLM engine does (it polls for work) runs while the others are timed.
         self._proc = subprocess.Popen([python, str(script), "--model", str(hf_dir), "--ngram", str(ngram)],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       text=True, env=env, start_new_session=True)
@@ -145,7 +146,6 @@ class _VllmWorker:
             self._signal_group(sig)
 
     def _read(self, timeout_s: float) -> dict:
-        import select
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout_s)
         line = self._proc.stdout.readline() if ready else ""
         if not line:

@@ -168,7 +168,7 @@ class LlamaForward:
                     qt[:, :, s:e], keys[:, :, :upto], values[:, :, :upto],
                     attn_mask=mask[s:e, :upto], enable_gqa=True)                        # [1, Hq, e-s, D]
                 out[s:e] = part[0].transpose(0, 1)
-        elif n > _FOLD_MAX_ROWS or g == 1:
+        elif not self._folds(n):
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values,
                                                  attn_mask=mask, enable_gqa=True)   # [1, Hq, n, D]
             out = out[0].transpose(0, 1)                                           # [n, Hq, D]
@@ -188,10 +188,14 @@ class LlamaForward:
         else:
             past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
         mask = torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
-        g = self.n_heads // self.n_kv_heads
-        if seg.rows <= _FOLD_MAX_ROWS and g > 1:
-            mask = mask.repeat(g, 1)      # [g * rows, length + rows]: see _attend
+        if self._folds(seg.rows):
+            mask = mask.repeat(self.n_heads // self.n_kv_heads, 1)     # [g * rows, length + rows]
         return mask
+
+    def _folds(self, rows: int) -> bool:
+        """Whether a segment of `rows` attends with its query-head groups folded into rows (see
+        _attend); its mask is built for that (_full_mask), so both ask here."""
+        return rows <= _FOLD_MAX_ROWS and self.n_heads > self.n_kv_heads
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
