@@ -16,3 +16,11 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "installing specgate with its dev extras"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# The CPU kernels (workers/small_gemm.py) compile on first use (~40 s); build them now, not on the
+# first request. Where they cannot run, the engine uses torch's own paths and says why here.
+.venv/bin/python -c "
+import torch
+from workers import small_gemm
+ok = small_gemm.available(torch.float32)
+print('CPU kernels:', 'built' if ok else 'not used (' + str(small_gemm.unavailable_reason) + ')')
+"

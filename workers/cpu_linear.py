@@ -21,6 +21,18 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   weights, AMD EPYC, fp32: 1 row 13.7 -> 11.0 ms, 8 rows 18.1 -> 13.3, 16 rows 20.8 -> 15.5, 32 rows
   29.6 -> 25.5; bf16: 1 row 7.1 -> 5.7, 16 rows 10.3 -> 9.7).
 
+- `small`: the weight packed in panels for few rows (workers/small_gemm.py, our own AVX-512
+  kernel), streamed once a call; more rows (prefills) go to a second copy: the plain weight in
+  float32 (MKL), oneDNN's blocked layout in bf16 (AMX there). Measured on the 2-core Intel Xeon,
+  the 120 layer weights, fp32 (this machine's memory gives 18-24 GB/s and every figure moves with
+  it, so these are runs side by side): 1 row 15.4 ms (F.linear 18.9), 8 rows 24.7 (MKL packed for
+  8: 23.1), 16 rows 25.1 (MKL packed: 30.1), 32 rows 40.4 (45.7); 64 rows 60.9 against F.linear's
+  79.4; past ~100 rows MKL and oneDNN win. In bf16 its AVX-512 BF16 dot products win only for a
+  few rows (1 row 11.9 vs 19.9 ms, 4 rows 16.1 vs 20.3, 8 rows even; 16 rows 32 vs 18: oneDNN
+  uses AMX), so bf16 sends more than 6 rows to oneDNN. Two copies of the weights, against MKL's
+  five (plain + four buckets). Whole SmolLM2 forward, 400 tokens of context, runs interleaved:
+  1 row 34.5 ms (MKL 36.2), 8 rows 56.1 (51.2), 16 rows 58.5 (66.3), 32 rows 76.5 (91.4).
+
 `pick_backend` chooses per machine; `SPECGATE_CPU_GEMM=plain|mkl|onednn` overrides it (benchmarks
 compare them side by side). Results agree with `F.linear` to float32 rounding (~1e-5 relative),
 not bit for bit: different kernels sum in different orders.
@@ -33,9 +45,13 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("plain", "mkl", "onednn")
+from workers import small_gemm
+
+BACKENDS = ("plain", "mkl", "onednn", "small")
 MKL_BUCKETS = (4, 8, 16, 32)
 ONEDNN_ROWS_HINT = 16   # the row count oneDNN's blocked weight layout is tuned for (see above)
+# Up to this many rows `small` runs its own kernel; more go to its second copy (see above).
+SMALL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 6}   # bf16: one register block
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype, override: str | None = None) -> str:
@@ -49,9 +65,12 @@ def pick_backend(device: torch.device, dtype: torch.dtype, override: str | None 
         raise ValueError(f"SPECGATE_CPU_GEMM must be one of {', '.join(BACKENDS + ('auto',))}, not {choice!r}")
     usable = _usable_backends(device, dtype)
     if choice == "auto":
-        # Intel fp32: MKL's own packed path was measured fastest there; elsewhere MKL is slow (see
-        # above), and bf16 runs through oneDNN anyway, so its packed layout only saves the reorder.
-        choice = "mkl" if dtype == torch.float32 and _cpu_vendor() == "GenuineIntel" else "onednn"
+        # Intel: our few-row kernel was measured fastest there (MKL's packed copies next); the
+        # AMD EPYC measurements above predate it, so there oneDNN stays (MKL is slow on it).
+        if _cpu_vendor() == "GenuineIntel":
+            choice = "small" if "small" in usable else "mkl" if dtype == torch.float32 else "onednn"
+        else:
+            choice = "onednn"
     return choice if choice in usable else "plain"
 
 
@@ -63,6 +82,8 @@ def _usable_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...
         usable.append("mkl")
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         usable.append("onednn")
+    if small_gemm.available(dtype, device) and (dtype == torch.float32 or "onednn" in usable):
+        usable.append("small")
     return tuple(usable)
 
 
@@ -88,8 +109,12 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         weight = weight.detach().contiguous()                               # [out, in]
-        self.weight = weight if backend != "onednn" else None
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if backend == "onednn" else None
+        # `small` keeps a second copy for many rows: plain in float32, oneDNN's layout in bf16.
+        self.small = small_gemm.pack(weight) if backend == "small" else None
+        self.small_max_rows = SMALL_MAX_ROWS.get(weight.dtype, 0)
+        blocked = backend == "onednn" or (backend == "small" and weight.dtype == torch.bfloat16)
+        self.weight = None if blocked else weight
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if blocked else None
         self.mkl = ({rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows) for rows in MKL_BUCKETS}
                     if backend == "mkl" else {})
         # rows 0..32 -> the MKL bucket that serves them (None: the plain layout, as fast for 1-2 rows)
@@ -97,6 +122,8 @@ class Linear:
                         for m in range(MKL_BUCKETS[-1] + 1)]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small_max_rows:
+            return small_gemm.linear(x, self.small, self.out_features, self.bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
         m = x.shape[0]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from workers import small_gemm
 from workers.cpu_linear import Linear, pick_backend
 from workers.kv_cache import KVCache
 
@@ -53,6 +54,7 @@ class LlamaForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
+        self.fused_norm = small_gemm.available(self.dtype, self.device)
         # KV and attention in float32 when the weights are bf16 on CPU: torch's bf16 flash attention
         # there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1 row: whole forward
         # 26-30 ms with bf16 attention, 16-18 ms with fp32), and the KV of a small model is small.
@@ -113,8 +115,9 @@ class LlamaForward:
         masks = [self._full_mask(seg) for seg in segments]
         chunked = [_chunkable(seg) for seg in segments]
         nq, nkv, d, half = self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim // 2
+        delta = None                    # the MLP output not yet added to x (added by the next norm)
         for li, w in enumerate(self.layers):
-            h = F.rms_norm(x, (self.hidden,), w["ln1"], self.eps)
+            h = self._norm(x, w["ln1"], delta)                                   # x += delta first
             qkv = w["wqkv"](h).view(-1, nq + 2 * nkv, d)                         # [T, Hq+2Hkv, D]
             qk = qkv[:, : nq + nkv]
             qk = qk * cos + qk.roll(half, -1) * sin                              # [T, Hq+Hkv, D]
@@ -131,12 +134,21 @@ class LlamaForward:
                 att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
                 for seg, mask, chunk in zip(segments, masks, chunked):
                     att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, chunk)
-            x = x + w["wo"](att.reshape(-1, nq * d))
-            h = F.rms_norm(x, (self.hidden,), w["ln2"], self.eps)
+            h = self._norm(x, w["ln2"], w["wo"](att.reshape(-1, nq * d)))      # x += attention out
             gate, up = w["wgu"](h).chunk(2, dim=-1)
-            x = x + w["wdown"](F.silu(gate) * up)
-        h = F.rms_norm(x[logit_rows], (self.hidden,), self.final_norm, self.eps)
+            delta = w["wdown"](F.silu(gate) * up)                                # [T, H]
+        h = F.rms_norm(x[logit_rows] + delta[logit_rows], (self.hidden,), self.final_norm, self.eps)
         return self.lm_head(h)                                      # [R, V]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """RMSNorm of x after the residual add x += delta (in place: x is this pass's own tensor).
+        One fused call where the CPU kernel exists: F.rms_norm and the add are ~7 ops of ~10 us
+        dispatch each on these CPUs, more than their arithmetic for tree-sized inputs."""
+        if self.fused_norm:
+            return small_gemm.rms_norm(x, weight, self.eps, delta)
+        if delta is not None:
+            x += delta
+        return F.rms_norm(x, (self.hidden,), weight, self.eps)
 
     @staticmethod
     def _store_kv(li: int, seg: Segment, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ def test_onednn_layout_replaces_the_plain_weight():
     if "onednn" not in USABLE:
         pytest.skip("no oneDNN in this torch build")
     lin = Linear(torch.randn(8, 4), None, "onednn")
-    assert lin.weight is None and lin.mkl == {}      # one copy of the weights, not two
+    assert lin.weight is None and lin.mkl == {} and lin.small is None   # one copy, not two
 
 
 def test_override_and_environment_choose_the_backend(monkeypatch):
@@ -46,7 +46,8 @@ def test_override_and_environment_choose_the_backend(monkeypatch):
 def test_auto_follows_the_cpu_vendor(monkeypatch):
     monkeypatch.delenv("SPECGATE_CPU_GEMM", raising=False)
     monkeypatch.setattr(cl, "_cpu_vendor", lambda: "GenuineIntel")
-    assert pick_backend(CPU, torch.float32) == ("mkl" if "mkl" in USABLE else "plain")
+    assert pick_backend(CPU, torch.float32) == ("small" if "small" in USABLE else
+                                                "mkl" if "mkl" in USABLE else "plain")
     monkeypatch.setattr(cl, "_cpu_vendor", lambda: "AuthenticAMD")
     assert pick_backend(CPU, torch.float32) == ("onednn" if "onednn" in USABLE else "plain")
 
@@ -65,6 +66,6 @@ def test_bf16_layouts_match_f_linear(backend):
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 40, generator=g).to(torch.bfloat16)
     lin = Linear(weight, None, backend)
-    for rows in (1, 2, 7, 16, 33):
+    for rows in (1, 2, 6, 7, 16, 33):       # either side of `small`'s switch to oneDNN
         x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
         assert torch.allclose(lin(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2), (backend, rows)

@@ -54,6 +54,19 @@ def test_full_sequence_matches_transformers(tiny_model, gemm):
     assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_norms_fused_or_not_match_transformers(tiny_model, fused):
+    # The fused RMSNorm (+ residual add) kernel where the CPU has it, torch's ops where it has not.
+    lf = LlamaForward(tiny_model)
+    if fused and not lf.fused_norm:
+        pytest.skip("no fused norm kernel on this machine")
+    lf.fused_norm = fused
+    ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    cache = lf.new_cache(64)
+    out = lf.forward(torch.tensor(ids), torch.arange(30), [Segment(cache, 0, 30, causal(30))], torch.arange(30))
+    assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
+
+
 def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model, gemm):
     # 150 rows: blocks of 64, 64 and 22; once from an empty cache (a prefill) and once after 40
     # cached tokens (a prefill that follows a prefix-cache hit).

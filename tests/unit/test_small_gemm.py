@@ -1,0 +1,84 @@
+"""The few-row kernel (workers/small_gemm.py) against F.linear: any row count, ragged panels, odd
+inner sizes, bias, float32 and bf16; and the packed layouts themselves."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers import small_gemm
+
+DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(dt)]
+pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 33), (960, 576), (7, 1536)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(dtype, out_features, in_features, with_bias):
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    weight = torch.randn(out_features, in_features, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    packed = small_gemm.pack(weight)
+    for rows in (1, 2, 5, 6, 7, 12, 13, 16, 33, 70):    # register blocks of 6, with remainders
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        y = small_gemm.linear(x, packed, out_features, bias)
+        assert y.shape == (rows, out_features) and y.dtype == dtype
+        # the reference in float32 from the same (bf16-rounded) inputs
+        ref = F.linear(x.float(), weight.float(), bias)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+        else:   # accumulated in float32, rounded once to bf16: within one bf16 ulp
+            torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-2)
+
+
+def test_packed_layouts_put_each_weight_where_the_kernel_reads_it():
+    w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)       # [N=70, K=5]
+    p = small_gemm.pack(w)
+    assert p.shape == (2, 5, 64)                                     # 2 panels, zero-padded
+    assert p[1, 3, 2] == w[64 + 2, 3] and p[1, :, 6:].abs().sum() == 0
+    b = small_gemm.pack(w.to(torch.bfloat16))
+    assert b.shape == (2, 3, 64, 2)                                  # k in pairs, the odd one padded
+    assert b[0, 1, 10, 1] == w[10, 3] and b[1, 2, 0, 1] == 0
+
+
+def test_zero_rows_and_bad_layouts():
+    if torch.float32 not in DTYPES:
+        pytest.skip("float32 kernel unavailable")
+    packed = small_gemm.pack(torch.randn(10, 8))
+    assert small_gemm.linear(torch.randn(0, 8), packed, 10).shape == (0, 10)
+    with pytest.raises(RuntimeError, match="panels"):
+        small_gemm.linear(torch.randn(2, 8), packed, 200)
+    with pytest.raises(RuntimeError, match="layout"):
+        small_gemm.linear(torch.randn(2, 9), packed, 10)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        small_gemm.pack(torch.randn(4, 4).half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (5, 33), (300, 64)])
+def test_rms_norm_with_and_without_the_residual_add(dtype, rows, hidden):
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(small_gemm.rms_norm(x.clone(), w, 1e-5), F.rms_norm(x, (hidden,), w, 1e-5), **tol)
+    xa = x.clone()
+    y = small_gemm.rms_norm(xa, w, 1e-5, delta)
+    torch.testing.assert_close(xa, x + delta, rtol=0, atol=0)            # the add, in place, rounded as torch's
+    torch.testing.assert_close(y, F.rms_norm(x + delta, (hidden,), w, 1e-5), **tol)
+
+
+def test_switched_off_it_says_why_and_the_engine_keeps_torchs_paths(monkeypatch):
+    from workers.cpu_linear import pick_backend
+    monkeypatch.setenv("SPECGATE_SMALL_GEMM", "0")
+    small_gemm._module.cache_clear()
+    try:
+        assert not small_gemm.available(torch.float32)
+        assert "SPECGATE_SMALL_GEMM" in small_gemm.unavailable_reason
+        assert pick_backend(torch.device("cpu"), torch.float32, "small") != "small"
+    finally:
+        monkeypatch.delenv("SPECGATE_SMALL_GEMM")
+        small_gemm._module.cache_clear()
+        small_gemm.unavailable_reason = None

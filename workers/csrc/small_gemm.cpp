@@ -1,0 +1,218 @@
+// y = x W^T (+ b) for few rows x (a verification step's tree nodes), W pre-packed in panels of 64
+// output features: a block of up to 6 rows keeps 6 x 4 accumulators in registers, so each
+// 256-byte row of a panel loads once per 24 fused multiply-adds (the row's value broadcast from
+// memory); the first block streams the panel from memory, the next blocks find it in cache.
+// See workers/small_gemm.py for the layouts and why.
+//
+// Compiled with AVX-512F/BW/VL (+BF16 for the bf16 kernel); workers/small_gemm.py loads it only
+// on CPUs that have them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+constexpr int NR = 64;      // output features per panel: 4 vectors of 16 floats
+constexpr int MR_MAX = 6;   // rows per block: 6 x 4 accumulators + 4 weight vectors of 32 registers
+
+inline __mmask16 tail_mask(int cols) {       // the first `cols` of 16 lanes (0 <= cols <= 16)
+  return cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols < 0 ? 0 : cols)) - 1u);
+}
+
+// float32: panel layout [K][64]
+template <int MR>
+void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+               int cols, const float* bias) {
+  __m512 acc[MR][4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
+                           : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[r][j] = b0;
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = w + k * NR;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
+                 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * j, tail_mask(cols - 16 * j), acc[r][j]);
+}
+
+// bfloat16: panel layout [K/2][64][2] (pairs of k side by side, what vdpbf16ps multiplies),
+// accumulated in float32 and rounded to bf16 once at the end, as F.linear does.
+template <int MR>
+void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y,
+                int64_t ldy, int cols, const float* bias) {
+  __m512 acc[MR][4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
+                           : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) acc[r][j] = b0;
+  }
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    const uint16_t* wk = w + k2 * 2 * NR;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      if (2 * k2 + 1 < K) {
+        std::memcpy(&pair, x + r * ldx + 2 * k2, sizeof(pair));
+      } else {   // an odd K's last k has no partner: pair it with zero
+        pair = (int32_t)x[r * ldx + 2 * k2];
+      }
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xr, w3);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j)
+      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, tail_mask(cols - 16 * j),
+                               (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+}
+
+template <typename T>
+using BlockFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int, const float*);
+
+// kernels[mr - 1] serves a pass of mr rows
+template <typename T, template <int> class Kernel, size_t... I>
+constexpr std::array<BlockFn<T>, sizeof...(I)> table(std::index_sequence<I...>) {
+  return {&Kernel<(int)I + 1>::run...};
+}
+template <int MR> struct F32 { static void run(const float* a, int64_t b, const float* c, int64_t d, float* e, int64_t f, int g, const float* h) { block_f32<MR>(a, b, c, d, e, f, g, h); } };
+template <int MR> struct BF16 { static void run(const uint16_t* a, int64_t b, const uint16_t* c, int64_t d, uint16_t* e, int64_t f, int g, const float* h) { block_bf16<MR>(a, b, c, d, e, f, g, h); } };
+
+template <typename T, template <int> class Kernel>
+void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel_elems,
+                int64_t N, const float* bias, T* y) {
+  static constexpr auto kernels = table<T, Kernel>(std::make_index_sequence<MR_MAX>{});
+  const int64_t panels = (N + NR - 1) / NR;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int cols = (int)std::min<int64_t>(NR, N - p * NR);
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int mr = (int)std::min<int64_t>(MR_MAX, M - m0);
+        kernels[mr - 1](x + m0 * K, K, packed + p * panel_elems, K, y + m0 * N + p * NR, N, cols,
+                        bias ? bias + p * NR : nullptr);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] contiguous, float32 or bfloat16; packed: float32 [P, K, 64] or bf16 [P, ceil(K/2), 64, 2];
+// bias: float32 [N] or empty. Returns [M, N] in x's dtype.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == x.scalar_type(), "packed weight dtype");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t panels = (N + NR - 1) / NR;
+  TORCH_CHECK(packed.size(0) == panels, "packed weight has ", packed.size(0), " panels, N needs ", panels);
+  const float* b = nullptr;
+  if (bias.numel()) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() && bias.numel() == N, "bias");
+    b = bias.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (x.scalar_type() == torch::kFloat32) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == NR, "packed float32 layout");
+    run_panels<float, F32>(x.data_ptr<float>(), M, K, packed.data_ptr<float>(), K * NR, N, b,
+                           y.data_ptr<float>());
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+    const int64_t K2 = (K + 1) / 2;
+    TORCH_CHECK(packed.dim() == 4 && packed.size(1) == K2 && packed.size(2) == NR && packed.size(3) == 2,
+                "packed bf16 layout");
+    using u16 = uint16_t;
+    run_panels<u16, BF16>(reinterpret_cast<const u16*>(x.data_ptr()), M, K,
+                          reinterpret_cast<const u16*>(packed.data_ptr()), K2 * 2 * NR, N, b,
+                          reinterpret_cast<u16*>(y.data_ptr()));
+  }
+  return y;
+}
+
+// ---- RMSNorm, optionally after the residual add, for few rows: one call instead of the ~6 ops
+// of F.rms_norm (each ~10 us of dispatch on these CPUs, more than the arithmetic of 16 rows).
+namespace {
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));      // bf16 -> float32, exact
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));   // round to nearest even
+}
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, in float32 arithmetic, rounded once to T; with
+// `delta`, x[r] += delta[r] first (rounded to T, as the residual add would be), in place.
+template <typename T>
+void rms_rows(T* x, const T* delta, const T* w, T* y, int64_t M, int64_t H, float eps) {
+  for (int64_t r = 0; r < M; ++r) {
+    T* xr = x + r * H;
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
+      __m512 v = load16(xr + i, m);
+      if (delta) {
+        store16(xr + i, _mm512_add_ps(v, load16(delta + r * H + i, m)), m);
+        v = load16(xr + i, m);                                   // the rounded sum, as stored
+      }
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + eps);
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < H; i += 16) {
+      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
+      store16(y + r * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), s), load16(w + i, m)), m);
+    }
+  }
+}
+
+}  // namespace
+
+// RMSNorm of x [M, H] with weight w [H] (x's dtype); with `delta` (same shape as x, or empty),
+// x += delta in place first. Returns the normalized rows, a new [M, H] tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1) &&
+              w.scalar_type() == x.scalar_type(), "rms_norm: x [M, H] contiguous, w [H] of x's dtype");
+  const bool add = delta.numel() != 0;
+  TORCH_CHECK(!add || (delta.sizes() == x.sizes() && delta.is_contiguous() &&
+                       delta.scalar_type() == x.scalar_type()), "rms_norm: delta must be like x");
+  auto y = torch::empty_like(x);
+  const int64_t M = x.size(0), H = x.size(1);
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_rows<float>(x.data_ptr<float>(), add ? delta.data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                    y.data_ptr<float>(), M, H, (float)eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm: float32 or bfloat16");
+    using u16 = uint16_t;
+    rms_rows<u16>(reinterpret_cast<u16*>(x.data_ptr()), add ? reinterpret_cast<const u16*>(delta.data_ptr()) : nullptr,
+                  reinterpret_cast<const u16*>(w.data_ptr()), reinterpret_cast<u16*>(y.data_ptr()), M, H, (float)eps);
+  }
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "few-row linear over a panel-packed weight");
+  m.def("rms_norm", &rms_norm, "RMSNorm of few rows, optionally after the residual add (in place)");
+}

@@ -1,0 +1,120 @@
+"""A few-row linear for verification steps: the weight packed in panels, streamed once a call;
+and RMSNorm (with the residual add) in one call.
+
+A tree step multiplies 1-32 rows by every weight of the model. The GEMM libraries torch calls are
+built for many rows: on the 2-core Intel Xeon (AVX-512, AMX) MKL runs 16 rows at ~70 GFLOPS of
+the 256 it reaches on big matrices, and reads the weights of one row at ~20 GB/s, about what the
+memory gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need one per row count.
+
+Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output features, each
+panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
+for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators in registers; the
+first block streams a panel from memory, later blocks find it in cache. Panels are split between
+threads (torch's own OpenMP pool). float32 accumulates in float32 in k order (not MKL's order:
+results agree to rounding); bf16 accumulates in float32 and rounds once, as F.linear does.
+Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
+pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
+(16 rows 41 against 36 ms, 1 row 23 against 19: a single accumulator chain per row is bound by
+the multiply-add latency).
+
+`rms_norm` fuses F.rms_norm's ~6 ops and the residual add before it into one pass: ~5 us against
+~18 us (fp32) and ~26 us (bf16) for 16 rows, 61 times a forward.
+
+The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached under
+~/.cache/torch_extensions; scripts/setup.sh builds them) and only on x86-64 CPUs with
+AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
+why not), every caller keeps another path, and SPECGATE_SMALL_GEMM=0 turns them off.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+PANEL = 64                  # output features per panel (csrc/small_gemm.cpp: NR)
+_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
+# -fopenmp: at::parallel_for is inline OpenMP; the extension binds to the libgomp.so.1 torch has
+# already loaded (same soname), so it shares torch's thread pool rather than starting another.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_lock = threading.Lock()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@lru_cache(maxsize=1)
+def _module():
+    """The compiled extension, or None where it cannot be built or run (the reason is kept)."""
+    global unavailable_reason
+    if os.environ.get("SPECGATE_SMALL_GEMM", "1") == "0":
+        unavailable_reason = "disabled by SPECGATE_SMALL_GEMM=0"
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        unavailable_reason = f"not an x86-64 CPU ({platform.machine()})"
+        return None
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - _cpu_flags()
+    if missing:
+        unavailable_reason = f"CPU lacks {', '.join(sorted(missing))}"
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        with _lock:
+            return load(name="specgate_small_gemm", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                        extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as exc:   # no compiler, no ninja, old torch headers: fall back, say why
+        unavailable_reason = f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return None
+
+
+unavailable_reason: str | None = None
+
+
+def available(dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _module() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels: float32 [P, K, 64], bf16 [P, ceil(K/2), 64, 2] (zero-padded), P = ceil(N/64)."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    w = weight.detach()
+    if panels * PANEL != n:
+        w = torch.cat([w, w.new_zeros(panels * PANEL - n, k)])
+    if weight.dtype == torch.float32:
+        return w.view(panels, PANEL, k).transpose(1, 2).contiguous()               # [P, K, 64]
+    if weight.dtype == torch.bfloat16:
+        if k % 2:
+            w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1)
+        k2 = w.shape[1] // 2
+        return w.view(panels, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous()       # [P, K/2, 64, 2]
+    raise ValueError(f"small_gemm packs float32 or bfloat16, not {weight.dtype}")
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) -> [M, out_features], W given packed (`pack`)."""
+    b = _EMPTY if bias is None else bias.to(torch.float32).contiguous()
+    return _module().linear(x.contiguous(), packed, out_features, b)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual_delta: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [M, H] in one call (float32 arithmetic, rounded once to x's dtype). With
+    `residual_delta`, first x += residual_delta **in place** (the residual add fused in)."""
+    return _module().rms_norm(x, _EMPTY if residual_delta is None else residual_delta.contiguous(),
+                              weight, eps)
+
+
+_EMPTY = torch.empty(0)
