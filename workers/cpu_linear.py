@@ -33,7 +33,7 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   five (plain + four buckets). Whole SmolLM2 forward, 400 tokens of context, runs interleaved:
   1 row 34.5 ms (MKL 36.2), 8 rows 56.1 (51.2), 16 rows 58.5 (66.3), 32 rows 76.5 (91.4).
 
-`pick_backend` chooses per machine; `SPECGATE_CPU_GEMM=plain|mkl|onednn` overrides it (benchmarks
+`pick_backend` chooses per machine; `SPECGATE_CPU_GEMM=plain|mkl|onednn|small` overrides it (benchmarks
 compare them side by side). Results agree with `F.linear` to float32 rounding (~1e-5 relative),
 not bit for bit: different kernels sum in different orders.
 """
