@@ -111,6 +111,8 @@ class Linear:
         weight = weight.detach().contiguous()                               # [out, in]
         # `small` keeps a second copy for many rows: plain in float32, oneDNN's layout in bf16.
         self.small = small_gemm.pack(weight) if backend == "small" else None
+        # the kernel adds a float32 bias: converted once here, not on every call
+        self.small_bias = None if self.small is None or bias is None else self.bias.float()
         self.small_max_rows = SMALL_MAX_ROWS.get(weight.dtype, 0)
         blocked = backend == "onednn" or (backend == "small" and weight.dtype == torch.bfloat16)
         self.weight = None if blocked else weight
@@ -123,7 +125,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_max_rows:
-            return small_gemm.linear(x, self.small, self.out_features, self.bias)
+            return small_gemm.linear(x, self.small, self.out_features, self.small_bias)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.onednn, self.bias, "none", [], "")
         m = x.shape[0]

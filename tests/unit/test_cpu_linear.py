@@ -62,10 +62,12 @@ def test_layouts_that_cannot_serve_fall_back_to_plain():
 
 
 @pytest.mark.parametrize("backend", cl._usable_backends(CPU, torch.bfloat16))
-def test_bf16_layouts_match_f_linear(backend):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_layouts_match_f_linear(backend, with_bias):
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(96, 40, generator=g).to(torch.bfloat16)
-    lin = Linear(weight, None, backend)
+    bias = torch.randn(96, generator=g).to(torch.bfloat16) if with_bias else None
+    lin = Linear(weight, bias, backend)
     for rows in (1, 2, 6, 7, 16, 33):       # either side of `small`'s switch to oneDNN
         x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
-        assert torch.allclose(lin(x).float(), F.linear(x, weight).float(), rtol=2e-2, atol=2e-2), (backend, rows)
+        assert torch.allclose(lin(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2), (backend, rows)
