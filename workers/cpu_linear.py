@@ -27,9 +27,11 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   the 120 layer weights, fp32 (this machine's memory gives 18-24 GB/s and every figure moves with
   it, so these are runs side by side): 1 row 15.4 ms (F.linear 18.9), 8 rows 24.7 (MKL packed for
   8: 23.1), 16 rows 25.1 (MKL packed: 30.1), 32 rows 40.4 (45.7); 64 rows 60.9 against F.linear's
-  79.4; past ~100 rows MKL and oneDNN win. In bf16 its AVX-512 BF16 dot products win only for a
-  few rows (1 row 11.9 vs 19.9 ms, 4 rows 16.1 vs 20.3, 8 rows even; 16 rows 32 vs 18: oneDNN
-  uses AMX), so bf16 sends more than 6 rows to oneDNN. Two copies of the weights, against MKL's
+  79.4; past ~100 rows MKL and oneDNN win. In bf16 with AMX, its tile kernel streams the weights
+  at the memory's speed up to 16-32 rows (120 weights: 1 row 8.0 ms against oneDNN's 11.6, 16
+  rows 8.6 against 13.2, 32 rows 11.4 against 14.8; 64 rows mixed), so up to 32 rows go to it;
+  without AMX its AVX-512 BF16 dot products win only for a few rows (1 row 11.9 vs 19.9 ms, 8 rows
+  even, 16 rows 32 vs 18), so more than 6 go to oneDNN. Two copies of the weights, against MKL's
   five (plain + four buckets). Whole SmolLM2 forward, 400 tokens of context, runs interleaved:
   1 row 34.5 ms (MKL 36.2), 8 rows 56.1 (51.2), 16 rows 58.5 (66.3), 32 rows 76.5 (91.4).
 
@@ -50,8 +52,6 @@ from workers import small_gemm
 BACKENDS = ("plain", "mkl", "onednn", "small")
 MKL_BUCKETS = (4, 8, 16, 32)
 ONEDNN_ROWS_HINT = 16   # the row count oneDNN's blocked weight layout is tuned for (see above)
-# Up to this many rows `small` runs its own kernel; more go to its second copy (see above).
-SMALL_MAX_ROWS = {torch.float32: 64, torch.bfloat16: 6}   # bf16: one register block
 
 
 def pick_backend(device: torch.device, dtype: torch.dtype, override: str | None = None) -> str:
@@ -113,7 +113,8 @@ class Linear:
         self.small = small_gemm.pack(weight) if backend == "small" else None
         # the kernel adds a float32 bias: converted once here, not on every call
         self.small_bias = None if self.small is None or bias is None else self.bias.float()
-        self.small_max_rows = SMALL_MAX_ROWS.get(weight.dtype, 0)
+        # up to this many rows `small` runs its own kernel; more go to its second copy
+        self.small_max_rows = 0 if self.small is None else small_gemm.max_rows(self.small)
         blocked = backend == "onednn" or (backend == "small" and weight.dtype == torch.bfloat16)
         self.weight = None if blocked else weight
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if blocked else None

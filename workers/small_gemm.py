@@ -10,7 +10,9 @@ Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output fe
 panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
 for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators in registers; the
 first block streams a panel from memory, later blocks find it in cache. Panels are split between
-threads (torch's own OpenMP pool). float32 accumulates in float32 in k order (not MKL's order:
+threads (torch's own OpenMP pool). In bf16 on CPUs with AMX (Sapphire Rapids and later) the
+panels are laid out as AMX tiles instead (`[P, K/32, 4, 16, 16, 2]`): one tile multiply does 16
+rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed. float32 accumulates in float32 in k order (not MKL's order:
 results agree to rounding); bf16 accumulates in float32 and rounds once, as F.linear does.
 Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
 pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
@@ -39,7 +41,10 @@ PANEL = 64                  # output features per panel (csrc/small_gemm.cpp: NR
 _SOURCE = Path(__file__).parent / "csrc" / "small_gemm.cpp"
 # -fopenmp: at::parallel_for is inline OpenMP; the extension binds to the libgomp.so.1 torch has
 # already loaded (same soname), so it shares torch's thread pool rather than starting another.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# AMX instructions are only emitted where the kernel asks for them, and run only where
+# `_amx()` found the CPU and the OS permit them.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+          "-mamx-bf16", "-fopenmp"]
 _lock = threading.Lock()
 
 
@@ -85,6 +90,15 @@ def available(dtype: torch.dtype, device: torch.device = torch.device("cpu")) ->
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _module() is not None
 
 
+@lru_cache(maxsize=1)
+def _amx() -> bool:
+    """AMX-BF16 here: the CPU has it and Linux grants this process the tile state."""
+    if os.environ.get("SPECGATE_AMX", "1") == "0" or not {"amx_tile", "amx_bf16"} <= _cpu_flags():
+        return False
+    mod = _module()
+    return mod is not None and bool(mod.amx_permit())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels: float32 [P, K, 64], bf16 [P, ceil(K/2), 64, 2] (zero-padded), P = ceil(N/64)."""
     n, k = weight.shape
@@ -95,11 +109,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return w.view(panels, PANEL, k).transpose(1, 2).contiguous()               # [P, K, 64]
     if weight.dtype == torch.bfloat16:
+        if k % 32 == 0 and _amx():
+            # AMX tiles: per 32 k and per 16 of the panel's outputs, 16 k-pairs x 16 outputs x 2
+            t = w.view(panels, 4, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)   # [P, K/32, 4, 16, 16, 2]
+            return t.contiguous()
         if k % 2:
             w = torch.cat([w, w.new_zeros(w.shape[0], 1)], dim=1)
         k2 = w.shape[1] // 2
         return w.view(panels, PANEL, k2, 2).permute(0, 2, 1, 3).contiguous()       # [P, K/2, 64, 2]
     raise ValueError(f"small_gemm packs float32 or bfloat16, not {weight.dtype}")
+
+
+def max_rows(packed: torch.Tensor) -> int:
+    """Up to how many rows this packed weight's kernel beats torch's path (workers/cpu_linear.py
+    has the measurements): float32 64; bf16 with AMX 32; bf16 dot products 6 (one block)."""
+    if packed.dtype == torch.float32:
+        return 64
+    return 32 if packed.dim() == 6 else 6
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -12,15 +12,22 @@ DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(d
 pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# bf16 twice where the CPU has AMX: its tile kernel, and the dot-product kernel other CPUs get
+KERNELS = [(torch.float32, False)] * (torch.float32 in DTYPES) + [
+    (torch.bfloat16, amx) for amx in (False, True) if torch.bfloat16 in DTYPES and (not amx or small_gemm._amx())]
+
+
+@pytest.mark.parametrize("dtype,amx", KERNELS)
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 33), (960, 576), (7, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_f_linear(dtype, out_features, in_features, with_bias):
+def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monkeypatch):
+    monkeypatch.setattr(small_gemm, "_amx", lambda: amx)
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     packed = small_gemm.pack(weight)
-    for rows in (1, 2, 5, 6, 7, 12, 13, 16, 33, 70):    # register blocks of 6, with remainders
+    assert (packed.dim() == 6) == (amx and in_features % 32 == 0)    # AMX tiles need 32 k a block
+    for rows in (1, 2, 5, 6, 7, 12, 13, 16, 33, 70):    # blocks of 6 (AMX: 16), with remainders
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         y = small_gemm.linear(x, packed, out_features, bias)
         assert y.shape == (rows, out_features) and y.dtype == dtype
@@ -40,6 +47,19 @@ def test_packed_layouts_put_each_weight_where_the_kernel_reads_it():
     b = small_gemm.pack(w.to(torch.bfloat16))
     assert b.shape == (2, 3, 64, 2)                                  # k in pairs, the odd one padded
     assert b[0, 1, 10, 1] == w[10, 3] and b[1, 2, 0, 1] == 0
+
+
+def test_amx_layout_puts_each_weight_in_its_tile(monkeypatch):
+    if torch.bfloat16 not in DTYPES or not small_gemm._amx():
+        pytest.skip("no AMX here")
+    w = torch.randn(70, 64).to(torch.bfloat16)                        # [N=70, K=64]
+    p = small_gemm.pack(w)
+    assert p.shape == (2, 2, 4, 16, 16, 2)                           # [P, K/32, 4, 16 k-pairs, 16, 2]
+    # panel 0, k block 1, outputs 16-31 of the panel, k-pair 5, output 3, second of the pair
+    assert p[0, 1, 1, 5, 3, 1] == w[16 + 3, 32 + 2 * 5 + 1]
+    assert p[1, 0, 0, 2, 4, 0] == w[64 + 4, 2 * 2]
+    assert p[1, :, 0, :, 6:].abs().sum() == 0 and p[1, :, 1:].abs().sum() == 0   # padding
+    assert small_gemm.max_rows(p) > small_gemm.max_rows(torch.zeros(1, 1, 64, 2, dtype=torch.bfloat16))
 
 
 def test_zero_rows_and_bad_layouts():

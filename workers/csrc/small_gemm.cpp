@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <utility>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -115,6 +117,61 @@ void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel
   });
 }
 
+// ---- bf16 with AMX: tiles of 16 rows x 32 k multiplied by 16 k-pairs x 16 outputs per
+// instruction, so a panel's 4 KB of weights per 32 k cost ~64 cycles of arithmetic: the weights
+// stream at the memory's speed for any row count up to 16 (the dot-product kernel above becomes
+// compute-bound past ~6 rows). Panel layout [P][K/32][4][16][16][2]: for each 32 k and each 16 of
+// the panel's 64 outputs, one 1 KB tile (16 k-pairs x 16 outputs x 2).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure(int mr) {
+  TileConfig cfg;
+  for (int t = 0; t < 5; ++t) { cfg.rows[t] = (uint8_t)mr; cfg.colsb[t] = 64; }   // C0-C3, A
+  for (int t = 5; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }            // B
+  _tile_loadconfig(&cfg);
+}
+
+void amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                const float* bias, uint16_t* y) {
+  const int64_t panels = (N + 63) / 64, KB = K / 32;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float c[16 * 64];
+    int configured = 0;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int cols = (int)std::min<int64_t>(64, N - p * 64);
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int mr = (int)std::min<int64_t>(16, M - m0);
+        if (mr != configured) { amx_configure(mr); configured = mr; }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const uint16_t* b = packed + p * KB * 2048;
+        const uint16_t* a = x + m0 * K;
+        for (int64_t kb = 0; kb < KB; ++kb, b += 2048) {
+          _tile_loadd(4, a + kb * 32, K * 2);
+          _tile_loadd(5, b, 64);        _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, b + 512, 64);  _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, b + 1024, 64); _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, b + 1536, 64); _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, c, 256); _tile_stored(1, c + 16, 256);
+        _tile_stored(2, c + 32, 256); _tile_stored(3, c + 48, 256);
+        for (int r = 0; r < mr; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const __mmask16 m = tail_mask(cols - 16 * j);
+            __m512 v = _mm512_load_ps(c + r * 64 + 16 * j);
+            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + p * 64 + 16 * j));
+            _mm256_mask_storeu_epi16(y + (m0 + r) * N + p * 64 + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(v));
+          }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+
 }  // namespace
 
 // x: [M, K] contiguous, float32 or bfloat16; packed: float32 [P, K, 64] or bf16 [P, ceil(K/2), 64, 2];
@@ -138,6 +195,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
                            y.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
+    if (packed.dim() == 6) {   // the AMX layout (amx_pack in workers/small_gemm.py)
+      TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32 && packed.size(2) == 4 && packed.size(3) == 16 &&
+                  packed.size(4) == 16 && packed.size(5) == 2, "packed AMX layout");
+      amx_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
+                 reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, b,
+                 reinterpret_cast<uint16_t*>(y.data_ptr()));
+      return y;
+    }
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(packed.dim() == 4 && packed.size(1) == K2 && packed.size(2) == NR && packed.size(3) == 2,
                 "packed bf16 layout");
@@ -212,7 +277,15 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, do
   return y;
 }
 
+// Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once a process;
+// false where the kernel refuses (then the bf16 dot-product kernel serves).
+bool amx_permit() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_permit", &amx_permit, "request the AMX tile state for this process");
   m.def("linear", &linear, "few-row linear over a panel-packed weight");
   m.def("rms_norm", &rms_norm, "RMSNorm of few rows, optionally after the residual add (in place)");
 }
