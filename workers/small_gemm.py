@@ -143,4 +143,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                               weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused gate/up linear's output [M, 2I] -> [M, I], in one call."""
+    return _module().silu_mul(gate_up.contiguous())
+
+
 _EMPTY = torch.empty(0)

@@ -55,12 +55,13 @@ def test_full_sequence_matches_transformers(tiny_model, gemm):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_norms_fused_or_not_match_transformers(tiny_model, fused):
-    # The fused RMSNorm (+ residual add) kernel where the CPU has it, torch's ops where it has not.
+def test_fused_ops_or_not_match_transformers(tiny_model, fused):
+    # The fused RMSNorm (+ residual add) and SwiGLU kernels where the CPU has them, torch's ops
+    # where it has not.
     lf = LlamaForward(tiny_model)
-    if fused and not lf.fused_norm:
-        pytest.skip("no fused norm kernel on this machine")
-    lf.fused_norm = fused
+    if fused and not lf.fused:
+        pytest.skip("no fused kernels on this machine")
+    lf.fused = fused
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     cache = lf.new_cache(64)
     out = lf.forward(torch.tensor(ids), torch.arange(30), [Segment(cache, 0, 30, causal(30))], torch.arange(30))

@@ -102,3 +102,16 @@ def test_switched_off_it_says_why_and_the_engine_keeps_torchs_paths(monkeypatch)
         monkeypatch.delenv("SPECGATE_SMALL_GEMM")
         small_gemm._module.cache_clear()
         small_gemm.unavailable_reason = None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(7, 2 * 40, generator=g) * 6).to(dtype)          # 40: a ragged last vector
+    gate_up[0, :6] = torch.tensor([-1e4, -88.0, -20.0, 0.0, 20.0, 1e4]).to(dtype)   # the clamps
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = small_gemm.silu_mul(gate_up)
+    assert out.shape == (7, 40) and out.dtype == dtype
+    tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)

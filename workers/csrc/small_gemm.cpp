@@ -284,7 +284,63 @@ bool amx_permit() {
   return ok;
 }
 
+// ---- SwiGLU's silu(gate) * up for few rows, in one pass (torch: chunk, silu, mul, each ~10-40 us
+// of dispatch on these CPUs, bf16's silu the slowest).
+namespace {
+
+// e^x for float32 lanes: 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2], e^r by a degree-6
+// polynomial (relative error ~2e-7, within a few ulp of expf); inputs clamped to [-88, 88].
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);       // ln2, split in two
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);       // for exactness
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+void silu_mul_rows(const T* gu, T* out, int64_t M, int64_t I) {
+  for (int64_t r = 0; r < M; ++r) {
+    const T* g = gu + r * 2 * I;
+    const T* u = g + I;
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, I - i));
+      const __m512 gv = load16(g + i, m);
+      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store16(out + r * I + i, _mm512_mul_ps(silu, load16(u + i, m)), m);
+    }
+  }
+}
+
+}  // namespace
+
+// gate_up: [M, 2I] (gate then up, as the fused gate/up linear returns them) -> silu(gate) * up [M, I],
+// float32 arithmetic, rounded once to the input's dtype.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be a contiguous [M, 2I] matrix");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({M, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), M, I);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_mul: float32 or bfloat16");
+    silu_mul_rows<uint16_t>(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()),
+                            reinterpret_cast<uint16_t*>(out.data_ptr()), M, I);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2I] gate/up output");
   m.def("amx_permit", &amx_permit, "request the AMX tile state for this process");
   m.def("linear", &linear, "few-row linear over a panel-packed weight");
   m.def("rms_norm", &rms_norm, "RMSNorm of few rows, optionally after the residual add (in place)");
