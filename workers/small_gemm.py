@@ -148,4 +148,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _module().silu_mul(gate_up.contiguous())
 
 
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """One layer of a tree step: rotate the rows' queries and keys (cos/sin_signed [T, D] at their
+    positions, rotate_half's sign in sin_signed), write keys and values to the layer's cache
+    ([Hkv, capacity, D]) at slots [slot, slot + T), and return the queries folded for attention:
+    [1, Hkv, g*T, D] in the cache's dtype, g = n_heads / n_kv_heads. Rounded as torch's ops would."""
+    return _module().rope_store(qkv, cos, sin_signed, k_cache, v_cache, slot, n_heads, n_kv_heads)
+
+
+def unfold_heads(att: torch.Tensor, n_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Attention output folded as rope_store's queries, [1, Hkv, g*T, D] -> [T, n_heads*D] in dtype."""
+    return _module().unfold_heads(att.contiguous(), n_heads, dtype)
+
+
 _EMPTY = torch.empty(0)
