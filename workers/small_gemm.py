@@ -1,5 +1,5 @@
-"""A few-row linear for verification steps: the weight packed in panels, streamed once a call;
-and RMSNorm (with the residual add) in one call.
+"""CPU kernels for verification steps: a few-row linear with the weight packed in panels and
+streamed once a call, and fused versions of the small ops between the linears.
 
 A tree step multiplies 1-32 rows by every weight of the model. The GEMM libraries torch calls are
 built for many rows: on the 2-core Intel Xeon (AVX-512, AMX) MKL runs 16 rows at ~70 GFLOPS of
@@ -12,20 +12,31 @@ for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators i
 first block streams a panel from memory, later blocks find it in cache. Panels are split between
 threads (torch's own OpenMP pool). In bf16 on CPUs with AMX (Sapphire Rapids and later) the
 panels are laid out as AMX tiles instead (`[P, K/32, 4, 16, 16, 2]`): one tile multiply does 16
-rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed. float32 accumulates in float32 in k order (not MKL's order:
-results agree to rounding); bf16 accumulates in float32 and rounds once, as F.linear does.
+rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed.
+float32 accumulates in float32 in k order (not MKL's order: results agree to rounding); bf16
+accumulates in float32 and rounds once, as F.linear does.
 Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
 pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
 (16 rows 41 against 36 ms, 1 row 23 against 19: a single accumulator chain per row is bound by
 the multiply-add latency).
 
-`rms_norm` fuses F.rms_norm's ~6 ops and the residual add before it into one pass: ~5 us against
-~18 us (fp32) and ~26 us (bf16) for 16 rows, 61 times a forward.
+The rest of a layer is many small torch ops, each ~5-40 us of dispatch on these CPUs, more than
+its arithmetic for a tree's rows; fused here, each in one pass:
+- `rms_norm`: F.rms_norm's ~6 ops and the residual add before it (~5 us against ~18 us fp32 and
+  ~26 us bf16 for 16 rows, 61 times a forward);
+- `silu_mul`: SwiGLU's chunk, silu and multiply (16 rows: 17 against 44 us fp32, 22 against 48 bf16);
+- `rope_store` / `unfold_heads`: a one-request tree step's rotary embedding, KV write and head-group
+  fold, and the fold's inverse on attention's output (~12 ops a layer).
+Together, whole SmolLM2 forward on the Intel Xeon, side by side: 1 row 38.2 -> 31.6 ms fp32, 27.2
+-> 21.5 ms bf16; 16 rows 78.5 -> 68.4 ms fp32, 36.0 -> 29.0 ms bf16. They round as torch's ops
+would (bf16 after each op of the rope, as transformers does), except that float32 products may
+be fused into one multiply-add (results agree to an ulp or two).
 
 The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached under
 ~/.cache/torch_extensions; scripts/setup.sh builds them) and only on x86-64 CPUs with
 AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
-why not), every caller keeps another path, and SPECGATE_SMALL_GEMM=0 turns them off.
+why not), every caller keeps another path, SPECGATE_SMALL_GEMM=0 turns them off and
+SPECGATE_AMX=0 the AMX tiles alone.
 """
 from __future__ import annotations
 
