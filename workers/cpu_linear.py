@@ -89,14 +89,7 @@ def _usable_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...
 
 @lru_cache(maxsize=1)
 def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return small_gemm.cpuinfo_field("vendor_id")
 
 
 class Linear:

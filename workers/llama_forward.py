@@ -54,7 +54,8 @@ class LlamaForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
-        # RMSNorm (+ residual add) and SwiGLU in one call each (workers/small_gemm.py) where they run
+        # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add,
+        # SwiGLU, and a one-request tree step's rope + KV write + head-group fold
         self.fused = small_gemm.available(self.dtype, self.device)
         # KV and attention in float32 when the weights are bf16 on CPU: torch's bf16 flash attention
         # there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1 row: whole forward
@@ -125,25 +126,23 @@ class LlamaForward:
             h = self._norm(x, w["ln1"], delta)                                   # x += delta first
             if fused_step:
                 att = self._attend_step(li, segments[0], masks[0], w["wqkv"](h), cos2, sin2)
-                h = self._norm(x, w["ln2"], w["wo"](att))                        # x += attention out
-                delta = w["wdown"](self._swiglu(w["wgu"](h)))                    # [T, H]
-                continue
-            qkv = w["wqkv"](h).view(-1, nq + 2 * nkv, d)                         # [T, Hq+2Hkv, D]
-            qk = qkv[:, : nq + nkv]
-            qk = qk * cos + qk.roll(half, -1) * sin                              # [T, Hq+Hkv, D]
-            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            for seg in segments:
-                self._store_kv(li, seg, k, v)
-            if logit_rows is None and li == self.n_layers - 1:
-                # Nothing reads the last layer's output but logits: with none wanted (a prefill),
-                # its KV is all that is needed (~3% of a prefill).
-                return None
-            if len(segments) == 1:      # one request: its attention output is the whole step's
-                att = self._attend(li, segments[0], masks[0], q, chunked[0])    # [T, Hq, D]
             else:
-                att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
-                for seg, mask, chunk in zip(segments, masks, chunked):
-                    att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, chunk)
+                qkv = w["wqkv"](h).view(-1, nq + 2 * nkv, d)                     # [T, Hq+2Hkv, D]
+                qk = qkv[:, : nq + nkv]
+                qk = qk * cos + qk.roll(half, -1) * sin                          # [T, Hq+Hkv, D]
+                q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+                for seg in segments:
+                    self._store_kv(li, seg, k, v)
+                if logit_rows is None and li == self.n_layers - 1:
+                    # Nothing reads the last layer's output but logits: with none wanted (a
+                    # prefill), its KV is all that is needed (~3% of a prefill).
+                    return None
+                if len(segments) == 1:      # one request: its attention output is the whole step's
+                    att = self._attend(li, segments[0], masks[0], q, chunked[0])  # [T, Hq, D]
+                else:
+                    att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
+                    for seg, mask, chunk in zip(segments, masks, chunked):
+                        att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, chunk)
             h = self._norm(x, w["ln2"], w["wo"](att.reshape(-1, nq * d)))      # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
         h = F.rms_norm(x[logit_rows] + delta[logit_rows], (self.hidden,), self.final_norm, self.eps)

@@ -59,15 +59,20 @@ _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma
 _lock = threading.Lock()
 
 
-def _cpu_flags() -> set[str]:
+def cpuinfo_field(name: str) -> str:
+    """The first /proc/cpuinfo value of `name` ("vendor_id", "flags"); "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def _cpu_flags() -> set[str]:
+    return set(cpuinfo_field("flags").split())
 
 
 @lru_cache(maxsize=1)
