@@ -116,7 +116,8 @@ def _amx() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels: float32 [P, K, 64], bf16 [P, ceil(K/2), 64, 2] (zero-padded), P = ceil(N/64)."""
+    """[N, K] -> panels, P = ceil(N/64), zero-padded: float32 [P, K, 64]; bf16 [P, ceil(K/2), 64, 2],
+    or AMX tiles [P, K/32, 4, 16, 16, 2] where AMX runs and K is a multiple of 32."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     w = weight.detach()
@@ -146,9 +147,9 @@ def max_rows(packed: torch.Tensor) -> int:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T (+ bias) -> [M, out_features], W given packed (`pack`)."""
-    b = _EMPTY if bias is None else bias.to(torch.float32).contiguous()
-    return _module().linear(x.contiguous(), packed, out_features, b)
+    """x [M, K] @ W^T (+ bias) -> [M, out_features], W given packed (`pack`); bias float32 [N]
+    whatever x's dtype (the kernel adds it before rounding; callers convert it once)."""
+    return _module().linear(x.contiguous(), packed, out_features, _EMPTY if bias is None else bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -26,6 +26,17 @@ inline __mmask16 tail_mask(int cols) {       // the first `cols` of 16 lanes (0 
   return cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols < 0 ? 0 : cols)) - 1u);
 }
 
+// 16 lanes (the first m) of float32 or bf16 memory as float32, and back, bf16 rounded to nearest even
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));      // bf16 -> float32, exact
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));   // round to nearest even
+}
+
 // float32: panel layout [K][64]
 template <int MR>
 void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
@@ -50,7 +61,7 @@ void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j)
-      _mm512_mask_storeu_ps(y + r * ldy + 16 * j, tail_mask(cols - 16 * j), acc[r][j]);
+      store16(y + r * ldy + 16 * j, acc[r][j], tail_mask(cols - 16 * j));
 }
 
 // bfloat16: panel layout [K/2][64][2] (pairs of k side by side, what vdpbf16ps multiplies),
@@ -85,8 +96,7 @@ void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, ui
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j)
-      _mm256_mask_storeu_epi16(y + r * ldy + 16 * j, tail_mask(cols - 16 * j),
-                               (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+      store16(y + r * ldy + 16 * j, acc[r][j], tail_mask(cols - 16 * j));
 }
 
 template <typename T>
@@ -164,7 +174,7 @@ void amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
             const __mmask16 m = tail_mask(cols - 16 * j);
             __m512 v = _mm512_load_ps(c + r * 64 + 16 * j);
             if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + p * 64 + 16 * j));
-            _mm256_mask_storeu_epi16(y + (m0 + r) * N + p * 64 + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(v));
+            store16(y + (m0 + r) * N + p * 64 + 16 * j, v, m);
           }
       }
     }
@@ -174,7 +184,8 @@ void amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
 
 }  // namespace
 
-// x: [M, K] contiguous, float32 or bfloat16; packed: float32 [P, K, 64] or bf16 [P, ceil(K/2), 64, 2];
+// x: [M, K] contiguous, float32 or bfloat16; packed: float32 [P, K, 64], bf16 [P, ceil(K/2), 64, 2]
+// or bf16 AMX tiles [P, K/32, 4, 16, 16, 2];
 // bias: float32 [N] or empty. Returns [M, N] in x's dtype.
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, K] matrix");
@@ -195,7 +206,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
                            y.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
-    if (packed.dim() == 6) {   // the AMX layout (amx_pack in workers/small_gemm.py)
+    if (packed.dim() == 6) {   // the AMX layout (`pack` in workers/small_gemm.py, where AMX runs)
       TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32 && packed.size(2) == 4 && packed.size(3) == 16 &&
                   packed.size(4) == 16 && packed.size(5) == 2, "packed AMX layout");
       amx_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
@@ -218,15 +229,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 // of F.rms_norm (each ~10 us of dispatch on these CPUs, more than the arithmetic of 16 rows).
 namespace {
 
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));      // bf16 -> float32, exact
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));   // round to nearest even
-}
 
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, in float32 arithmetic, rounded once to T; with
 // `delta`, x[r] += delta[r] first (rounded to T, as the residual add would be), in place.
@@ -354,6 +356,10 @@ template <> inline uint16_t from_f<uint16_t>(float f) {      // round to nearest
   return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// Where query head h of row t lives in the folded layout [nkv, g T, D]: kv head h / g, row
+// (h % g) T + t of it (the g query heads sharing a kv head stacked as rows).
+inline int64_t folded_row(int64_t h, int64_t g, int64_t T, int64_t t) { return (h / g) * g * T + (h % g) * T + t; }
+
 // x * cos + roll(x, D/2) * sin_signed for one head of D values (rotate_half's sign is in sin).
 template <typename X, typename O>
 inline void rope_head(const X* x, const X* cos, const X* sin, O* out, int64_t D) {
@@ -374,8 +380,8 @@ void rope_store_fold(const X* qkv, const X* cos, const X* sin, K* kc, K* vc, int
     const X* row = qkv + t * W;
     const X* c = cos + t * D;
     const X* sn = sin + t * D;
-    for (int64_t h = 0; h < nq; ++h)      // q head h = kv head h / g, member h % g: folded row
-      rope_head<X, K>(row + h * D, c, sn, q_out + ((h / g) * g * T + (h % g) * T + t) * D, D);
+    for (int64_t h = 0; h < nq; ++h)
+      rope_head<X, K>(row + h * D, c, sn, q_out + folded_row(h, g, T, t) * D, D);
     for (int64_t h = 0; h < nkv; ++h) {
       rope_head<X, K>(row + (nq + h) * D, c, sn, kc + (h * cap + slot + t) * D, D);
       const X* v = row + (nq + nkv + h) * D;
@@ -390,7 +396,7 @@ void unfold_rows(const K* in, X* out, int64_t T, int64_t nq, int64_t nkv, int64_
   const int64_t g = nq / nkv;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < nq; ++h) {
-      const K* src = in + ((h / g) * g * T + (h % g) * T + t) * D;
+      const K* src = in + folded_row(h, g, T, t) * D;
       X* dst = out + (t * nq + h) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = from_f<X>(to_f(src[d]));
     }
