@@ -11,14 +11,16 @@ from redis_server import delete_prefix, redis_server, unique_prefix
 
 
 def tiny_llama(seed: int = 0, *, vocab: int = 128, layers: int = 2, max_positions: int = 512,
-               attention_bias: bool = False):
+               attention_bias: bool = False, head_dim: int = 64):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                      max_position_embeddings=max_positions,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
                       attention_bias=attention_bias, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    # head_dim 64 (wider than hidden / heads), as SmolLM2's: the CPU attention kernel serves it
     model = LlamaForCausalLM(cfg).eval()
     # Larger-than-default init spreads the logits, so greedy ties (which would make exactness
     # comparisons depend on rounding) are vanishingly rare.

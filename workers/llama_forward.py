@@ -12,7 +12,7 @@ Qwen2: q/k/v biases are honoured); transformers stays the reference in the exact
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,13 +54,16 @@ class LlamaForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
-        # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add,
-        # SwiGLU, and a one-request tree step's rope + KV write + head-group fold
+        # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add
+        # and SwiGLU
         self.fused = small_gemm.available(self.dtype, self.device)
         # KV and attention in float32 when the weights are bf16 on CPU: torch's bf16 flash attention
         # there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1 row: whole forward
         # 26-30 ms with bf16 attention, 16-18 ms with fp32), and the KV of a small model is small.
         self.kv_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else self.dtype
+        # The fused CPU kernels also do the step's rope + KV write and its attention (workers/csrc/attention.cpp), for
+        # the head sizes that kernel is built for, with the float32 KV it reads.
+        self.fused_attention = self.fused and self.head_dim in (64, 128) and self.kv_dtype == torch.float32
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()              # [V, H]
             self.lm_head = Linear(hf_model.lm_head.weight, None, self.gemm)   # [V, H]
@@ -112,41 +115,79 @@ class LlamaForward:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
                                  f"({seg.cache.length} + {seg.rows} rows)")
         x = self.embed[input_ids]                                   # x: [T, H]
-        cos2, sin2 = self.cos[positions], self.sin_signed[positions]  # [T, D] each
-        cos, sin = cos2[:, None, :], sin2[:, None, :]               # [T, 1, D] each
-        masks = [self._full_mask(seg) for seg in segments]
-        chunked = [_chunkable(seg) for seg in segments]
-        nq, nkv, d, half = self.n_heads, self.n_kv_heads, self.head_dim, self.head_dim // 2
-        # A tree step of one request (the single-stream hot path): rope, the KV write and the
-        # head-group fold in one call, and the unfold in another (~12 torch ops a layer fewer).
-        fused_step = (self.fused and len(segments) == 1 and logit_rows is not None
-                      and self._folds(segments[0].rows))
+        cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D] each
+        plan = self._plan(segments)
         delta = None                    # the MLP output not yet added to x (added by the next norm)
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["ln1"], delta)                                   # x += delta first
-            if fused_step:
-                att = self._attend_step(li, segments[0], masks[0], w["wqkv"](h), cos2, sin2)
-            else:
-                qkv = w["wqkv"](h).view(-1, nq + 2 * nkv, d)                     # [T, Hq+2Hkv, D]
-                qk = qkv[:, : nq + nkv]
-                qk = qk * cos + qk.roll(half, -1) * sin                          # [T, Hq+Hkv, D]
-                q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-                for seg in segments:
-                    self._store_kv(li, seg, k, v)
-                if logit_rows is None and li == self.n_layers - 1:
-                    # Nothing reads the last layer's output but logits: with none wanted (a
-                    # prefill), its KV is all that is needed (~3% of a prefill).
-                    return None
-                if len(segments) == 1:      # one request: its attention output is the whole step's
-                    att = self._attend(li, segments[0], masks[0], q, chunked[0])  # [T, Hq, D]
-                else:
-                    att = torch.empty(x.shape[0], nq, d, dtype=x.dtype, device=x.device)  # [T, Hq, D]
-                    for seg, mask, chunk in zip(segments, masks, chunked):
-                        att[seg.start: seg.start + seg.rows] = self._attend(li, seg, mask, q, chunk)
-            h = self._norm(x, w["ln2"], w["wo"](att.reshape(-1, nq * d)))      # x += attention out
+            q = self._rope_store(li, w["wqkv"](h), cos, sin, plan)               # [T, Hq, D]
+            if logit_rows is None and li == self.n_layers - 1:
+                # Nothing reads the last layer's output but logits: with none wanted (a
+                # prefill), its KV is all that is needed (~3% of a prefill).
+                return None
+            att = self._attention(li, q, plan)                                   # [T, Hq*D]
+            h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
         h = F.rms_norm(x[logit_rows] + delta[logit_rows], (self.hidden,), self.final_norm, self.eps)
         return self.lm_head(h)                                      # [R, V]
+
+    def _rope_store(self, li: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                    plan: _AttentionPlan) -> torch.Tensor:
+        """Rotate the rows' queries and keys and write every segment's keys and values to its
+        cache; returns the queries [T, Hq, D] (kv dtype where the kernel runs, else the model's).
+        qkv: [T, (Hq+2Hkv)D]; cos, sin_signed: [T, D]."""
+        nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        if plan.kernel:
+            return small_gemm.rope_store(qkv, cos, sin_signed, plan.k_caches, plan.v_caches, li, plan.starts,
+                                         plan.rows, plan.lengths, nq, nkv)
+        qkv = qkv.view(-1, nq + 2 * nkv, d)                                      # [T, Hq+2Hkv, D]
+        qk = qkv[:, : nq + nkv]
+        qk = qk * cos[:, None] + qk.roll(d // 2, -1) * sin_signed[:, None]        # [T, Hq+Hkv, D]
+        for seg in plan.segments:
+            self._store_kv(li, seg, qk[:, nq:], qkv[:, nq + nkv:])
+        return qk[:, :nq]
+
+    def _attention(self, li: int, q: torch.Tensor, plan: _AttentionPlan) -> torch.Tensor:
+        """Every segment's rows attend over its cache: q [T, Hq, D] -> [T, Hq*D] in the model's dtype.
+        The kernel serves the short segments (tree steps) in one call; torch's kernel the long ones
+        (prefills), whose blocks of rows skip the keys they cannot see."""
+        nq, d = self.n_heads, self.head_dim
+        if plan.short:
+            att = small_gemm.tree_attention(q, *plan.short_caches, li, *plan.short_rows, plan.short_masks,
+                                            plan.short_pasts, self.dtype)                   # [T, Hq*D]
+            if not plan.long:
+                return att
+        elif len(plan.segments) == 1:   # one request: its attention output is the whole step's
+            seg = plan.segments[0]
+            return self._attend(li, seg, plan.full_masks[0], q, plan.chunked[0]).reshape(-1, nq * d)
+        else:
+            att = torch.empty(q.shape[0], nq * d, dtype=self.dtype, device=q.device)
+        rows = att.view(-1, nq, d)                                                # [T, Hq, D]
+        for i in plan.long:
+            seg = plan.segments[i]
+            rows[seg.start: seg.start + seg.rows] = self._attend(li, seg, plan.full_masks[i], q, plan.chunked[i])
+        return att
+
+    def _plan(self, segments: list[Segment]) -> _AttentionPlan:
+        """Work out once a pass what every layer's attention needs (masks, cache lists)."""
+        plan = _AttentionPlan(segments, kernel=self.fused_attention and bool(segments))
+        if plan.kernel:
+            plan.k_caches = [seg.cache.k for seg in segments]
+            plan.v_caches = [seg.cache.v for seg in segments]
+            plan.starts = [seg.start for seg in segments]
+            plan.rows = [seg.rows for seg in segments]
+            plan.lengths = [seg.cache.length for seg in segments]
+            plan.short = [i for i, seg in enumerate(segments) if seg.rows <= _KERNEL_MAX_ROWS]
+            pick = lambda values: [values[i] for i in plan.short]   # noqa: E731
+            plan.short_caches = (pick(plan.k_caches), pick(plan.v_caches))
+            plan.short_rows = (pick(plan.starts), pick(plan.rows), pick(plan.lengths))
+            plan.short_masks = [segments[i].mask.to(torch.float32).contiguous() for i in plan.short]
+            plan.short_pasts = [None if segments[i].past is None else segments[i].past.to(torch.float32).contiguous()
+                                for i in plan.short]
+        plan.long = [i for i in range(len(segments)) if i not in set(plan.short)]
+        plan.full_masks = {i: self._full_mask(segments[i]) for i in plan.long}
+        plan.chunked = {i: _chunkable(segments[i]) for i in plan.long}
+        return plan
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """RMSNorm of x after the residual add x += delta (in place: x is this pass's own tensor).
@@ -171,18 +212,6 @@ class LlamaForward:
         cache, lo, n = seg.cache, seg.start, seg.rows
         cache.k[li, :, cache.length: cache.length + n] = k[lo: lo + n].transpose(0, 1)   # [Hkv, n, D]
         cache.v[li, :, cache.length: cache.length + n] = v[lo: lo + n].transpose(0, 1)
-
-    def _attend_step(self, li: int, seg: Segment, mask: torch.Tensor, qkv: torch.Tensor,
-                     cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """_store_kv + _attend's folded path for one segment, through the fused CPU kernels.
-        qkv: [T, (Hq+2Hkv)D]; returns the attention output [T, Hq*D] in the model's dtype."""
-        cache = seg.cache
-        qf = small_gemm.rope_store(qkv, cos, sin_signed, cache.k[li], cache.v[li], cache.length,
-                                   self.n_heads, self.n_kv_heads)                  # [1, Hkv, g*T, D]
-        end = cache.length + seg.rows
-        out = F.scaled_dot_product_attention(qf, cache.k[li, :, :end][None], cache.v[li, :, :end][None],
-                                             attn_mask=mask)                       # [1, Hkv, g*T, D]
-        return small_gemm.unfold_heads(out, self.n_heads, self.dtype)              # [T, Hq*D]
 
     def _attend(self, li: int, seg: Segment, mask: torch.Tensor, q: torch.Tensor,
                 chunked: bool) -> torch.Tensor:
@@ -240,6 +269,28 @@ class LlamaForward:
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
+
+@dataclass
+class _AttentionPlan:
+    """What one pass's attention needs, per segment, worked out once a pass rather than once a layer.
+    `kernel`: the CPU kernels rope every row and write every segment's KV, and attend for the
+    `short` segments (indices; tree steps); torch attends for the `long` ones (prefills)."""
+    segments: list[Segment]
+    kernel: bool
+    k_caches: list[torch.Tensor] = field(default_factory=list)     # per segment [L, Hkv, cap, D]
+    v_caches: list[torch.Tensor] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    short: list[int] = field(default_factory=list)
+    short_caches: tuple = ()                                       # (k, v) lists of the short ones
+    short_rows: tuple = ()                                         # (starts, rows, lengths) of the short ones
+    short_masks: list[torch.Tensor] = field(default_factory=list)  # [rows, rows] float32
+    short_pasts: list[torch.Tensor | None] = field(default_factory=list)
+    long: list[int] = field(default_factory=list)
+    full_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # torch's [rows, length + rows]
+    chunked: dict[int, bool] = field(default_factory=dict)
+
 # Up to this many rows a segment's attention folds its query-head groups into rows (measured, 450
 # tokens of context, SmolLM2's 9/3 heads: 4 rows 66 -> 54 us, 16 rows 162 -> 143 us); longer runs
 # such as prefill are as fast or faster with enable_gqa (430 rows: 3.0 vs 3.3 ms).
@@ -247,6 +298,9 @@ _FOLD_MAX_ROWS = 32
 # Segments longer than this (prefills) attend in blocks of this many rows (see _attend); measured
 # on 300-512 rows: blocks of 64 beat 128 and 256.
 _CHUNK_ROWS = 64
+# Segments up to this many rows attend through the CPU kernel (tree steps, drafts' steps); longer
+# ones are prefills, where torch's blocked path (above) skips the keys a block cannot see.
+_KERNEL_MAX_ROWS = 64
 
 
 def _chunkable(seg: Segment) -> bool:

@@ -6,6 +6,7 @@ import torch
 
 from tests.conftest import tiny_llama
 from workers.cpu_linear import _usable_backends
+from workers import small_gemm
 from workers.kv_cache import KVCache
 from workers.llama_forward import LlamaForward, Segment, _chunkable
 from workers.tree import TokenTree, ancestor_mask, depths
@@ -18,6 +19,21 @@ ATOL = 1e-4
 def gemm(request) -> str:
     """Every weight layout this machine can run: each must match transformers."""
     return request.param
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def attention(request) -> str:
+    """Both attention paths: the CPU kernel (where this machine has it) and torch's."""
+    if request.param == "kernel" and not small_gemm.available(torch.float32):
+        pytest.skip(f"no CPU kernels here: {small_gemm.unavailable_reason}")
+    return request.param
+
+
+def lean(model, gemm: str, attention: str) -> LlamaForward:
+    lf = LlamaForward(model, gemm=gemm)
+    assert lf.fused_attention == (small_gemm.available(torch.float32))   # tiny_llama's head_dim is 64
+    lf.fused_attention = attention == "kernel"
+    return lf
 
 
 def causal(n: int) -> torch.Tensor:
@@ -56,22 +72,22 @@ def test_full_sequence_matches_transformers(tiny_model, gemm):
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_fused_ops_or_not_match_transformers(tiny_model, fused):
-    # The fused RMSNorm (+ residual add) and SwiGLU kernels where the CPU has them, torch's ops
-    # where it has not.
+    # The fused RMSNorm (+ residual add), SwiGLU, rope and attention kernels where the CPU has
+    # them, torch's ops where it has not.
     lf = LlamaForward(tiny_model)
     if fused and not lf.fused:
         pytest.skip("no fused kernels on this machine")
-    lf.fused = fused
+    lf.fused = lf.fused_attention = fused
     ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     cache = lf.new_cache(64)
     out = lf.forward(torch.tensor(ids), torch.arange(30), [Segment(cache, 0, 30, causal(30))], torch.arange(30))
     assert torch.allclose(out, hf_logits(tiny_model, ids), atol=ATOL)
 
 
-def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model, gemm):
+def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model, gemm, attention):
     # 150 rows: blocks of 64, 64 and 22; once from an empty cache (a prefill) and once after 40
     # cached tokens (a prefill that follows a prefix-cache hit).
-    lf = LlamaForward(tiny_model, gemm=gemm)
+    lf = lean(tiny_model, gemm, attention)
     ids = torch.randint(0, 128, (190,), generator=torch.Generator().manual_seed(2)).tolist()
     cache = lf.new_cache(256)
     out = lf.forward(torch.tensor(ids[:150]), torch.arange(150), [Segment(cache, 0, 150, causal(150))],
@@ -81,6 +97,27 @@ def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model,
     out = lf.forward(torch.tensor(ids[40:]), torch.arange(40, 190), [Segment(cache, 0, 150, causal(150))],
                      torch.arange(150))
     assert torch.allclose(out, hf_logits(tiny_model, ids)[40:], atol=ATOL)
+
+
+def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, attention):
+    # A request joining a batch: its 80-row prefill (torch's blocked attention) in the same pass
+    # as another request's tree step (the kernel, where it runs).
+    lf = lean(tiny_model, gemm, attention)
+    ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
+    context, root = list(range(20, 50)), 7
+    tree = TokenTree(tokens=(5, 9, 11), parents=(-1, 0, 0))
+    cache = prefilled(lf, context)
+    n = cache.length
+    step_ids = [root, *tree.tokens]
+    segments = [Segment(lf.new_cache(128), 0, 80, causal(80)), Segment(cache, 80, 4, _tree_mask(tree))]
+    out = lf.forward(torch.tensor(ids + step_ids), torch.cat([torch.arange(80), torch.tensor([n, n + 1, n + 2, n + 2])]),
+                     segments, torch.arange(84))
+    assert torch.allclose(out[:80], hf_logits(tiny_model, ids), atol=ATOL)
+    assert torch.allclose(out[80], hf_logits(tiny_model, context + [root])[-1], atol=ATOL)
+    assert torch.allclose(out[81], hf_logits(tiny_model, context + [root, 5])[-1], atol=ATOL)
+    for node in (1, 2):     # two siblings under the first node
+        assert torch.allclose(out[81 + node], hf_logits(tiny_model, context + [root, 5, tree.tokens[node]])[-1],
+                              atol=ATOL)
 
 
 def test_only_segments_whose_rows_never_see_later_rows_are_blocked():
@@ -105,9 +142,9 @@ def test_qkv_bias_models_match_transformers(gemm):
     assert torch.allclose(out, hf_logits(model, ids), atol=ATOL)
 
 
-def test_tree_logits_equal_each_branch_alone(tiny_model, gemm):
+def test_tree_logits_equal_each_branch_alone(tiny_model, gemm, attention):
     """Every tree node's logits equal running context + root + that node's branch alone."""
-    lf = LlamaForward(tiny_model, gemm=gemm)
+    lf = lean(tiny_model, gemm, attention)
     context = list(range(10, 40))
     root = 7
     tree = TokenTree(tokens=(5, 9, 11, 6, 13, 17, 19), parents=(-1, 0, 0, -1, 3, 4, 1))
@@ -120,8 +157,8 @@ def test_tree_logits_equal_each_branch_alone(tiny_model, gemm):
     assert torch.allclose(out[0], hf_logits(tiny_model, context + [root])[-1], atol=ATOL)
 
 
-def test_packed_requests_of_different_lengths_match_alone(tiny_model, gemm):
-    lf = LlamaForward(tiny_model, gemm=gemm)
+def test_packed_requests_of_different_lengths_match_alone(tiny_model, gemm, attention):
+    lf = lean(tiny_model, gemm, attention)
     contexts = [list(range(3, 20)), list(range(30, 35)), list(range(50, 90))]
     trees = [TokenTree((4, 6, 8), (-1, 0, 0)), TokenTree.empty(), TokenTree.chain([9, 10, 11, 12])]
     segments, ids, pos, start = [], [], [], 0
@@ -141,9 +178,9 @@ def test_packed_requests_of_different_lengths_match_alone(tiny_model, gemm):
             assert torch.allclose(out[seg.start: seg.start + seg.rows], full, atol=ATOL)
 
 
-def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model, gemm):
+def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model, gemm, attention):
     """After committing a path, the next pass equals a fresh run over the committed sequence."""
-    lf = LlamaForward(tiny_model, gemm=gemm)
+    lf = lean(tiny_model, gemm, attention)
     context = list(range(20, 32))
     root = 3
     tree = TokenTree(tokens=(40, 41, 42, 43, 44), parents=(-1, -1, 1, 2, 0))  # path 1 -> 2 -> 3 is "accepted"

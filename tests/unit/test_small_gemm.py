@@ -115,32 +115,3 @@ def test_silu_mul_matches_torch(dtype):
     assert out.shape == (7, 40) and out.dtype == dtype
     tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_and_unfold_match_torchs_ops(dtype):
-    # the lean forward's torch path: rope by roll with a pre-signed sine, KV rows written at their
-    # slots, queries folded into [1, Hkv, g*T, D]; the cache in float32 as in bf16 mode
-    g = torch.Generator().manual_seed(4)
-    T, nq, nkv, D, cap, slot = 5, 6, 2, 8, 16, 3
-    qkv = torch.randn(T, (nq + 2 * nkv) * D, generator=g).to(dtype)
-    cos = torch.randn(T, D, generator=g).to(dtype)
-    sin = torch.randn(T, D, generator=g).to(dtype)
-    kc, vc = torch.zeros(nkv, cap, D), torch.zeros(nkv, cap, D)
-    q = small_gemm.rope_store(qkv, cos, sin, kc, vc, slot, nq, nkv)
-
-    heads = qkv.view(T, nq + 2 * nkv, D)
-    qk = heads[:, : nq + nkv]
-    qk = qk * cos[:, None] + qk.roll(D // 2, -1) * sin[:, None]
-    ref_q = qk[:, :nq].float().view(T, nkv, nq // nkv, D).permute(1, 2, 0, 3).reshape(1, nkv, -1, D)
-    torch.testing.assert_close(q, ref_q, rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(kc[:, slot: slot + T], qk[:, nq:].float().transpose(0, 1), rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(vc[:, slot: slot + T], heads[:, nq + nkv:].float().transpose(0, 1), rtol=0, atol=0)
-    assert kc[:, :slot].abs().sum() == 0 and kc[:, slot + T:].abs().sum() == 0      # nothing else written
-
-    back = small_gemm.unfold_heads(q, nq, dtype)
-    assert back.shape == (T, nq * D) and back.dtype == dtype
-    unfolded = q.view(nkv, nq // nkv, T, D).permute(2, 0, 1, 3).reshape(T, nq * D).to(dtype)
-    torch.testing.assert_close(back, unfolded, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="shapes"):
-        small_gemm.rope_store(qkv, cos, sin, kc, vc, cap - 2, nq, nkv)             # past the capacity

@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "simd.h"
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -19,23 +20,10 @@
 
 namespace {
 
+using namespace specgate_simd;
+
 constexpr int NR = 64;      // output features per panel: 4 vectors of 16 floats
 constexpr int MR_MAX = 6;   // rows per block: 6 x 4 accumulators + 4 weight vectors of 32 registers
-
-inline __mmask16 tail_mask(int cols) {       // the first `cols` of 16 lanes (0 <= cols <= 16)
-  return cols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cols < 0 ? 0 : cols)) - 1u);
-}
-
-// 16 lanes (the first m) of float32 or bf16 memory as float32, and back, bf16 rounded to nearest even
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));      // bf16 -> float32, exact
-}
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));   // round to nearest even
-}
 
 // float32: panel layout [K][64]
 template <int MR>
@@ -290,24 +278,6 @@ bool amx_permit() {
 // of dispatch on these CPUs, bf16's silu the slowest).
 namespace {
 
-// e^x for float32 lanes: 2^n * e^r with r = x - n ln2 in [-ln2/2, ln2/2], e^r by a degree-6
-// polynomial (relative error ~2e-7, within a few ulp of expf); inputs clamped to [-88, 88].
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);       // ln2, split in two
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);       // for exactness
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t M, int64_t I) {
   for (int64_t r = 0; r < M; ++r) {
@@ -341,114 +311,18 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// ---- Rotary embedding, the KV write and the head-group fold of a tree step, in one pass (torch:
-// ~12 ops a layer: slices, two multiplies, a roll, an add, two strided cache writes, a dtype
-// conversion and the fold's permute-and-copy).
-namespace {
-
-inline float to_f(float v) { return v; }
-inline float to_f(uint16_t v) { uint32_t b = (uint32_t)v << 16; float f; std::memcpy(&f, &b, 4); return f; }
-template <typename T> inline T from_f(float f);
-template <> inline float from_f<float>(float f) { return f; }
-template <> inline uint16_t from_f<uint16_t>(float f) {      // round to nearest even, as torch
-  uint32_t b; std::memcpy(&b, &f, 4);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);   // NaN stays NaN
-  return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// Where query head h of row t lives in the folded layout [nkv, g T, D]: kv head h / g, row
-// (h % g) T + t of it (the g query heads sharing a kv head stacked as rows).
-inline int64_t folded_row(int64_t h, int64_t g, int64_t T, int64_t t) { return (h / g) * g * T + (h % g) * T + t; }
-
-// x * cos + roll(x, D/2) * sin_signed for one head of D values (rotate_half's sign is in sin).
-template <typename X, typename O>
-inline void rope_head(const X* x, const X* cos, const X* sin, O* out, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t d = 0; d < D; ++d) {
-    const float a = to_f(x[d]) * to_f(cos[d]);
-    const float b = to_f(x[(d + half) % D]) * to_f(sin[d]);
-    // rounded as torch's separate multiplies and add would be, in x's dtype
-    out[d] = from_f<O>(to_f(from_f<X>(to_f(from_f<X>(a)) + to_f(from_f<X>(b)))));
-  }
-}
-
-template <typename X, typename K>
-void rope_store_fold(const X* qkv, const X* cos, const X* sin, K* kc, K* vc, int64_t cap,
-                     int64_t slot, int64_t T, int64_t nq, int64_t nkv, int64_t D, K* q_out) {
-  const int64_t g = nq / nkv, W = (nq + 2 * nkv) * D;
-  for (int64_t t = 0; t < T; ++t) {
-    const X* row = qkv + t * W;
-    const X* c = cos + t * D;
-    const X* sn = sin + t * D;
-    for (int64_t h = 0; h < nq; ++h)
-      rope_head<X, K>(row + h * D, c, sn, q_out + folded_row(h, g, T, t) * D, D);
-    for (int64_t h = 0; h < nkv; ++h) {
-      rope_head<X, K>(row + (nq + h) * D, c, sn, kc + (h * cap + slot + t) * D, D);
-      const X* v = row + (nq + nkv + h) * D;
-      K* vo = vc + (h * cap + slot + t) * D;
-      for (int64_t d = 0; d < D; ++d) vo[d] = from_f<K>(to_f(v[d]));
-    }
-  }
-}
-
-template <typename K, typename X>
-void unfold_rows(const K* in, X* out, int64_t T, int64_t nq, int64_t nkv, int64_t D) {
-  const int64_t g = nq / nkv;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < nq; ++h) {
-      const K* src = in + folded_row(h, g, T, t) * D;
-      X* dst = out + (t * nq + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<X>(to_f(src[d]));
-    }
-}
-
-}  // namespace
-
-// qkv [T, (nq + 2 nkv) D] and cos / sin_signed [T, D] in the model's dtype; k_cache, v_cache:
-// one layer's [nkv, capacity, D] (float32, or the model's dtype). Writes the rows' roped keys and
-// values to slots [slot, slot + T); returns the roped queries, folded for attention: [1, nkv, g T, D]
-// in the cache's dtype, row j T + t of kv head h being query head h g + j of row t.
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                         torch::Tensor v_cache, int64_t slot, int64_t nq, int64_t nkv) {
-  const int64_t T = qkv.size(0), D = cos.size(1), cap = k_cache.size(1);
-  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && k_cache.is_contiguous() &&
-              v_cache.is_contiguous(), "rope_store: contiguous tensors");
-  TORCH_CHECK(nq % nkv == 0 && D % 2 == 0 && qkv.size(1) == (nq + 2 * nkv) * D && cos.size(0) == T &&
-              sin.sizes() == cos.sizes() && k_cache.size(0) == nkv && k_cache.size(2) == D &&
-              v_cache.sizes() == k_cache.sizes() && slot >= 0 && slot + T <= cap, "rope_store: shapes");
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type() &&
-              v_cache.scalar_type() == k_cache.scalar_type(), "rope_store: dtypes");
-  auto q = torch::empty({1, nkv, (nq / nkv) * T, D}, k_cache.options());
-  using u16 = uint16_t;
-  const bool xf = qkv.scalar_type() == torch::kFloat32, kf = k_cache.scalar_type() == torch::kFloat32;
-  TORCH_CHECK((xf || qkv.scalar_type() == torch::kBFloat16) && (kf || k_cache.scalar_type() == torch::kBFloat16),
-              "rope_store: float32 or bfloat16");
-#define RS(X, K) rope_store_fold<X, K>(reinterpret_cast<const X*>(qkv.data_ptr()), reinterpret_cast<const X*>(cos.data_ptr()), \
-    reinterpret_cast<const X*>(sin.data_ptr()), reinterpret_cast<K*>(k_cache.data_ptr()), reinterpret_cast<K*>(v_cache.data_ptr()), \
-    cap, slot, T, nq, nkv, D, reinterpret_cast<K*>(q.data_ptr()))
-  if (xf && kf) RS(float, float); else if (!xf && kf) RS(u16, float); else if (!xf && !kf) RS(u16, u16); else RS(float, u16);
-#undef RS
-  return q;
-}
-
-// The inverse of the fold, for attention's output [1, nkv, g T, D] -> [T, nq D] in `dtype`.
-torch::Tensor unfold_heads(torch::Tensor att, int64_t nq, c10::ScalarType dtype) {
-  TORCH_CHECK(att.dim() == 4 && att.is_contiguous() && att.size(0) == 1, "unfold_heads: [1, nkv, g T, D]");
-  const int64_t nkv = att.size(1), D = att.size(3), T = att.size(2) / (nq / nkv);
-  TORCH_CHECK(nq % nkv == 0 && T * (nq / nkv) == att.size(2), "unfold_heads: shapes");
-  auto out = torch::empty({T, nq * D}, att.options().dtype(dtype));
-  using u16 = uint16_t;
-  const bool kf = att.scalar_type() == torch::kFloat32, xf = dtype == torch::kFloat32;
-  TORCH_CHECK((kf || att.scalar_type() == torch::kBFloat16) && (xf || dtype == torch::kBFloat16), "unfold_heads: dtypes");
-#define UF(K, X) unfold_rows<K, X>(reinterpret_cast<const K*>(att.data_ptr()), reinterpret_cast<X*>(out.data_ptr()), T, nq, nkv, D)
-  if (kf && xf) UF(float, float); else if (kf && !xf) UF(float, u16); else if (!kf && !xf) UF(u16, u16); else UF(u16, float);
-#undef UF
-  return out;
-}
+// attention.cpp
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kc,
+                         std::vector<torch::Tensor> vc, int64_t layer, std::vector<int64_t> starts,
+                         std::vector<int64_t> rows, std::vector<int64_t> lengths, int64_t nq, int64_t nkv);
+torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc,
+                             int64_t layer, std::vector<int64_t> starts, std::vector<int64_t> rows,
+                             std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
+                             std::vector<torch::Tensor> pasts, c10::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rope_store", &rope_store, "rotary embedding + KV write + head-group fold of a tree step");
-  m.def("unfold_heads", &unfold_heads, "attention output, folded head groups back to rows");
+  m.def("rope_store", &rope_store, "rotary embedding of a step's queries and keys + their KV write");
+  m.def("tree_attention", &tree_attention, "attention of every request's step rows over its own KV");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2I] gate/up output");
   m.def("amx_permit", &amx_permit, "request the AMX tile state for this process");
   m.def("linear", &linear, "few-row linear over a panel-packed weight");
