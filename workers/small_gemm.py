@@ -186,13 +186,17 @@ def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
 
 def tree_attention(q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], layer: int,
                    starts: list[int], rows: list[int], lengths: list[int], masks: list[torch.Tensor],
-                   pasts: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+                   pasts: list[torch.Tensor | None], dtype: torch.dtype,
+                   causal: list[bool] | None = None) -> torch.Tensor:
     """Attention of every request's rows of a step over its own cache (their KV written there by
     `rope_store`): request i's rows see slots [0, lengths[i]) through pasts[i] ([rows, length]
     additive float32, None: all visible) and its new rows through masks[i] ([rows, rows] additive
-    float32). q [T, Hq, D] float32 -> [T, Hq*D] in dtype; rows of no request are left unset."""
+    float32). q [T, Hq, D] float32 -> [T, Hq*D] in dtype; rows of no request are left unset.
+    causal[i]: request i's rows never see a later row (a prefill; the caller checks), so each
+    block of rows reads only the keys up to its own last row (about half a prefill's work)."""
     return _module().tree_attention(q, k_caches, v_caches, layer, starts, rows, lengths, masks,
-                                    [_EMPTY if p is None else p for p in pasts], dtype)
+                                    [_EMPTY if p is None else p for p in pasts],
+                                    [False] * len(rows) if causal is None else causal, dtype)
 
 
 _EMPTY = torch.empty(0)

@@ -6,7 +6,7 @@ import torch
 
 from tests.conftest import tiny_llama
 from workers.cpu_linear import _usable_backends
-from workers import small_gemm
+from workers import llama_forward, small_gemm
 from workers.kv_cache import KVCache
 from workers.llama_forward import LlamaForward, Segment, _chunkable
 from workers.tree import TokenTree, ancestor_mask, depths
@@ -99,9 +99,13 @@ def test_long_segments_attend_in_blocks_and_still_match_transformers(tiny_model,
     assert torch.allclose(out, hf_logits(tiny_model, ids)[40:], atol=ATOL)
 
 
-def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, attention):
-    # A request joining a batch: its 80-row prefill (torch's blocked attention) in the same pass
-    # as another request's tree step (the kernel, where it runs).
+@pytest.mark.parametrize("kernel_max_keys", [768, 0])
+def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, attention, kernel_max_keys,
+                                                             monkeypatch):
+    # A request joining a batch: its 80-row prefill in the same pass as another request's tree
+    # step; with the kernel, the prefill through it (causal: keys up to each row) or, past its
+    # key limit, through torch's blocked attention while the tree step stays in the kernel.
+    monkeypatch.setattr(llama_forward, "_KERNEL_MAX_KEYS", kernel_max_keys)
     lf = lean(tiny_model, gemm, attention)
     ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     context, root = list(range(20, 50)), 7

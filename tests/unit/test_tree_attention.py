@@ -116,3 +116,23 @@ def test_tree_attention_a_row_that_sees_nothing_gets_zeros_and_sizes_are_checked
     with pytest.raises(RuntimeError, match="head_dim"):
         small_gemm.tree_attention(torch.randn(2, nq, 32), [k[..., :32].contiguous()], [v[..., :32].contiguous()],
                                   0, [0], [2], [3], [mask], [None], torch.float32)
+
+
+@pytest.mark.parametrize("length", [0, 30])
+def test_a_causal_segment_reads_only_the_keys_up_to_each_row(length):
+    # A prefill (after `length` cached tokens): marked causal, each block of rows stops at its own
+    # last row's key. The last slot's value set to inf: a block that read it would turn NaN
+    # (weighed 0, 0 * inf), so the first block of rows (rows 0-15 of the first head) stays finite.
+    g = torch.Generator().manual_seed(length)
+    nq, nkv, D, rows = 6, 2, 64, 70
+    k, v = _caches(1, nkv, length + rows + 4, D, g)
+    q = torch.randn(rows, nq, D, generator=g)
+    mask = torch.full((rows, rows), NINF).triu(1)
+    ref = _reference(q, k, v, 0, 0, rows, length, mask, None, nq).reshape(rows, nq * D)
+    out = small_gemm.tree_attention(q, [k], [v], 0, [0], [rows], [length], [mask], [None], torch.float32, [True])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    v[0, :, length + rows - 1] = float("inf")
+    out = small_gemm.tree_attention(q, [k], [v], 0, [0], [rows], [length], [mask], [None], torch.float32, [True])
+    assert torch.isfinite(out[:16, :D]).all() and torch.isinf(out[rows - 1]).any()
+    out = small_gemm.tree_attention(q, [k], [v], 0, [0], [rows], [length], [mask], [None], torch.float32, [False])
+    assert torch.isnan(out[:16, :D]).all()              # not marked causal: every row reads every key

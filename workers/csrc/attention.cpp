@@ -40,15 +40,20 @@ struct Seg {            // one request's rows in the packed step, and its KV of 
   int64_t cap, start, rows, length;
   const float* mask;    // [rows, rows] additive, among the new rows
   const float* past;    // [rows, length] additive over the cached slots, or null (all visible)
+  bool causal;          // no new row sees a later one (a prefill): a row needs keys up to its own
 };
 
 template <typename X>
 void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector<Seg>& segs,
                      int64_t nq, int64_t nkv, int64_t D, float* q) {
   const int64_t W = (nq + 2 * nkv) * D;
+  std::vector<std::pair<const Seg*, int64_t>> rows;           // (segment, new row): split between threads
   for (const Seg& s : segs)
-    for (int64_t t = 0; t < s.rows; ++t) {
-      const int64_t r = s.start + t, slot = s.length + t;
+    for (int64_t t = 0; t < s.rows; ++t) rows.emplace_back(&s, t);
+  at::parallel_for(0, (int64_t)rows.size(), 8, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const Seg& s = *rows[i].first;
+      const int64_t t = rows[i].second, r = s.start + t, slot = s.length + t;
       const X* row = qkv + r * W;
       for (int64_t h = 0; h < nq; ++h) rope_head<X>(row + h * D, cos + r * D, sin + r * D, q + (r * nq + h) * D, D);
       for (int64_t h = 0; h < nkv; ++h) {
@@ -58,6 +63,7 @@ void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector
         for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vo + d, load16(v + d, 0xFFFF));
       }
     }
+  });
 }
 
 // ---- attention
@@ -120,7 +126,12 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
   constexpr int MR = 24 / DV;                    // 24 accumulators: MR rows x DV vectors
   static constexpr auto scores = scores_table(std::make_index_sequence<MK_MAX>{});
   static constexpr auto pv = pv_table<DV>(std::make_index_sequence<MR>{});
-  const int64_t end = s.length + s.rows;
+  int64_t end = s.length + s.rows;               // keys these rows may see
+  if (s.causal) {
+    int64_t last = 0;
+    for (int i = 0; i < n; ++i) last = std::max(last, (i0 + i) % s.rows);
+    end = s.length + last + 1;
+  }
   buf.resize((size_t)(D * QB + end * QB + QB * D));
   float* qt = buf.data();                        // [D][16], rows past n zero
   float* sc = qt + D * QB;                       // [end][16] scores, then probabilities
@@ -142,7 +153,7 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
     const int64_t t = (i0 + i) % s.rows;
     if (s.past)
       for (int64_t j = 0; j < s.length; ++j) sc[j * QB + i] += s.past[t * s.length + j];
-    for (int64_t j = 0; j < s.rows; ++j) sc[(s.length + j) * QB + i] += s.mask[t * s.rows + j];
+    for (int64_t j = 0; j < end - s.length; ++j) sc[(s.length + j) * QB + i] += s.mask[t * s.rows + j];
   }
   // softmax down the keys, 16 query rows at once; a masked key (-inf) weighs exactly 0
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -192,10 +203,12 @@ void attend_all(const std::vector<Seg>& segs, const float* q, int64_t nq, int64_
 std::vector<Seg> segments(std::vector<torch::Tensor>& kc, std::vector<torch::Tensor>& vc, int64_t layer,
                           const std::vector<int64_t>& starts, const std::vector<int64_t>& rows,
                           const std::vector<int64_t>& lengths, int64_t T, int64_t nkv, int64_t D,
-                          const std::vector<torch::Tensor>* masks, const std::vector<torch::Tensor>* pasts) {
+                          const std::vector<torch::Tensor>* masks, const std::vector<torch::Tensor>* pasts,
+                          const std::vector<bool>* causal) {
   const size_t n = kc.size();
   TORCH_CHECK(vc.size() == n && starts.size() == n && rows.size() == n && lengths.size() == n &&
-              (!masks || masks->size() == n) && (!pasts || pasts->size() == n), "one entry per segment");
+              (!masks || masks->size() == n) && (!pasts || pasts->size() == n) && (!causal || causal->size() == n),
+              "one entry per segment");
   std::vector<Seg> segs;
   for (size_t i = 0; i < n; ++i) {
     const torch::Tensor& k = kc[i];
@@ -207,7 +220,7 @@ std::vector<Seg> segments(std::vector<torch::Tensor>& kc, std::vector<torch::Ten
     TORCH_CHECK(starts[i] >= 0 && rows[i] >= 0 && starts[i] + rows[i] <= T && lengths[i] >= 0 &&
                 lengths[i] + rows[i] <= cap, "segment rows outside the step or the KV capacity");
     Seg s{k.data_ptr<float>() + layer * layer_elems, vc[i].data_ptr<float>() + layer * layer_elems,
-          cap, starts[i], rows[i], lengths[i], nullptr, nullptr};
+          cap, starts[i], rows[i], lengths[i], nullptr, nullptr, causal && (*causal)[i]};
     if (masks) {
       const torch::Tensor& m = (*masks)[i];
       TORCH_CHECK(m.scalar_type() == torch::kFloat32 && m.is_contiguous() && m.dim() == 2 &&
@@ -239,7 +252,7 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   TORCH_CHECK(nkv > 0 && nq % nkv == 0 && D % 32 == 0 && qkv.dim() == 2 && qkv.size(1) == (nq + 2 * nkv) * D &&
               cos.size(0) == T && sin.sizes() == cos.sizes(), "rope_store: shapes");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope_store: dtypes");
-  const auto segs = segments(kc, vc, layer, starts, rows, lengths, T, nkv, D, nullptr, nullptr);
+  const auto segs = segments(kc, vc, layer, starts, rows, lengths, T, nkv, D, nullptr, nullptr, nullptr);
   auto q = torch::empty({T, nq, D}, qkv.options().dtype(torch::kFloat32));
   if (qkv.scalar_type() == torch::kFloat32) {
     rope_store_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), segs, nq, nkv, D,
@@ -261,14 +274,14 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc,
                              int64_t layer, std::vector<int64_t> starts, std::vector<int64_t> rows,
                              std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
-                             std::vector<torch::Tensor> pasts, c10::ScalarType dtype) {
+                             std::vector<torch::Tensor> pasts, std::vector<bool> causal, c10::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: contiguous float32 [T, nq, D]");
   const int64_t T = q.size(0), nq = q.size(1), D = q.size(2);
   TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
   TORCH_CHECK(!kc.empty(), "tree_attention: no segments");
   const int64_t nkv = kc[0].dim() == 4 ? kc[0].size(1) : 0;
   TORCH_CHECK(nkv > 0 && nq % nkv == 0, "tree_attention: query heads a multiple of kv heads");
-  const auto segs = segments(kc, vc, layer, starts, rows, lengths, T, nkv, D, &masks, &pasts);
+  const auto segs = segments(kc, vc, layer, starts, rows, lengths, T, nkv, D, &masks, &pasts, &causal);
   auto out = torch::empty({T, nq * D}, q.options().dtype(dtype));
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "tree_attention: float32 or bfloat16 output");
   using u16 = uint16_t;

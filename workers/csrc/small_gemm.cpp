@@ -222,25 +222,28 @@ namespace {
 // `delta`, x[r] += delta[r] first (rounded to T, as the residual add would be), in place.
 template <typename T>
 void rms_rows(T* x, const T* delta, const T* w, T* y, int64_t M, int64_t H, float eps) {
-  for (int64_t r = 0; r < M; ++r) {
-    T* xr = x + r * H;
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
-      __m512 v = load16(xr + i, m);
-      if (delta) {
-        store16(xr + i, _mm512_add_ps(v, load16(delta + r * H + i, m)), m);
-        v = load16(xr + i, m);                                   // the rounded sum, as stored
+  // rows split between the threads past a few
+  at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * H;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
+        __m512 v = load16(xr + i, m);
+        if (delta) {
+          store16(xr + i, _mm512_add_ps(v, load16(delta + r * H + i, m)), m);
+          v = load16(xr + i, m);                                   // the rounded sum, as stored
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
       }
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + eps);
+      const __m512 s = _mm512_set1_ps(inv);
+      for (int64_t i = 0; i < H; i += 16) {
+        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
+        store16(y + r * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), s), load16(w + i, m)), m);
+      }
     }
-    const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + eps);
-    const __m512 s = _mm512_set1_ps(inv);
-    for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
-      store16(y + r * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), s), load16(w + i, m)), m);
-    }
-  }
+  });
 }
 
 }  // namespace
@@ -280,16 +283,22 @@ namespace {
 
 template <typename T>
 void silu_mul_rows(const T* gu, T* out, int64_t M, int64_t I) {
-  for (int64_t r = 0; r < M; ++r) {
-    const T* g = gu + r * 2 * I;
-    const T* u = g + I;
-    for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 m = tail_mask((int)std::min<int64_t>(16, I - i));
-      const __m512 gv = load16(g + i, m);
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      store16(out + r * I + i, _mm512_mul_ps(silu, load16(u + i, m)), m);
+  // blocks of 256 of a row split between the threads (16 rows x 1536: ~19 -> ~10 us)
+  constexpr int64_t B = 256;
+  const int64_t nb = (I + B - 1) / B;
+  at::parallel_for(0, M * nb, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r = b / nb, lo = (b % nb) * B, hi = std::min(I, lo + B);
+      const T* g = gu + r * 2 * I;
+      const T* u = g + I;
+      for (int64_t i = lo; i < hi; i += 16) {
+        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, hi - i));
+        const __m512 gv = load16(g + i, m);
+        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        store16(out + r * I + i, _mm512_mul_ps(silu, load16(u + i, m)), m);
+      }
     }
-  }
+  });
 }
 
 }  // namespace
@@ -318,7 +327,7 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc,
                              int64_t layer, std::vector<int64_t> starts, std::vector<int64_t> rows,
                              std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
-                             std::vector<torch::Tensor> pasts, c10::ScalarType dtype);
+                             std::vector<torch::Tensor> pasts, std::vector<bool> causal, c10::ScalarType dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotary embedding of a step's queries and keys + their KV write");
