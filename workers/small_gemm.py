@@ -55,7 +55,8 @@ from pathlib import Path
 import torch
 
 PANEL = 64                  # output features per panel (csrc/small_gemm.cpp: NR)
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "attention.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "attention.cpp",
+                                                                      "decoder.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP; the extension binds to the libgomp.so.1 torch has
 # already loaded (same soname), so it shares torch's thread pool rather than starting another.
 # AMX instructions are only emitted where the kernel asks for them, and run only where
@@ -195,8 +196,33 @@ def tree_attention(q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list
     causal[i]: request i's rows never see a later row (a prefill; the caller checks), so each
     block of rows reads only the keys up to its own last row (about half a prefill's work)."""
     return _module().tree_attention(q, k_caches, v_caches, layer, starts, rows, lengths, masks,
-                                    [_EMPTY if p is None else p for p in pasts],
+                                    [no_past(p) for p in pasts],
                                     [False] * len(rows) if causal is None else causal, dtype)
+
+
+def layer_stack(layers: list[list[torch.Tensor]], n_heads: int, n_kv_heads: int, head_dim: int, hidden: int,
+                intermediate: int, eps: float):
+    """A model's decoder layers held for `forward` in one call (csrc/decoder.cpp): per layer
+    [ln1, wqkv, bqkv, wo, ln2, wgu, wdown], the linears `pack`ed, bqkv float32 or empty.
+    `.forward(x, cos, sin, k_caches, v_caches, starts, rows, lengths, masks, pasts, causal,
+    logits)` runs every layer over the packed rows x [T, H] (the residual stream, updated in
+    place; T within every linear's `max_rows`) as the lean forward's loop does, and returns the
+    last layer's MLP output [T, H] not yet added to x (empty with `logits` false: a prefill, which
+    stops after the last layer's KV). Arguments as `rope_store` / `tree_attention`'s, pasts with
+    `no_past()` for None."""
+    return _module().LayerStack(layers, n_heads, n_kv_heads, head_dim, hidden, intermediate, eps)
+
+
+def no_past(past: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' "every cached slot visible": an empty tensor for None."""
+    return _EMPTY if past is None else past
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R, V] float32 or bf16 -> [R] int64: each row's largest value's index, the first of equals
+    (torch.argmax's choice, except that NaN is never chosen). One pass over bf16 rows: torch
+    converts them to float32 first (16 x 49,152 logits: ~0.7 ms against ~0.05)."""
+    return _module().argmax_rows(x.contiguous())
 
 
 _EMPTY = torch.empty(0)

@@ -147,9 +147,7 @@ class Verifier:
         logits = self.target.forward(ids_t, pos_t, segments, torch.arange(start))  # [T, V]
         t2 = time.perf_counter()
         results = []
-        # argmax in float32: torch's CPU argmax over bf16 rows is ~4x slower than converting first
-        # (12 x 49,152 logits: 1.1 ms against 0.29 ms), the same index either way.
-        greedy_rows = logits.float().argmax(-1).tolist() if any(s.sampling.greedy for s in slots) else None
+        greedy_rows = self.target.argmax(logits) if any(s.sampling.greedy for s in slots) else None
         for item, slot, tree, seg in zip(batch, slots, trees, segments):
             acc = self._accept(slot, tree, seg, logits, greedy_rows)
             slot.cache.commit(1, list(acc.path))

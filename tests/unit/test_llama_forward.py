@@ -30,9 +30,14 @@ def attention(request) -> str:
 
 
 def lean(model, gemm: str, attention: str) -> LlamaForward:
+    """attention "kernel": the CPU kernels, every layer in one call where every linear is on the
+    few-row kernel (gemm "small"); "torch": torch's rope and attention, the Python layer loop."""
     lf = LlamaForward(model, gemm=gemm)
     assert lf.fused_attention == (small_gemm.available(torch.float32))   # tiny_llama's head_dim is 64
+    assert (lf._stack is not None) == (lf.fused_attention and gemm == "small")
     lf.fused_attention = attention == "kernel"
+    if attention == "torch":
+        lf._stack = None
     return lf
 
 
@@ -198,3 +203,35 @@ def test_commit_keeps_accepted_path_and_drops_the_rest(tiny_model, gemm, attenti
                      [Segment(cache, 0, 1, torch.zeros(1, 1))], torch.arange(1))
     expect = hf_logits(tiny_model, context + [root, 41, 42, 43, bonus])[-1]
     assert torch.allclose(out[0], expect, atol=ATOL)
+
+
+def test_the_one_call_layer_stack_equals_the_python_loop(tiny_model):
+    # The same kernels either way: a tree step and a prefill give the same logits and KV.
+    stacked = LlamaForward(tiny_model, gemm="small") if "small" in _usable_backends(torch.device("cpu"),
+                                                                                    torch.float32) else None
+    if stacked is None or stacked._stack is None:
+        pytest.skip("no CPU kernels here")
+    looped = LlamaForward(tiny_model, gemm="small")
+    looped._stack = None
+    context, root = list(range(10, 45)), 7
+    tree = TokenTree(tokens=(5, 9, 11, 6), parents=(-1, 0, 0, 1))
+    caches = [prefilled(lf, context) for lf in (stacked, looped)]
+    assert torch.equal(caches[0].k[:, :, :35], caches[1].k[:, :, :35])
+    outs = [tree_pass(lf, cache, root, tree) for lf, cache in zip((stacked, looped), caches)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0].k[:, :, :40], caches[1].k[:, :, :40])
+    assert torch.allclose(outs[0][0], hf_logits(tiny_model, context + [root])[-1], atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_is_torchs_first_index_of_the_largest(dtype, tiny_model):
+    lf = LlamaForward(tiny_model)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 1000, generator=g).to(dtype)
+    logits[1, 17] = logits[1, 400] = logits[1, 999] = 50.0         # ties: the first wins
+    logits[2, 999] = 60.0                                           # in the ragged last vector
+    logits[3] = float("-inf")
+    logits[3, 0] = -1e30
+    assert lf.argmax(logits) == logits.float().argmax(-1).tolist()
+    lf.fused = False
+    assert lf.argmax(logits) == logits.float().argmax(-1).tolist()

@@ -329,7 +329,11 @@ torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std
                              std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
                              std::vector<torch::Tensor> pasts, std::vector<bool> causal, c10::ScalarType dtype);
 
+// decoder.cpp
+void register_decoder(pybind11::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_decoder(m);
   m.def("rope_store", &rope_store, "rotary embedding of a step's queries and keys + their KV write");
   m.def("tree_attention", &tree_attention, "attention of every request's step rows over its own KV");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2I] gate/up output");
