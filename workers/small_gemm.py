@@ -14,7 +14,8 @@ threads (torch's own OpenMP pool). In bf16 on CPUs with AMX (Sapphire Rapids and
 panels are laid out as AMX tiles instead (`[P, K/32, 4, 16, 16, 2]`): one tile multiply does 16
 rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed.
 float32 accumulates in float32 in k order (not MKL's order: results agree to rounding); bf16
-accumulates in float32 and rounds once, as F.linear does.
+accumulates in float32 and rounds once, as F.linear does. With 2+ rows the float32 kernel
+prefetches its panel a few k rows ahead (the hardware prefetcher alone left it waiting on memory).
 Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
 pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
 (16 rows 41 against 36 ms, 1 row 23 against 19: a single accumulator chain per row is bound by
@@ -27,16 +28,20 @@ its arithmetic for a tree's rows; fused here, each in one pass:
 - `silu_mul`: SwiGLU's chunk, silu and multiply (16 rows: 17 against 44 us fp32, 22 against 48 bf16);
 - `rope_store`: a step's rotary embedding and KV write, every request in one call (torch: ~10 ops a
   layer and two strided writes a request);
-- `tree_attention` (csrc/attention.cpp): every short segment's attention over its own KV in one
-  call, tasks of one kv head and 16 query rows split between the threads (torch: a flash-attention
-  call a request, ~80 us at 1 row with 400 tokens of context). Side by side, whole SmolLM2 forward,
+- `tree_attention` (csrc/attention.cpp): every request's attention over its own KV in one call,
+  tasks of one kv head and 16 query rows split between the threads; prefills up to ~800 keys too
+  (marked causal: a block of rows reads keys only up to its own last row). torch: a flash-attention
+  call a request, ~80 us at 1 row with 400 tokens of context. Side by side, whole SmolLM2 forward,
   400 tokens of context, against torch's rope and attention: 1 row 27.7 -> 23.8 ms fp32, 18.1 ->
-  14.4 bf16; 16 rows 55.8 -> 50.9 fp32, 22.2 -> 17.0 bf16.
+  14.4 bf16; 16 rows 55.8 -> 50.9 fp32, 22.2 -> 17.0 bf16;
+- `layer_stack` (csrc/decoder.cpp): all of a step's decoder layers in one call, the kernels above
+  without the ~10 Python calls a layer between them (1 row 16.3 -> 14.6 ms bf16, 27.3 -> 25.0 fp32;
+  16 rows 19.7 -> 18.1 bf16, 58.4 -> 55.2 fp32); `argmax_rows`, greedy acceptance's argmax.
 Together with the linears, whole SmolLM2 forward on the Intel Xeon: 1 row 38.2 -> 31.6 ms fp32, 27.2
--> 21.5 ms bf16; 16 rows 78.5 -> 68.4 ms fp32, 36.0 -> 29.0 ms bf16 (before the attention kernel,
-earlier session). They round as torch's ops would (bf16 after each op of the rope, as
-transformers does), except that float32 products may be fused into one multiply-add and attention
-sums in its own order (results agree to an ulp or two).
+-> 21.5 ms bf16; 16 rows 78.5 -> 68.4 ms fp32, 36.0 -> 29.0 ms bf16 (before the attention kernel
+and the layer stack, an earlier session). They round as torch's ops would (bf16 after each op of
+the rope, as transformers does), except that float32 products may be fused into one multiply-add
+and attention sums in its own order (results agree to an ulp or two).
 
 The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached under
 ~/.cache/torch_extensions; scripts/setup.sh builds them) and only on x86-64 CPUs with

@@ -68,29 +68,18 @@ void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector
 
 // ---- attention
 // A task is one kv head of one request and up to 16 of its query rows, the g query heads that
-// share the kv head stacked as rows (row i: head i / rows of the group, new row i % rows), so one
-// vector holds a key's scores for all 16. Scores are kept transposed, [keys][16]: QK^T is then a
-// small GEMM that broadcasts the keys' elements (no transpose of K), and softmax runs down the
-// keys with the 16 rows in lanes.
-constexpr int QB = 16;
-constexpr int MK_MAX = 16;     // keys per scores block: 16 accumulators
+// share the kv head stacked as rows (row i: head i / rows of the group, new row i % rows).
+// Scores are [row][keys], each row's dot products with 16 keys at a time reduced from 16
+// partial-sum vectors into one vector of 16 scores: ~11 instructions a key and row. (Tried: the
+// scores transposed, [keys][16 rows], QK^T as a small GEMM broadcasting the keys' elements: ~130
+// instructions a key whatever the rows, so 1.5x slower for 8 requests of 1 row (656 against 431
+// us a layer), and no faster for 16 rows or prefills.)
+constexpr int QB = 16;         // query rows a task
 
-// s[m][0:16] = scale * (k[m] . qt[:, 0:16]) for MK keys; qt: [D][16], k rows D apart.
-template <int MK>
-void scores_block(const float* k, const float* qt, int64_t D, float scale, float* s) {
-  __m512 acc[MK];
-  for (int m = 0; m < MK; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 qv = _mm512_loadu_ps(qt + d * QB);
-    for (int m = 0; m < MK; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(k[m * D + d]), qv, acc[m]);
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int m = 0; m < MK; ++m) _mm512_storeu_ps(s + m * QB, _mm512_mul_ps(acc[m], sc));
-}
-
-// out[r][0:D] = sum_j p[j][i0 + r] v[j][0:D] for MR query rows, DV = D / 16 vectors a row.
+// out[r][0:D] = sum_j p[i0 + r][j] v[j][0:D] for MR query rows (p rows si apart), DV = D / 16
+// vectors a row.
 template <int DV, int MR>
-void pv_block(const float* p, int i0, const float* v, int64_t n, float* out) {
+void pv_block(const float* p, int i0, const float* v, int64_t n, float* out, int64_t si) {
   __m512 acc[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -98,7 +87,7 @@ void pv_block(const float* p, int i0, const float* v, int64_t n, float* out) {
     __m512 vj[DV];
     for (int c = 0; c < DV; ++c) vj[c] = _mm512_loadu_ps(v + j * DV * 16 + c * 16);
     for (int r = 0; r < MR; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[j * QB + i0 + r]);
+      const __m512 pr = _mm512_set1_ps(p[(i0 + r) * si + j]);
       for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vj[c], acc[r][c]);
     }
   }
@@ -106,15 +95,72 @@ void pv_block(const float* p, int i0, const float* v, int64_t n, float* out) {
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + (r * DV + c) * 16, acc[r][c]);
 }
 
-using ScoresFn = void (*)(const float*, const float*, int64_t, float, float*);
-using PvFn = void (*)(const float*, int, const float*, int64_t, float*);
-template <size_t... I>
-constexpr std::array<ScoresFn, sizeof...(I)> scores_table(std::index_sequence<I...>) {
-  return {&scores_block<(int)I + 1>...};
-}
+using PvFn = void (*)(const float*, int, const float*, int64_t, float*, int64_t);
 template <int DV, size_t... I>
 constexpr std::array<PvFn, sizeof...(I)> pv_table(std::index_sequence<I...>) {
   return {&pv_block<DV, (int)I + 1>...};
+}
+
+// The 16 keys' dot products from their partial-sum vectors: lane m of the result = sum of v[m].
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int j = 0; j < 8; ++j)    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j)    // per 128-bit lane: one partial sum of each of 4 keys
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
+  for (int j = 0; j < 2; ++j)    // then across the 128-bit lanes
+    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88), _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// s[i][j] = scale * (q_i . k[j]) for n query rows (pointers qs) and `end` keys (k rows D apart),
+// s rows si apart. K stays in L1 across the rows of a block of 16 keys.
+template <int DV>
+void scores_rows(const float* k, int64_t end, const float* const* qs, int n, float scale, float* s, int64_t si) {
+  constexpr int64_t D = DV * 16;
+  alignas(64) float tail[16 * D];
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < end; j0 += 16) {
+    const int mk = (int)std::min<int64_t>(16, end - j0);
+    const float* kb = k + j0 * D;
+    if (mk < 16) {                       // the last keys, zero-padded: never read past the cache
+      std::fill(tail, tail + 16 * D, 0.0f);
+      std::copy(kb, kb + mk * D, tail);
+      kb = tail;
+    }
+    for (int i = 0; i < n; ++i) {
+      __m512 qv[DV], acc[16];
+      for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(qs[i] + 16 * c);
+      for (int m = 0; m < 16; ++m) {
+        acc[m] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + m * D));
+        for (int c = 1; c < DV; ++c) acc[m] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kb + m * D + 16 * c), acc[m]);
+      }
+      _mm512_mask_storeu_ps(s + i * si + j0, tail_mask(mk), _mm512_mul_ps(reduce16(acc), sc));
+    }
+  }
+}
+
+// In place over a row of scores: e^(s - max) (exactly 0 where s is -inf); returns the sum.
+inline float softmax_row(float* s, int64_t end) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mx = ninf;
+  for (int64_t j = 0; j < end; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail_mask((int)std::min<int64_t>(16, end - j)), s + j));
+  const float top = _mm512_reduce_max_ps(mx);
+  if (top == -std::numeric_limits<float>::infinity()) {
+    std::fill(s, s + end, 0.0f);
+    return 0.0f;
+  }
+  const __m512 m = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < end; j += 16) {
+    const __mmask16 t = tail_mask((int)std::min<int64_t>(16, end - j));
+    const __m512 x = _mm512_mask_loadu_ps(ninf, t, s + j);
+    const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(s + j, t, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // One task: kv head h of segment s, folded query rows [i0, i0 + n). q: [T, nq, D] float32;
@@ -124,7 +170,6 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
                  float scale, O* out, std::vector<float>& buf) {
   constexpr int64_t D = DV * 16;
   constexpr int MR = 24 / DV;                    // 24 accumulators: MR rows x DV vectors
-  static constexpr auto scores = scores_table(std::make_index_sequence<MK_MAX>{});
   static constexpr auto pv = pv_table<DV>(std::make_index_sequence<MR>{});
   int64_t end = s.length + s.rows;               // keys these rows may see
   if (s.causal) {
@@ -132,46 +177,31 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
     for (int i = 0; i < n; ++i) last = std::max(last, (i0 + i) % s.rows);
     end = s.length + last + 1;
   }
-  buf.resize((size_t)(D * QB + end * QB + QB * D));
-  float* qt = buf.data();                        // [D][16], rows past n zero
-  float* sc = qt + D * QB;                       // [end][16] scores, then probabilities
-  float* acc = sc + end * QB;                    // [16][D] unnormalized outputs
-  std::fill(qt, qt + D * QB, 0.0f);
+  const int64_t si = (end + 15) / 16 * 16;      // score row stride
+  buf.resize((size_t)(QB * si + QB * D));
+  float* sc = buf.data();                        // [16][si] scores, then probabilities
+  float* acc = sc + QB * si;                     // [16][D] unnormalized outputs
+  const float* qs[QB];                           // each row's query
   for (int i = 0; i < n; ++i) {
     const int64_t fi = i0 + i, head = h * g + fi / s.rows, row = s.start + fi % s.rows;
-    const float* qi = q + (row * nq + head) * D;
-    for (int64_t d = 0; d < D; ++d) qt[d * QB + i] = qi[d];
+    qs[i] = q + (row * nq + head) * D;
   }
   const float* k = s.k + h * s.cap * D;
   const float* v = s.v + h * s.cap * D;
-  for (int64_t j = 0; j < end; j += MK_MAX) {
-    const int mk = (int)std::min<int64_t>(MK_MAX, end - j);
-    scores[mk - 1](k + j * D, qt, D, scale, sc + j * QB);
-  }
+  scores_rows<DV>(k, end, qs, n, scale, sc, si);
   // masks: the cached slots (where given) and among the new rows, by each query row's new row
   for (int i = 0; i < n; ++i) {
     const int64_t t = (i0 + i) % s.rows;
     if (s.past)
-      for (int64_t j = 0; j < s.length; ++j) sc[j * QB + i] += s.past[t * s.length + j];
-    for (int64_t j = 0; j < end - s.length; ++j) sc[(s.length + j) * QB + i] += s.mask[t * s.rows + j];
+      for (int64_t j = 0; j < s.length; ++j) sc[i * si + j] += s.past[t * s.length + j];
+    for (int64_t j = 0; j < end - s.length; ++j) sc[i * si + s.length + j] += s.mask[t * s.rows + j];
   }
-  // softmax down the keys, 16 query rows at once; a masked key (-inf) weighs exactly 0
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mx = ninf;
-  for (int64_t j = 0; j < end; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + j * QB));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < end; ++j) {
-    const __m512 x = _mm512_loadu_ps(sc + j * QB);
-    const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, mx)));
-    sum = _mm512_add_ps(sum, e);
-    _mm512_storeu_ps(sc + j * QB, e);
-  }
-  alignas(64) float sums[QB];
-  _mm512_store_ps(sums, sum);
+  // softmax over each row's keys; a masked key (-inf) weighs exactly 0
+  float sums[QB];
+  for (int i = 0; i < n; ++i) sums[i] = softmax_row(sc + i * si, end);
   for (int r0 = 0; r0 < n; r0 += MR) {
     const int mr = std::min(MR, n - r0);
-    pv[mr - 1](sc, r0, v, end, acc + r0 * D);
+    pv[mr - 1](sc, r0, v, end, acc + r0 * D, si);
   }
   for (int i = 0; i < n; ++i) {
     const int64_t fi = i0 + i, head = h * g + fi / s.rows, row = s.start + fi % s.rows;
