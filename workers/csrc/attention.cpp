@@ -75,6 +75,10 @@ void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector
 // instructions a key whatever the rows, so 1.5x slower for 8 requests of 1 row (656 against 431
 // us a layer), and no faster for 16 rows or prefills.)
 constexpr int QB = 16;         // query rows a task
+// KV_PREFETCH: keys and values are read ahead into L1 by hand: a batched step reads each
+// request's KV from memory once a layer, and the hardware prefetcher alone left ~10% of the time
+// waiting (8 requests x 4 rows, ~440 tokens of context each, 30 layers cycled: 535 -> 475 us a
+// layer; 1 request unchanged).
 
 // out[r][0:D] = sum_j p[i0 + r][j] v[j][0:D] for MR query rows (p rows si apart), DV = D / 16
 // vectors a row.
@@ -84,6 +88,8 @@ void pv_block(const float* p, int i0, const float* v, int64_t n, float* out, int
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
+    for (int c = 0; c < DV; ++c)         // the values 16 keys ahead (see KV_PREFETCH)
+      _mm_prefetch((const char*)(v + (j + 16) * DV * 16 + c * 16), _MM_HINT_T0);
     __m512 vj[DV];
     for (int c = 0; c < DV; ++c) vj[c] = _mm512_loadu_ps(v + j * DV * 16 + c * 16);
     for (int r = 0; r < MR; ++r) {
@@ -123,6 +129,8 @@ void scores_rows(const float* k, int64_t end, const float* const* qs, int n, flo
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
     const int mk = (int)std::min<int64_t>(16, end - j0);
     const float* kb = k + j0 * D;
+    for (int64_t l = 0; l < D; ++l)      // the keys two blocks ahead (see KV_PREFETCH)
+      _mm_prefetch((const char*)(kb + 32 * D + 16 * l), _MM_HINT_T0);
     if (mk < 16) {                       // the last keys, zero-padded: never read past the cache
       std::fill(tail, tail + 16 * D, 0.0f);
       std::copy(kb, kb + mk * D, tail);
