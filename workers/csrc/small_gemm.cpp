@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -29,12 +30,13 @@ constexpr int64_t PF_ROWS = 8;   // k rows (2 KB) ahead
 // float32: panel layout [K][64]
 template <int MR>
 void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-               int cols, const float* bias, bool prefetch) {
+               int cols, const float* bias, bool prefetch, bool accumulate) {
   __m512 acc[MR][4];
   for (int j = 0; j < 4; ++j) {
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
                            : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) acc[r][j] = b0;
+    for (int r = 0; r < MR; ++r)
+      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), y + r * ldy + 16 * j) : b0;
   }
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * NR;
@@ -63,7 +65,8 @@ void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
 // accumulated in float32 and rounded to bf16 once at the end, as F.linear does.
 template <int MR>
 void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y,
-                int64_t ldy, int cols, const float* bias, bool /*prefetch: not measured here*/) {
+                int64_t ldy, int cols, const float* bias, bool /*prefetch: not measured here*/,
+                bool /*accumulate: bf16 rounds its output, so it never runs in k chunks*/) {
   __m512 acc[MR][4];
   for (int j = 0; j < 4; ++j) {
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
@@ -95,28 +98,37 @@ void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, ui
 }
 
 template <typename T>
-using BlockFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int, const float*, bool);
+using BlockFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int, const float*, bool, bool);
 
 // kernels[mr - 1] serves a pass of mr rows
 template <typename T, template <int> class Kernel, size_t... I>
 constexpr std::array<BlockFn<T>, sizeof...(I)> table(std::index_sequence<I...>) {
   return {&Kernel<(int)I + 1>::run...};
 }
-template <int MR> struct F32 { static void run(const float* a, int64_t b, const float* c, int64_t d, float* e, int64_t f, int g, const float* h, bool i) { block_f32<MR>(a, b, c, d, e, f, g, h, i); } };
-template <int MR> struct BF16 { static void run(const uint16_t* a, int64_t b, const uint16_t* c, int64_t d, uint16_t* e, int64_t f, int g, const float* h, bool i) { block_bf16<MR>(a, b, c, d, e, f, g, h, i); } };
+template <int MR> struct F32 { static void run(const float* a, int64_t b, const float* c, int64_t d, float* e, int64_t f, int g, const float* h, bool i, bool j) { block_f32<MR>(a, b, c, d, e, f, g, h, i, j); } };
+template <int MR> struct BF16 { static void run(const uint16_t* a, int64_t b, const uint16_t* c, int64_t d, uint16_t* e, int64_t f, int g, const float* h, bool i, bool j) { block_bf16<MR>(a, b, c, d, e, f, g, h, i, j); } };
 
 template <typename T, template <int> class Kernel>
 void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel_elems,
                 int64_t N, const float* bias, T* y) {
   static constexpr auto kernels = table<T, Kernel>(std::make_index_sequence<MR_MAX>{});
   const int64_t panels = (N + NR - 1) / NR;
+  // float32, more than one block of rows: the blocks take turns over chunks of 32-64 k (4-8 KB of
+  // the panel), so the later blocks find the chunk in L1 while the next one streams in, rather
+  // than the first block streaming the whole panel and the others re-reading it from L2 (120
+  // layer linears, side by side: 8 rows 30.7 -> 27.5 ms, 16 rows 35.5 -> 33.2, 32 rows 48.3 ->
+  // 48.0 with 64). Partial sums wait in y between chunks (float32: the same sums, bit for bit).
+  const int64_t kc = !std::is_same<T, float>::value || M <= MR_MAX ? K : M <= 3 * MR_MAX ? 32 : 64;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (int)std::min<int64_t>(NR, N - p * NR);
-      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-        const int mr = (int)std::min<int64_t>(MR_MAX, M - m0);
-        kernels[mr - 1](x + m0 * K, K, packed + p * panel_elems, K, y + m0 * N + p * NR, N, cols,
-                        bias ? bias + p * NR : nullptr, M >= 2);
+      for (int64_t k0 = 0; k0 < K; k0 += kc) {
+        const int64_t kn = std::min(kc, K - k0);
+        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+          const int mr = (int)std::min<int64_t>(MR_MAX, M - m0);
+          kernels[mr - 1](x + m0 * K + k0, K, packed + p * panel_elems + k0 * NR, kn, y + m0 * N + p * NR, N, cols,
+                          bias && k0 == 0 ? bias + p * NR : nullptr, M >= 2, k0 > 0);
+        }
       }
     }
   });
