@@ -8,8 +8,9 @@ memory gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need on
 
 Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output features, each
 panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
-for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators in registers; the
-first block streams a panel from memory, later blocks find it in cache. Panels are split between
+for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators in registers; in
+float32 the blocks take turns over 32-64 k of a panel, the first streaming it from memory, the
+others finding it in L1. Panels are split between
 threads (torch's own OpenMP pool). In bf16 on CPUs with AMX (Sapphire Rapids and later) the
 panels are laid out as AMX tiles instead (`[P, K/32, 4, 16, 16, 2]`): one tile multiply does 16
 rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed.

@@ -1,7 +1,8 @@
 // y = x W^T (+ b) for few rows x (a verification step's tree nodes), W pre-packed in panels of 64
 // output features: a block of up to 6 rows keeps 6 x 4 accumulators in registers, so each
 // 256-byte row of a panel loads once per 24 fused multiply-adds (the row's value broadcast from
-// memory); the first block streams the panel from memory, the next blocks find it in cache.
+// memory); in float32 the blocks take turns over chunks of the panel, so one streams each chunk
+// from memory and the others find it in L1 (run_panels).
 // See workers/small_gemm.py for the layouts and why.
 //
 // Compiled with AVX-512F/BW/VL (+BF16 for the bf16 kernel); workers/small_gemm.py loads it only
