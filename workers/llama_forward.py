@@ -57,13 +57,16 @@ class LlamaForward:
         # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add
         # and SwiGLU
         self.fused = small_gemm.available(self.dtype, self.device)
-        # KV and attention in float32 when the weights are bf16 on CPU: torch's bf16 flash attention
-        # there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1 row: whole forward
-        # 26-30 ms with bf16 attention, 16-18 ms with fp32), and the KV of a small model is small.
-        self.kv_dtype = torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16 else self.dtype
-        # The fused CPU kernels also do the step's rope + KV write and its attention (workers/csrc/attention.cpp), for
-        # the head sizes that kernel is built for, with the float32 KV it reads.
-        self.fused_attention = self.fused and self.head_dim in (64, 128) and self.kv_dtype == torch.float32
+        # The fused CPU kernels also do the step's rope + KV write and its attention
+        # (workers/csrc/attention.cpp), for the head sizes that kernel is built for.
+        self.fused_attention = self.fused and self.head_dim in (64, 128)
+        # KV in the weights' dtype, except bf16 weights on CPU without that kernel: torch's bf16
+        # flash attention there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1
+        # row: whole forward 26-30 ms with bf16 attention, 16-18 ms with fp32). The kernel reads
+        # bf16 KV into float32 arithmetic: half the bytes of a float32 KV (bf16 forward, side by
+        # side: 8 requests x 4 rows 36.3 -> 31.0 ms, 1 request x 16 rows 21.9 -> 21.2 ms).
+        self.kv_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
+                         and not self.fused_attention else self.dtype)
         with torch.no_grad():
             self.embed = inner.embed_tokens.weight.detach()              # [V, H]
             self.lm_head = Linear(hf_model.lm_head.weight, None, self.gemm)   # [V, H]
@@ -210,8 +213,9 @@ class LlamaForward:
             plan.starts = [seg.start for seg in segments]
             plan.rows = [seg.rows for seg in segments]
             plan.lengths = [seg.cache.length for seg in segments]
+            max_keys = _KERNEL_MAX_KEYS.get(self.kv_dtype, 0)
             plan.short = [i for i, seg in enumerate(segments)
-                          if seg.rows <= _KERNEL_MAX_ROWS or seg.cache.length + seg.rows <= _KERNEL_MAX_KEYS]
+                          if seg.rows <= _KERNEL_MAX_ROWS or seg.cache.length + seg.rows <= max_keys]
             pick = lambda values: [values[i] for i in plan.short]   # noqa: E731
             plan.short_caches = (pick(plan.k_caches), pick(plan.v_caches))
             plan.short_rows = (pick(plan.starts), pick(plan.rows), pick(plan.lengths))
@@ -336,11 +340,12 @@ _FOLD_MAX_ROWS = 32
 # on 300-512 rows: blocks of 64 beat 128 and 256.
 _CHUNK_ROWS = 64
 # Segments of up to this many rows attend through the CPU kernel (tree steps, drafts' steps), and
-# longer ones (prefills) up to this many keys: past that torch's blocked path (above) is faster
-# (SmolLM2 prefill, bf16, kernel against torch: 250 rows 68.5 against 76.9 ms, 420 rows 121 against
-# 134, 700 rows 225 against 232, 1,500 rows 811 against 671).
+# longer ones (prefills) up to this many keys, by KV dtype: past that torch's blocked path (above)
+# is faster. SmolLM2 prefill, kernel against torch: float32 KV 250 rows 68.5 against 76.9 ms, 420
+# rows 121 against 134, 700 rows 225 against 232, 1,500 rows 811 against 671; bf16 KV (torch's
+# bf16 flash attention is fast for many rows) 250 rows 88.2 against 90.6, 420 rows 160 against 148.
 _KERNEL_MAX_ROWS = 64
-_KERNEL_MAX_KEYS = 768
+_KERNEL_MAX_KEYS = {torch.float32: 768, torch.bfloat16: 256}
 
 
 def _chunkable(seg: Segment) -> bool:

@@ -123,8 +123,9 @@ def test_generation_near_the_context_limit_stops_at_the_limit(forward):
 def test_bf16_speculation_equals_own_plain_bf16_decoding_except_near_ties():
     """bf16 lossless: speculative greedy = the same engine's plain bf16 greedy, or a near-tie.
 
-    The bf16 forward keeps KV and attention in float32 on CPU and its linears in oneDNN's packed
-    layout; neither may make a tree pass disagree with a one-token pass beyond bf16 rounding.
+    On CPU the bf16 forward keeps its KV in bf16 where the attention kernel runs (float32
+    arithmetic) and in float32 where torch attends, and its linears in a packed layout; none of
+    it may make a tree pass disagree with a one-token pass beyond bf16 rounding.
     """
     import torch
 
@@ -132,7 +133,8 @@ def test_bf16_speculation_equals_own_plain_bf16_decoding_except_near_ties():
     from workers.near_tie import classify
 
     fwd = LlamaForward(tiny_llama().to(torch.bfloat16))
-    assert fwd.kv_dtype == torch.float32 and fwd.new_cache(4).k.dtype == torch.float32
+    kv = torch.bfloat16 if fwd.fused_attention else torch.float32
+    assert fwd.kv_dtype == kv and fwd.new_cache(4).k.dtype == kv
     ps = prompts()
     plain = run(fwd, NoneDrafter(), greedy_requests(ps), adaptive=False)
     spec = run(fwd, create_drafter("ngram"), greedy_requests(ps), TreeBudget(16, 8), adaptive=False)

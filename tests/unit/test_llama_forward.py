@@ -110,7 +110,7 @@ def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, a
     # A request joining a batch: its 80-row prefill in the same pass as another request's tree
     # step; with the kernel, the prefill through it (causal: keys up to each row) or, past its
     # key limit, through torch's blocked attention while the tree step stays in the kernel.
-    monkeypatch.setattr(llama_forward, "_KERNEL_MAX_KEYS", kernel_max_keys)
+    monkeypatch.setitem(llama_forward._KERNEL_MAX_KEYS, torch.float32, kernel_max_keys)
     lf = lean(tiny_model, gemm, attention)
     ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     context, root = list(range(20, 50)), 7

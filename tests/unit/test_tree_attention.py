@@ -16,12 +16,18 @@ pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {sm
 NINF = float("-inf")
 
 
-def _caches(n_layers, nkv, cap, D, g):
-    return torch.randn(n_layers, nkv, cap, D, generator=g), torch.randn(n_layers, nkv, cap, D, generator=g)
+def _caches(n_layers, nkv, cap, D, g, kv_dtype=torch.float32):
+    return tuple(torch.randn(n_layers, nkv, cap, D, generator=g).to(kv_dtype) for _ in "kv")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype):
+# (model dtype, KV dtype): the lean forward's float32 and bf16 modes (bf16 KV where the kernel
+# runs), and bf16 weights over a float32 KV
+MODES = [(dt, kv) for dt, kv in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                 (torch.bfloat16, torch.float32)) if dt in DTYPES]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype", MODES)
+def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype, kv_dtype):
     g = torch.Generator().manual_seed(4)
     nq, nkv, D, cap, layer = 6, 2, 64, 20, 1
     rows, lengths = [3, 1, 5], [4, 0, 15]
@@ -30,7 +36,7 @@ def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype):
     qkv = torch.randn(T, (nq + 2 * nkv) * D, generator=g).to(dtype)
     cos = torch.randn(T, D, generator=g).to(dtype)
     sin = torch.randn(T, D, generator=g).to(dtype)
-    caches = [_caches(3, nkv, cap, D, g) for _ in rows]
+    caches = [_caches(3, nkv, cap, D, g, kv_dtype) for _ in rows]
     before = [(k.clone(), v.clone()) for k, v in caches]
     q = small_gemm.rope_store(qkv, cos, sin, [k for k, _ in caches], [v for _, v in caches], layer,
                               starts, rows, lengths, nq, nkv)
@@ -42,9 +48,9 @@ def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype):
     assert q.shape == (T, nq, D) and q.dtype == torch.float32
     torch.testing.assert_close(q, qk[:, :nq].float(), rtol=2e-6, atol=2e-6)
     for (k, v), (k0, v0), lo, n, at in zip(caches, before, starts, rows, lengths):
-        torch.testing.assert_close(k[layer, :, at: at + n], qk[lo: lo + n, nq:].float().transpose(0, 1),
+        torch.testing.assert_close(k[layer, :, at: at + n], qk[lo: lo + n, nq:].to(kv_dtype).transpose(0, 1),
                                    rtol=2e-6, atol=2e-6)
-        assert torch.equal(v[layer, :, at: at + n], heads[lo: lo + n, nq + nkv:].float().transpose(0, 1))
+        assert torch.equal(v[layer, :, at: at + n], heads[lo: lo + n, nq + nkv:].to(kv_dtype).transpose(0, 1))
         k[layer, :, at: at + n] = k0[layer, :, at: at + n]         # nothing else may have changed
         v[layer, :, at: at + n] = v0[layer, :, at: at + n]
         assert torch.equal(k, k0) and torch.equal(v, v0)
@@ -75,9 +81,9 @@ def _tree_mask(rows, g):
     return mask
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kv_dtype", MODES)
 @pytest.mark.parametrize("D", [64, 128])
-def test_tree_attention_matches_torch_for_each_request(dtype, D):
+def test_tree_attention_matches_torch_for_each_request(dtype, kv_dtype, D):
     g = torch.Generator().manual_seed(D)
     nq, nkv, layer = 9, 3, 1                           # SmolLM2's grouping: 3 query heads a kv head
     rows = [1, 16, 6, 40, 3]                           # folded: 3, 48, 18, 120, 9 query rows
@@ -85,7 +91,7 @@ def test_tree_attention_matches_torch_for_each_request(dtype, D):
     starts = [sum(rows[:i]) for i in range(len(rows))]
     T = sum(rows)
     q = torch.randn(T, nq, D, generator=g)
-    caches = [_caches(2, nkv, L + n + 3, D, g) for L, n in zip(lengths, rows)]
+    caches = [_caches(2, nkv, L + n + 3, D, g, kv_dtype) for L, n in zip(lengths, rows)]
     masks = [_tree_mask(n, g) for n in rows]
     # one request with a past mask (a draft's sliding window: old slots hidden)
     pasts = [None, None, None, None, torch.where(torch.arange(20) < 12, NINF, 0.0).expand(3, 20).contiguous()]
@@ -93,22 +99,26 @@ def test_tree_attention_matches_torch_for_each_request(dtype, D):
                                     lengths, masks, pasts, dtype)
     assert out.shape == (T, nq * D) and out.dtype == dtype
     for (k, v), lo, n, L, mask, past in zip(caches, starts, rows, lengths, masks, pasts):
-        ref = _reference(q, k, v, layer, lo, n, L, mask, past, nq).reshape(n, nq * D)
+        ref = _reference(q, k.float(), v.float(), layer, lo, n, L, mask, past, nq).reshape(n, nq * D)
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
         torch.testing.assert_close(out[lo: lo + n].float(), ref.to(dtype).float(), **tol)
 
 
-def test_tree_attention_a_row_that_sees_nothing_gets_zeros_and_sizes_are_checked():
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_a_row_that_sees_nothing_gets_zeros_and_sizes_are_checked(kv_dtype):
     D, nq, nkv = 64, 2, 1
-    k, v = torch.randn(1, nkv, 8, D), torch.randn(1, nkv, 8, D)
+    k, v = torch.randn(1, nkv, 8, D).to(kv_dtype), torch.randn(1, nkv, 8, D).to(kv_dtype)
     q = torch.randn(2, nq, D)
     mask = torch.tensor([[NINF, NINF], [0.0, 0.0]])
     past = torch.full((2, 3), NINF)
     out = small_gemm.tree_attention(q, [k], [v], 0, [0], [2], [3], [mask], [past], torch.float32)
     assert torch.equal(out[0], torch.zeros(nq * D))
     # the second row sees both new rows, weighted by softmax of their scores
-    s = (q[1] @ k[0, 0, 3:5].T) / math.sqrt(D)                         # [nq, 2]
-    torch.testing.assert_close(out[1].view(nq, D), s.softmax(-1) @ v[0, 0, 3:5], rtol=1e-5, atol=1e-5)
+    s = (q[1] @ k[0, 0, 3:5].float().T) / math.sqrt(D)                 # [nq, 2]
+    torch.testing.assert_close(out[1].view(nq, D), s.softmax(-1) @ v[0, 0, 3:5].float(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="all float32 or all bf16"):
+        small_gemm.tree_attention(q, [k, k.float() if kv_dtype == torch.bfloat16 else k.bfloat16()], [v, v], 0,
+                                  [0, 0], [1, 1], [3, 3], [mask[:1, :1]] * 2, [None] * 2, torch.float32)
     with pytest.raises(RuntimeError, match="capacity"):
         small_gemm.tree_attention(q, [k], [v], 0, [0], [2], [7], [mask], [None], torch.float32)
     with pytest.raises(RuntimeError, match="mask"):

@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -35,15 +36,15 @@ inline void rope_head(const X* x, const X* cos, const X* sin, float* out, int64_
 }
 
 struct Seg {            // one request's rows in the packed step, and its KV of this layer
-  float* k;             // [nkv, cap, D]
-  float* v;
+  void* k;              // [nkv, cap, D], float32 or bf16 (every segment the same)
+  void* v;
   int64_t cap, start, rows, length;
   const float* mask;    // [rows, rows] additive, among the new rows
   const float* past;    // [rows, length] additive over the cached slots, or null (all visible)
   bool causal;          // no new row sees a later one (a prefill): a row needs keys up to its own
 };
 
-template <typename X>
+template <typename X, typename KV>
 void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector<Seg>& segs,
                      int64_t nq, int64_t nkv, int64_t D, float* q) {
   const int64_t W = (nq + 2 * nkv) * D;
@@ -57,10 +58,15 @@ void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector
       const X* row = qkv + r * W;
       for (int64_t h = 0; h < nq; ++h) rope_head<X>(row + h * D, cos + r * D, sin + r * D, q + (r * nq + h) * D, D);
       for (int64_t h = 0; h < nkv; ++h) {
-        rope_head<X>(row + (nq + h) * D, cos + r * D, sin + r * D, s.k + (h * s.cap + slot) * D, D);
+        alignas(64) float key[256];                  // D <= 256 (checked)
+        rope_head<X>(row + (nq + h) * D, cos + r * D, sin + r * D, key, D);
         const X* v = row + (nq + nkv + h) * D;
-        float* vo = s.v + (h * s.cap + slot) * D;
-        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vo + d, load16(v + d, 0xFFFF));
+        KV* ko = static_cast<KV*>(s.k) + (h * s.cap + slot) * D;
+        KV* vo = static_cast<KV*>(s.v) + (h * s.cap + slot) * D;
+        for (int64_t d = 0; d < D; d += 16) {
+          store16(ko + d, _mm512_load_ps(key + d), 0xFFFF);
+          store16(vo + d, load16(v + d, 0xFFFF), 0xFFFF);
+        }
       }
     }
   });
@@ -82,8 +88,8 @@ constexpr int QB = 16;         // query rows a task
 
 // out[r][0:D] = sum_j p[i0 + r][j] v[j][0:D] for MR query rows (p rows si apart), DV = D / 16
 // vectors a row.
-template <int DV, int MR>
-void pv_block(const float* p, int i0, const float* v, int64_t n, float* out, int64_t si) {
+template <int DV, int MR, typename KV>
+void pv_block(const float* p, int i0, const KV* v, int64_t n, float* out, int64_t si) {
   __m512 acc[MR][DV];
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
@@ -91,7 +97,7 @@ void pv_block(const float* p, int i0, const float* v, int64_t n, float* out, int
     for (int c = 0; c < DV; ++c)         // the values 16 keys ahead (see KV_PREFETCH)
       _mm_prefetch((const char*)(v + (j + 16) * DV * 16 + c * 16), _MM_HINT_T0);
     __m512 vj[DV];
-    for (int c = 0; c < DV; ++c) vj[c] = _mm512_loadu_ps(v + j * DV * 16 + c * 16);
+    for (int c = 0; c < DV; ++c) vj[c] = load16(v + j * DV * 16 + c * 16, 0xFFFF);
     for (int r = 0; r < MR; ++r) {
       const __m512 pr = _mm512_set1_ps(p[(i0 + r) * si + j]);
       for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vj[c], acc[r][c]);
@@ -101,10 +107,11 @@ void pv_block(const float* p, int i0, const float* v, int64_t n, float* out, int
     for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + (r * DV + c) * 16, acc[r][c]);
 }
 
-using PvFn = void (*)(const float*, int, const float*, int64_t, float*, int64_t);
-template <int DV, size_t... I>
-constexpr std::array<PvFn, sizeof...(I)> pv_table(std::index_sequence<I...>) {
-  return {&pv_block<DV, (int)I + 1>...};
+template <typename KV>
+using PvFn = void (*)(const float*, int, const KV*, int64_t, float*, int64_t);
+template <int DV, typename KV, size_t... I>
+constexpr std::array<PvFn<KV>, sizeof...(I)> pv_table(std::index_sequence<I...>) {
+  return {&pv_block<DV, (int)I + 1, KV>...};
 }
 
 // The 16 keys' dot products from their partial-sum vectors: lane m of the result = sum of v[m].
@@ -121,19 +128,23 @@ inline __m512 reduce16(const __m512* v) {
 
 // s[i][j] = scale * (q_i . k[j]) for n query rows (pointers qs) and `end` keys (k rows D apart),
 // s rows si apart. K stays in L1 across the rows of a block of 16 keys.
-template <int DV>
-void scores_rows(const float* k, int64_t end, const float* const* qs, int n, float scale, float* s, int64_t si) {
+template <int DV, typename KV>
+void scores_rows(const KV* k, int64_t end, const float* const* qs, int n, float scale, float* s, int64_t si) {
   constexpr int64_t D = DV * 16;
   alignas(64) float tail[16 * D];
   const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
     const int mk = (int)std::min<int64_t>(16, end - j0);
-    const float* kb = k + j0 * D;
-    for (int64_t l = 0; l < D; ++l)      // the keys two blocks ahead (see KV_PREFETCH)
-      _mm_prefetch((const char*)(kb + 32 * D + 16 * l), _MM_HINT_T0);
-    if (mk < 16) {                       // the last keys, zero-padded: never read past the cache
-      std::fill(tail, tail + 16 * D, 0.0f);
-      std::copy(kb, kb + mk * D, tail);
+    const KV* kj = k + j0 * D;
+    for (int64_t l = 0; l < D * (int64_t)sizeof(KV) / 4; ++l)   // the keys two blocks ahead (see KV_PREFETCH)
+      _mm_prefetch((const char*)(kj + 32 * D) + 64 * l, _MM_HINT_T0);
+    const float* kb;
+    if (std::is_same<KV, float>::value && mk == 16) {
+      kb = reinterpret_cast<const float*>(kj);
+    } else {                             // bf16 keys as float32 once for all rows; the last keys
+      for (int m = 0; m < 16; ++m)       // zero-padded (never read past the cache)
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_store_ps(tail + m * D + d, m < mk ? load16(kj + m * D + d, 0xFFFF) : _mm512_setzero_ps());
       kb = tail;
     }
     for (int i = 0; i < n; ++i) {
@@ -173,12 +184,12 @@ inline float softmax_row(float* s, int64_t end) {
 
 // One task: kv head h of segment s, folded query rows [i0, i0 + n). q: [T, nq, D] float32;
 // out: [T, nq, D] in O. Rows whose every key is masked get zeros.
-template <int DV, typename O>
+template <int DV, typename KV, typename O>
 void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int64_t nq, int64_t g,
                  float scale, O* out, std::vector<float>& buf) {
   constexpr int64_t D = DV * 16;
   constexpr int MR = 24 / DV;                    // 24 accumulators: MR rows x DV vectors
-  static constexpr auto pv = pv_table<DV>(std::make_index_sequence<MR>{});
+  static constexpr auto pv = pv_table<DV, KV>(std::make_index_sequence<MR>{});
   int64_t end = s.length + s.rows;               // keys these rows may see
   if (s.causal) {
     int64_t last = 0;
@@ -194,9 +205,9 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
     const int64_t fi = i0 + i, head = h * g + fi / s.rows, row = s.start + fi % s.rows;
     qs[i] = q + (row * nq + head) * D;
   }
-  const float* k = s.k + h * s.cap * D;
-  const float* v = s.v + h * s.cap * D;
-  scores_rows<DV>(k, end, qs, n, scale, sc, si);
+  const KV* k = static_cast<const KV*>(s.k) + h * s.cap * D;
+  const KV* v = static_cast<const KV*>(s.v) + h * s.cap * D;
+  scores_rows<DV, KV>(k, end, qs, n, scale, sc, si);
   // masks: the cached slots (where given) and among the new rows, by each query row's new row
   for (int i = 0; i < n; ++i) {
     const int64_t t = (i0 + i) % s.rows;
@@ -219,7 +230,7 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
   }
 }
 
-template <int DV, typename O>
+template <int DV, typename KV, typename O>
 void attend_all(const std::vector<Seg>& segs, const float* q, int64_t nq, int64_t nkv, O* out) {
   const int64_t g = nq / nkv;
   const float scale = 1.0f / std::sqrt((float)(DV * 16));
@@ -233,7 +244,7 @@ void attend_all(const std::vector<Seg>& segs, const float* q, int64_t nq, int64_
     thread_local std::vector<float> buf;
     for (int64_t ti = a; ti < b; ++ti) {
       const Task& t = tasks[ti];
-      attend_task<DV, O>(segs[t.seg], t.h, t.i0, t.n, q, nq, g, scale, out, buf);
+      attend_task<DV, KV, O>(segs[t.seg], t.h, t.i0, t.n, q, nq, g, scale, out, buf);
     }
   });
 }
@@ -250,14 +261,15 @@ std::vector<Seg> segments(std::vector<torch::Tensor>& kc, std::vector<torch::Ten
   std::vector<Seg> segs;
   for (size_t i = 0; i < n; ++i) {
     const torch::Tensor& k = kc[i];
-    TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && k.scalar_type() == torch::kFloat32 &&
-                vc[i].sizes() == k.sizes() && vc[i].is_contiguous() && vc[i].scalar_type() == torch::kFloat32,
-                "KV caches: contiguous float32 [layers, kv_heads, capacity, head_dim]");
+    TORCH_CHECK(k.dim() == 4 && k.is_contiguous() && (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16) &&
+                vc[i].sizes() == k.sizes() && vc[i].is_contiguous() && vc[i].scalar_type() == k.scalar_type() &&
+                k.scalar_type() == kc[0].scalar_type(),
+                "KV caches: contiguous [layers, kv_heads, capacity, head_dim], all float32 or all bf16");
     TORCH_CHECK(layer >= 0 && layer < k.size(0) && k.size(1) == nkv && k.size(3) == D, "KV cache shape");
-    const int64_t cap = k.size(2), layer_elems = nkv * cap * D;
+    const int64_t cap = k.size(2), at = layer * nkv * cap * D * (int64_t)k.element_size();   // bytes
     TORCH_CHECK(starts[i] >= 0 && rows[i] >= 0 && starts[i] + rows[i] <= T && lengths[i] >= 0 &&
                 lengths[i] + rows[i] <= cap, "segment rows outside the step or the KV capacity");
-    Seg s{k.data_ptr<float>() + layer * layer_elems, vc[i].data_ptr<float>() + layer * layer_elems,
+    Seg s{static_cast<char*>(k.data_ptr()) + at, static_cast<char*>(vc[i].data_ptr()) + at,
           cap, starts[i], rows[i], lengths[i], nullptr, nullptr, causal && (*causal)[i]};
     if (masks) {
       const torch::Tensor& m = (*masks)[i];
@@ -279,7 +291,8 @@ std::vector<Seg> segments(std::vector<torch::Tensor>& kc, std::vector<torch::Ten
 }  // namespace
 
 // qkv [T, (nq + 2 nkv) D] and cos / sin_signed [T, D] in the model's dtype (float32 or bf16),
-// D a multiple of 32; k_caches / v_caches: each segment's float32 [layers, nkv, capacity, D].
+// D a multiple of 32; k_caches / v_caches: each segment's [layers, nkv, capacity, D], all float32
+// or all bf16 (the keys rounded once, after the rope).
 // Writes segment i's roped keys and its values (rows starts[i]..+rows[i]) to layer `layer` at
 // slots lengths[i]..; returns the roped queries, [T, nq, D] float32.
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kc,
@@ -287,20 +300,19 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
                          std::vector<int64_t> rows, std::vector<int64_t> lengths, int64_t nq, int64_t nkv) {
   const int64_t T = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "rope_store: contiguous tensors");
-  TORCH_CHECK(nkv > 0 && nq % nkv == 0 && D % 32 == 0 && qkv.dim() == 2 && qkv.size(1) == (nq + 2 * nkv) * D &&
+  TORCH_CHECK(nkv > 0 && nq % nkv == 0 && D % 32 == 0 && D <= 256 && qkv.dim() == 2 && qkv.size(1) == (nq + 2 * nkv) * D &&
               cos.size(0) == T && sin.sizes() == cos.sizes(), "rope_store: shapes");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope_store: dtypes");
   const auto segs = segments(kc, vc, layer, starts, rows, lengths, T, nkv, D, nullptr, nullptr, nullptr);
   auto q = torch::empty({T, nq, D}, qkv.options().dtype(torch::kFloat32));
-  if (qkv.scalar_type() == torch::kFloat32) {
-    rope_store_rows<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), segs, nq, nkv, D,
-                           q.data_ptr<float>());
-  } else {
-    TORCH_CHECK(qkv.scalar_type() == torch::kBFloat16, "rope_store: float32 or bfloat16");
-    using u16 = uint16_t;
-    rope_store_rows<u16>(reinterpret_cast<const u16*>(qkv.data_ptr()), reinterpret_cast<const u16*>(cos.data_ptr()),
-                         reinterpret_cast<const u16*>(sin.data_ptr()), segs, nq, nkv, D, q.data_ptr<float>());
-  }
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 || qkv.scalar_type() == torch::kBFloat16,
+              "rope_store: float32 or bfloat16");
+  using u16 = uint16_t;
+  const bool xf = qkv.scalar_type() == torch::kFloat32, kf = kc.empty() || kc[0].scalar_type() == torch::kFloat32;
+#define RS(X, KV) rope_store_rows<X, KV>(reinterpret_cast<const X*>(qkv.data_ptr()), reinterpret_cast<const X*>(cos.data_ptr()), \
+    reinterpret_cast<const X*>(sin.data_ptr()), segs, nq, nkv, D, q.data_ptr<float>())
+  if (xf && kf) RS(float, float); else if (!xf && kf) RS(u16, float); else if (!xf && !kf) RS(u16, u16); else RS(float, u16);
+#undef RS
   return q;
 }
 
@@ -324,12 +336,15 @@ torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "tree_attention: float32 or bfloat16 output");
   using u16 = uint16_t;
   const float* qp = q.data_ptr<float>();
-  if (dtype == torch::kFloat32) {
-    float* o = out.data_ptr<float>();
-    D == 64 ? attend_all<4, float>(segs, qp, nq, nkv, o) : attend_all<8, float>(segs, qp, nq, nkv, o);
+  const bool kf = kc[0].scalar_type() == torch::kFloat32, of = dtype == torch::kFloat32;
+#define ATT(DV, KV, O) attend_all<DV, KV, O>(segs, qp, nq, nkv, reinterpret_cast<O*>(out.data_ptr()))
+  if (D == 64) {
+    if (kf) { if (of) ATT(4, float, float); else ATT(4, float, u16); }
+    else    { if (of) ATT(4, u16, float);   else ATT(4, u16, u16); }
   } else {
-    u16* o = reinterpret_cast<u16*>(out.data_ptr());
-    D == 64 ? attend_all<4, u16>(segs, qp, nq, nkv, o) : attend_all<8, u16>(segs, qp, nq, nkv, o);
+    if (kf) { if (of) ATT(8, float, float); else ATT(8, float, u16); }
+    else    { if (of) ATT(8, u16, float);   else ATT(8, u16, u16); }
   }
+#undef ATT
   return out;
 }
