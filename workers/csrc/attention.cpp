@@ -5,6 +5,7 @@
 // request. See workers/small_gemm.py for when these run and the measured figures.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "kernels.h"
 #include "simd.h"
 #include <array>
 #include <cmath>

@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "kernels.h"
 #include "simd.h"
 #include <array>
 #include <cmath>
@@ -339,18 +340,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   }
   return out;
 }
-
-// attention.cpp
-torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kc,
-                         std::vector<torch::Tensor> vc, int64_t layer, std::vector<int64_t> starts,
-                         std::vector<int64_t> rows, std::vector<int64_t> lengths, int64_t nq, int64_t nkv);
-torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std::vector<torch::Tensor> vc,
-                             int64_t layer, std::vector<int64_t> starts, std::vector<int64_t> rows,
-                             std::vector<int64_t> lengths, std::vector<torch::Tensor> masks,
-                             std::vector<torch::Tensor> pasts, std::vector<bool> causal, c10::ScalarType dtype);
-
-// decoder.cpp
-void register_decoder(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder(m);
