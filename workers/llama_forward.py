@@ -223,7 +223,8 @@ class LlamaForward:
             plan.short_pasts = [None if segments[i].past is None else segments[i].past.to(torch.float32).contiguous()
                                 for i in plan.short]
             plan.short_causal = [_chunkable(segments[i]) for i in plan.short]
-        plan.long = [i for i in range(len(segments)) if i not in set(plan.short)]
+        short = set(plan.short)
+        plan.long = [i for i in range(len(segments)) if i not in short]
         plan.full_masks = {i: self._full_mask(segments[i]) for i in plan.long}
         plan.chunked = {i: _chunkable(segments[i]) for i in plan.long}
         return plan
