@@ -34,7 +34,8 @@ its arithmetic for a tree's rows; fused here, each in one pass:
   768 keys over a float32 KV, 256 over bf16: workers/llama_forward.py), marked causal: a block
   of rows reads keys only up to its own last row. torch: a flash-attention call a request, ~80 us
   at 1 row with 400 tokens of context. Side by side, whole SmolLM2 forward, 400 tokens of context,
-  against torch's rope and attention: 1 row 27.7 -> 23.8 ms fp32, 18.1 -> 14.4 bf16; 16 rows 55.8 -> 50.9 fp32, 22.2 -> 17.0 bf16;
+  against torch's rope and attention: 1 row 27.7 -> 23.8 ms fp32, 18.1 -> 14.4 bf16; 16 rows
+  55.8 -> 50.9 fp32, 22.2 -> 17.0 bf16;
 - `layer_stack` (csrc/decoder.cpp): all of a step's decoder layers in one call, the kernels above
   without the ~10 Python calls a layer between them (1 row 16.3 -> 14.6 ms bf16, 27.3 -> 25.0 fp32;
   16 rows 19.7 -> 18.1 bf16, 58.4 -> 55.2 fp32); `argmax_rows`, greedy acceptance's argmax.
