@@ -18,7 +18,7 @@ KERNELS = [(torch.float32, False)] * (torch.float32 in DTYPES) + [
 
 
 @pytest.mark.parametrize("dtype,amx", KERNELS)
-@pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 33), (960, 576), (7, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 33), (960, 576), (7, 1536), (130, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monkeypatch):
     monkeypatch.setattr(small_gemm, "_amx", lambda: amx)
@@ -38,6 +38,22 @@ def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monk
         else:   # accumulated in float32, rounded once to bf16: within one bf16 ulp
             torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-2)
 
+
+
+@pytest.mark.skipif(torch.float32 not in DTYPES, reason="float32 kernel unavailable")
+@pytest.mark.parametrize("in_features", [576, 200])
+def test_float32_rows_are_the_same_sums_whatever_the_batch(in_features):
+    # Several rows run in blocks over chunks of k with their partial sums parked in y; alone, a
+    # row runs in one pass. Each row must still be summed in the same order, bit for bit: a tree
+    # node's logits may not depend on how many other nodes share its step.
+    g = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(150, in_features, generator=g)
+    bias = torch.randn(150, generator=g)
+    packed = small_gemm.pack(weight)
+    x = torch.randn(40, in_features, generator=g)
+    alone = torch.cat([small_gemm.linear(x[i:i + 1], packed, 150, bias) for i in range(40)])
+    for rows in (7, 8, 12, 16, 20, 40):
+        assert torch.equal(small_gemm.linear(x[:rows], packed, 150, bias), alone[:rows]), rows
 
 def test_packed_layouts_put_each_weight_where_the_kernel_reads_it():
     w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)       # [N=70, K=5]

@@ -29,10 +29,27 @@ constexpr int NR = 64;      // output features per panel: 4 vectors of 16 floats
 constexpr int MR_MAX = 6;   // rows per block: 6 x 4 accumulators + 4 weight vectors of 32 registers
 constexpr int64_t PF_ROWS = 8;   // k rows (2 KB) ahead
 
+// Software prefetch of the weights for one block of rows (float32 only).
+// * near: a lone block (2-6 rows) prefetches its panel PF_ROWS k rows ahead into L1.
+// * next: several blocks take turns over a chunk of the panel (run_panels); each k step of each
+//   block prefetches one of the next chunk's cache lines into L2, from line `first` on, so the
+//   next chunk streams in at an even pace while the current one is multiplied, by all the blocks
+//   in turn. With the near prefetch alone, the later blocks' turns left memory idle and a pass
+//   took about the time of streaming plus the time of arithmetic. 120 layer linears + LM head,
+//   side by side: 8 rows 30.3 -> 28.8 ms, 12 rows 32.6 -> 32.0, 16 rows 37.3 -> 32.1, 20 rows
+//   42.6 -> 33.0, 24 rows 45.6 -> 35.1 (1 row 22.6). Front-loading it (all the next chunk's
+//   lines within the first blocks' turns) and two chunks ahead were no better.
+struct Prefetch {
+  bool near = false;
+  const float* next = nullptr;   // the next chunk's first weight, or nullptr
+  int64_t lines = 0;             // its 64-byte lines
+  int64_t first = 0;
+};
+
 // float32: panel layout [K][64]
 template <int MR>
 void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-               int cols, const float* bias, bool prefetch, bool accumulate) {
+               int cols, const float* bias, const Prefetch& pf, bool accumulate) {
   __m512 acc[MR][4];
   for (int j = 0; j < 4; ++j) {
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
@@ -40,14 +57,15 @@ void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
     for (int r = 0; r < MR; ++r)
       acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), y + r * ldy + 16 * j) : b0;
   }
+  int64_t line = pf.first;
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * NR;
     // The panel row PF_ROWS ahead into L1: with 2+ rows the hardware prefetcher alone leaves the
     // multiply-adds waiting on memory (SmolLM2's 120 layer linears, side by side: 4 rows 26.6 ->
-    // 22.0 ms, 16 rows 41.1 -> 36.4, 32 rows 55.2 -> 50.8); 1 row streams as fast without (19.4
-    // against 20.5 ms with).
-    if (prefetch)
+    // 22.0 ms); 1 row streams as fast without (19.4 against 20.5 ms with).
+    if (pf.near)
       for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(wk + PF_ROWS * NR + 16 * l), _MM_HINT_T0);
+    if (pf.next && line < pf.lines) _mm_prefetch((const char*)(pf.next + 16 * line++), _MM_HINT_T1);
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
                  w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
     for (int r = 0; r < MR; ++r) {
@@ -67,7 +85,7 @@ void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y,
 // accumulated in float32 and rounded to bf16 once at the end, as F.linear does.
 template <int MR>
 void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y,
-                int64_t ldy, int cols, const float* bias, bool /*prefetch: not measured here*/,
+                int64_t ldy, int cols, const float* bias, const Prefetch& /*not measured here*/,
                 bool /*accumulate: bf16 rounds its output, so it never runs in k chunks*/) {
   __m512 acc[MR][4];
   for (int j = 0; j < 4; ++j) {
@@ -100,36 +118,47 @@ void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, ui
 }
 
 template <typename T>
-using BlockFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int, const float*, bool, bool);
+using BlockFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, int, const float*, const Prefetch&, bool);
 
 // kernels[mr - 1] serves a pass of mr rows
 template <typename T, template <int> class Kernel, size_t... I>
 constexpr std::array<BlockFn<T>, sizeof...(I)> table(std::index_sequence<I...>) {
   return {&Kernel<(int)I + 1>::run...};
 }
-template <int MR> struct F32 { static void run(const float* a, int64_t b, const float* c, int64_t d, float* e, int64_t f, int g, const float* h, bool i, bool j) { block_f32<MR>(a, b, c, d, e, f, g, h, i, j); } };
-template <int MR> struct BF16 { static void run(const uint16_t* a, int64_t b, const uint16_t* c, int64_t d, uint16_t* e, int64_t f, int g, const float* h, bool i, bool j) { block_bf16<MR>(a, b, c, d, e, f, g, h, i, j); } };
+template <int MR> struct F32 { static void run(const float* a, int64_t b, const float* c, int64_t d, float* e, int64_t f, int g, const float* h, const Prefetch& i, bool j) { block_f32<MR>(a, b, c, d, e, f, g, h, i, j); } };
+template <int MR> struct BF16 { static void run(const uint16_t* a, int64_t b, const uint16_t* c, int64_t d, uint16_t* e, int64_t f, int g, const float* h, const Prefetch& i, bool j) { block_bf16<MR>(a, b, c, d, e, f, g, h, i, j); } };
 
 template <typename T, template <int> class Kernel>
 void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel_elems,
                 int64_t N, const float* bias, T* y) {
   static constexpr auto kernels = table<T, Kernel>(std::make_index_sequence<MR_MAX>{});
   const int64_t panels = (N + NR - 1) / NR;
-  // float32, more than one block of rows: the blocks take turns over chunks of 32-64 k (4-8 KB of
-  // the panel), so the later blocks find the chunk in L1 while the next one streams in, rather
-  // than the first block streaming the whole panel and the others re-reading it from L2 (120
-  // layer linears, side by side: 8 rows 30.7 -> 27.5 ms, 16 rows 35.5 -> 33.2, 32 rows 48.3 ->
-  // 48.0 with 64). Partial sums wait in y between chunks (float32: the same sums, bit for bit).
-  const int64_t kc = !std::is_same<T, float>::value || M <= MR_MAX ? K : M <= 3 * MR_MAX ? 32 : 64;
+  // float32, more than one block of rows: the blocks take turns over chunks of 64 k (16 KB of the
+  // panel), so the later blocks find the chunk in L1 (8 rows, side by side: 30.7 -> 27.5 ms) while
+  // the next chunk streams into L2 (Prefetch). Partial sums wait in y between chunks (float32: the
+  // same sums, bit for bit).
+  const bool f32 = std::is_same<T, float>::value;
+  const int64_t kc = !f32 || M <= MR_MAX ? K : 64;
+  const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (int)std::min<int64_t>(NR, N - p * NR);
       for (int64_t k0 = 0; k0 < K; k0 += kc) {
         const int64_t kn = std::min(kc, K - k0);
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
-          const int mr = (int)std::min<int64_t>(MR_MAX, M - m0);
+        Prefetch pf;
+        pf.near = f32 && blocks == 1 && M >= 2;
+        if (f32 && blocks > 1) {
+          // Past the panel's end this is the next panel's start (panels are contiguous): the
+          // next one this thread takes, or a harmless hint.
+          pf.next = reinterpret_cast<const float*>(packed + p * panel_elems + (k0 + kc) * NR);
+          pf.lines = kc * NR * (int64_t)sizeof(float) / 64;
+        }
+        for (int64_t b = 0, m0 = 0; b < blocks; ++b) {   // rows split evenly: 8 = 4 + 4, not 6 + 2
+          const int mr = (int)(M / blocks + (b < M % blocks));
+          pf.first = b * kn;
           kernels[mr - 1](x + m0 * K + k0, K, packed + p * panel_elems + k0 * NR, kn, y + m0 * N + p * NR, N, cols,
-                          bias && k0 == 0 ? bias + p * NR : nullptr, M >= 2, k0 > 0);
+                          bias && k0 == 0 ? bias + p * NR : nullptr, pf, k0 > 0);
+          m0 += mr;
         }
       }
     }
