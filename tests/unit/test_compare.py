@@ -14,7 +14,7 @@ def _report(mean, p50, p99, completed=10, requests=10, ttft=(0.01, 0.02)):
     stats = lambda m, a, b: {"mean": m, "p50": a, "p90": b, "p99": b}    # noqa: E731
     return {"overall": {"e2e_s": stats(mean, p50, p99), "ttft_s": stats(None, *ttft),
                         "requests": requests, "completed": completed, "errors_by_type": {},
-                        "output_tokens_per_s": 100.0},
+                        "output_tokens_per_s": 100.0, "completed_per_s": completed / 8.0},
             "generator_lag_ms": {"p99": 1.0},
             "samples": {"overall": {"e2e_s": [mean] * completed}}}
 
@@ -40,6 +40,7 @@ def test_comparison_rows_and_laps_reductions():
     assert laps["mean_latency_s"] == 1.5 and laps["p50_latency_s"] == 1.0
     assert laps["p99_latency_s"] == 4.0 and laps["completed"] == 9 and laps["errors"] == 1
     assert laps["ttft_p50_s"] == 0.01 and laps["ttft_p99_s"] == 0.02
+    assert laps["completed_per_s"] == 9 / 8.0 and "1.12" in table(cmp)
     assert cmp["laps_reduction_vs"] == pytest.approx({"fcfs": 0.25, "sjf": -0.5})
     assert cmp["laps_p99_reduction_vs"] == pytest.approx({"fcfs": 0.5, "sjf": 0.2})
     assert len(cmp["samples"]["laps"]) == 9
