@@ -147,11 +147,12 @@ void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel
         const int64_t kn = std::min(kc, K - k0);
         Prefetch pf;
         pf.near = f32 && blocks == 1 && M >= 2;
-        if (f32 && blocks > 1) {
-          // Past the panel's end this is the next panel's start (panels are contiguous): the
-          // next one this thread takes, or a harmless hint.
-          pf.next = reinterpret_cast<const float*>(packed + p * panel_elems + (k0 + kc) * NR);
-          pf.lines = kc * NR * (int64_t)sizeof(float) / 64;
+        // Past the panel's end the next chunk is the next panel's start (panels are contiguous):
+        // the next one this thread takes, or a harmless hint; past the last panel, nothing.
+        const int64_t next = p * panel_elems + (k0 + kc) * NR;
+        if (f32 && blocks > 1 && next < panels * panel_elems) {
+          pf.next = reinterpret_cast<const float*>(packed + next);
+          pf.lines = std::min(kc * NR, panels * panel_elems - next) * (int64_t)sizeof(float) / 64;
         }
         for (int64_t b = 0, m0 = 0; b < blocks; ++b) {   // rows split evenly: 8 = 4 + 4, not 6 + 2
           const int mr = (int)(M / blocks + (b < M % blocks));
