@@ -9,13 +9,13 @@ memory gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need on
 Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output features, each
 panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
 for AVX-512 BF16's dot product). A block of up to 6 rows keeps 24 accumulators in registers; in
-float32 the blocks take turns over 32-64 k of a panel, the first streaming it from memory, the
-others finding it in L1. Panels are split between
+float32 the blocks take turns over 64 k of a panel, finding it in L1, while each of their k steps
+asks for one line of the next 64 k into L2. Panels are split between
 threads (torch's own OpenMP pool). In bf16 on CPUs with AMX (Sapphire Rapids and later) the
 panels are laid out as AMX tiles instead (`[P, K/32, 4, 16, 16, 2]`): one tile multiply does 16
 rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the memory's speed.
 float32 accumulates in float32 in k order (not MKL's order: results agree to rounding); bf16
-accumulates in float32 and rounds once, as F.linear does. With 2+ rows the float32 kernel
+accumulates in float32 and rounds once, as F.linear does. A lone block of 2-6 float32 rows
 prefetches its panel a few k rows ahead (the hardware prefetcher alone left it waiting on memory).
 Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
 pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
@@ -46,7 +46,8 @@ the rope, as transformers does), except that float32 products may be fused into 
 and attention sums in its own order (results agree to an ulp or two).
 
 The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached under
-~/.cache/torch_extensions; scripts/setup.sh builds them) and only on x86-64 CPUs with
+~/.cache/torch_extensions, one build at a time across processes, `_build_and_load`;
+scripts/setup.sh builds them) and only on x86-64 CPUs with
 AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
 why not), every caller keeps another path, SPECGATE_SMALL_GEMM=0 turns them off and
 SPECGATE_AMX=0 the AMX tiles alone.
@@ -104,16 +105,35 @@ def _module():
         unavailable_reason = f"CPU lacks {', '.join(sorted(missing))}"
         return None
     try:
-        from torch.utils.cpp_extension import load
         with _lock:
-            return load(name="specgate_small_gemm", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            return _build_and_load()
     except Exception as exc:   # no compiler, no ninja, old torch headers: fall back, say why
         unavailable_reason = f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         return None
 
 
 unavailable_reason: str | None = None
+_NAME = "specgate_small_gemm"
+
+
+def _build_and_load():
+    """torch's `load` under an flock of our own in the build directory.
+
+    torch marks a build in progress with a lock *file* that its builder deletes when done; a
+    build killed half way (Ctrl-C on a first start, a CI job cancelled) leaves the file behind, and
+    every later load then waits on it forever, silently. An flock dies with its process, so while
+    we hold ours no other specgate process is building, and a lock file found then is such a
+    leftover: it is removed, and this load builds."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(_NAME, verbose=False))
+    with open(build_dir / "specgate.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)        # released when the file closes or the process dies
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 
 def available(dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> bool:

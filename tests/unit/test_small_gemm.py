@@ -2,6 +2,10 @@
 inner sizes, bias, float32 and bf16; and the packed layouts themselves."""
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +43,6 @@ def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monk
             torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=1e-2)
 
 
-
 @pytest.mark.skipif(torch.float32 not in DTYPES, reason="float32 kernel unavailable")
 @pytest.mark.parametrize("in_features", [576, 200])
 def test_float32_rows_are_the_same_sums_whatever_the_batch(in_features):
@@ -54,6 +57,24 @@ def test_float32_rows_are_the_same_sums_whatever_the_batch(in_features):
     alone = torch.cat([small_gemm.linear(x[i:i + 1], packed, 150, bias) for i in range(40)])
     for rows in (7, 8, 12, 16, 20, 40):
         assert torch.equal(small_gemm.linear(x[:rows], packed, 150, bias), alone[:rows]), rows
+
+
+def test_a_build_killed_half_way_does_not_hang_the_next_load():
+    # torch's own marker of a build in progress, as a build killed half way leaves it: torch alone
+    # would wait on it forever. A fresh process (this one has its module already) must load.
+    from torch.utils.cpp_extension import _get_build_directory
+    stale = Path(_get_build_directory(small_gemm._NAME, verbose=False)) / "lock"
+    stale.touch()
+    try:
+        run = subprocess.run([sys.executable, "-c", "import torch; from workers import small_gemm; "
+                              "print(small_gemm.available(torch.float32), small_gemm.unavailable_reason)"],
+                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                             timeout=300)
+        left = stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+    assert run.stdout.split()[:1] == ["True"], run.stdout + run.stderr
+    assert not left
 
 def test_packed_layouts_put_each_weight_where_the_kernel_reads_it():
     w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)       # [N=70, K=5]
