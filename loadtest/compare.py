@@ -224,7 +224,7 @@ def table(report: dict) -> str:
     lines = [f"{'policy':<8}{'done':>7}{'done/s':>8}{'errors':>7}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
              f"{'ttft p50':>10}{'ttft p99':>10}{'laps vs':>10}"]
     for name, r in report["policies"].items():
-        lines.append(f"{name:<8}{r['completed']:>7}{per_s(r.get('completed_per_s')):>8}{r['errors']:>7}"
+        lines.append(f"{name:<8}{r['completed']:>7}{per_s(r['completed_per_s']):>8}{r['errors']:>7}"
                      f"{ms(r['mean_latency_s']):>10}"
                      f"{ms(r['p50_latency_s']):>10}{ms(r['p99_latency_s']):>10}"
                      f"{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
