@@ -65,6 +65,13 @@ class VerifierServer:
             name: RemoteDrafter(drafts, name, affinity=self.replica_id)
             for name in s.drafter_names if name != "none"}
         self.worker = batch_worker(s, self.runtime, drafters=remote)
+        # this replica's step costs, for the scheduler's planner (gateway/serve_cmd.py planner_step_cost)
+        self.step_profile = None
+        if s.step_profile is None:
+            from scheduler.bench_profile import startup_profile
+            self.step_profile = startup_profile(
+                self.runtime.verifier(max_tree_nodes=max(64, s.max_tree_nodes), prefix_cache_mb=0),
+                s.max_batch)
         self._lock = threading.Lock()          # one call at a time touches the KV caches
         self._reniced: set[int] = set()
         # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)
@@ -74,6 +81,7 @@ class VerifierServer:
         import torch
         return {"context_limit": self.worker.context_limit,
                 "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id,
+                "step_profile": self.step_profile,
                 "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
     def _on_critical_path(self) -> None:
@@ -174,9 +182,8 @@ class SchedulerServer:
 
     async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
         from gateway.remote import SchedulerEndpoint
-        from gateway.serve_cmd import build_embedded
+        from gateway.serve_cmd import build_embedded, planner_step_cost
         from gateway.verifier_pool import VerifierPool
-        from scheduler.profile import StepCostModel
         from workers.loader import load_tokenizer, resolve_model
 
         s = Settings(**settings)
@@ -184,7 +191,8 @@ class SchedulerServer:
         tokenizer = await asyncio.to_thread(load_tokenizer, str(resolve_model(s.model, progress=False)),
                                             progress=False)
         self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
-        target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]), StepCostModel.from_json())
+        target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]),
+                  planner_step_cost(s, None, info["step_profile"]))
         self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target,
                                                 recover=False)
         self.endpoint = SchedulerEndpoint(self.embedded.service)

@@ -37,7 +37,7 @@ log = logging.getLogger("specgate.serve")
 
 # flag → settings field; flags left out keep the environment's value or the default
 _FLAGS = ("host", "port", "model", "tenants_file", "redis_url", "policy", "drafters", "grpc_port",
-          "dtype", "max_batch", "log_level", "fake_worker", "fake_step_ms")
+          "dtype", "max_batch", "step_profile", "log_level", "fake_worker", "fake_step_ms")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
+    p.add_argument("--step-profile", help="step-cost profile JSON for the planner (`specgate bench "
+                   "profile --json`; default: measured at start-up)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     # testing and gateway benchmarks: the scheduler's fake worker and a stand-in tokenizer
     p.add_argument("--ray", action="store_true", help="run as a Ray Serve application on a local Ray "
@@ -182,11 +184,25 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
         tok = ToyTokenizer()
         worker = PacedFakeWorker(settings.fake_step_ms / 1000, context_limit=settings.fake_context)
         return tok, worker, {tok.eos_token_id}, None
-    from scheduler.profile import StepCostModel
     from workers.runtime import load_runtime
 
     rt = runtime or load_runtime(settings.model, dtype=settings.dtype, progress=progress)
-    return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, StepCostModel.from_json()
+    return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt)
+
+
+def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None) -> Any:
+    """The step costs the planner sizes tree budgets by: `settings.step_profile` when set, else
+    `measured` (a verifier replica's start-up profile, Ray mode), else measured here now on a
+    verifier of its own (no prefix cache to fill with random prompts)."""
+    from scheduler.bench_profile import startup_profile
+    from scheduler.profile import StepCostModel
+
+    if settings.step_profile is not None:
+        return StepCostModel.from_json(settings.step_profile)
+    if measured is None:
+        measured = startup_profile(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes),
+                                               prefix_cache_mb=0), settings.max_batch)
+    return StepCostModel.from_doc(measured)
 
 
 def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> Any:

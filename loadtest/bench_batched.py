@@ -20,6 +20,7 @@ import time
 import torch
 
 from loadtest.workload import WORKLOADS, load_workload
+from scheduler.bench_profile import startup_profile
 from scheduler.loop import Delta, StepLoop
 from scheduler.policies import make_policy
 from scheduler.profile import StepCostModel
@@ -74,7 +75,10 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
                       workloads: tuple[str, ...] = WORKLOADS) -> dict:
     rt = load_runtime(model, dtype="float32", keep_hf=True)
     prompts = mixed_prompts(rt, concurrency * streams_per_slot, workloads)
-    cost = StepCostModel.from_json(profile)
+    # the planner's step costs: this machine's, as the gateway measures them at start-up, unless a
+    # profile file is given
+    cost = (StepCostModel.from_json(profile) if profile is not None else StepCostModel.from_doc(
+        startup_profile(rt.verifier(max_tree_nodes=max(64, budget.max_nodes), prefix_cache_mb=0), concurrency)))
     # Warm-up: one-off allocation and dispatch costs.
     serve_all(rt, prompts[:1], concurrency=1, max_tokens=8, drafter=drafter, budget=budget, profile=cost)
 
@@ -97,7 +101,7 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
     report = {
         "concurrency": concurrency, "requests": len(prompts), "max_tokens": max_tokens, "dtype": "float32",
         "drafter": drafter, "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
-        "workloads": list(workloads),
+        "workloads": list(workloads), "step_profile": profile or "measured at start-up",
         "hf_greedy_tok_s": round(hf_rate, 2),
         "total_tokens_per_s": round(spec_tokens / spec_s, 2),
         "plain_total_tokens_per_s": round(plain_tokens / plain_s, 2),

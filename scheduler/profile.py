@@ -115,7 +115,11 @@ class StepCostModel:
             text = resources.files("scheduler").joinpath("profiles/default.json").read_text()
         else:
             text = Path(path).read_text()
-        doc = json.loads(text)
+        return cls.from_doc(json.loads(text))
+
+    @classmethod
+    def from_doc(cls, doc: dict) -> "StepCostModel":
+        """A profile already parsed (e.g. `scheduler.bench_profile.startup_profile`'s)."""
 
         def curves(cs: list[dict]) -> list[Curve]:
             return [(c["batch"], c["tokens"], c["step_s"]) for c in cs]

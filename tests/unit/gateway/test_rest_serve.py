@@ -1,10 +1,12 @@
 """`specgate serve`'s assembly without a model: settings precedence (flags over SPECGATE_* over
 defaults), start-up checks, the dev tenant and admin keys, and the embedded gateway over a real
-Redis (tenants, limits and scheduler state shared, requests recovered after a restart)."""
+Redis (tenants, limits and scheduler state shared, requests recovered after a restart); on a tiny
+model, the step costs the planner is given."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -136,3 +138,23 @@ def test_two_gateways_over_one_redis_enforce_one_rate_limit_and_one_concurrency_
     finally:
         a.stop()
         b.stop()
+
+
+def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_profile(tmp_path):
+    from gateway.serve_cmd import _target
+    from tests.helpers import tiny_model_dir
+    from workers.runtime import load_runtime
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    rt = load_runtime(str(model), progress=False)
+    settings = Settings(model=str(model), max_batch=4)
+    *_, measured = _target(settings, False, rt)
+    assert "start-up" in measured.source and measured.batches == [1, 2, 4]
+    assert measured(4, 32) >= measured(4, 4) > 0
+
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"source": "mine", "curves": [
+        {"batch": 1, "tokens": [1, 8], "step_s": [0.01, 0.02]},
+        {"batch": 8, "tokens": [8, 64], "step_s": [0.03, 0.09]}]}))
+    *_, given = _target(Settings(model=str(model), step_profile=path), False, rt)
+    assert given.source == "mine" and given(8, 64) == pytest.approx(0.09)

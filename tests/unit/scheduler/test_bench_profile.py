@@ -93,3 +93,34 @@ def test_contexts_measure_the_grid_again_and_the_model_interpolates_them(tmp_pat
     assert model(2, 8) == model(2, 8, 20)                   # no context: the top-level curves
     assert verifier.active() == []
     assert "| 80 | 2 | 3 | 8 |" in bench_profile.table(json.loads(path.read_text()))
+
+
+def test_interleaved_grid_times_every_point_and_releases_its_requests(verifier):
+    got = bench_profile.measure_profile(verifier, batches=(1, 3), nodes=(0, 2, 5), prompt_len=30,
+                                        repeats=3, prefill_tokens=(), interleaved=True)
+    assert [c["batch"] for c in got["curves"]] == [1, 3]
+    for c in got["curves"]:
+        assert c["tokens"] == [c["batch"] * (1 + n) for n in (0, 2, 5)]
+        assert all(s > 0 for s in c["step_s_raw"]) and c["step_s"] == sorted(c["step_s"])
+    assert "prefill" not in got
+    assert verifier.active() == []
+
+
+def test_startup_profile_covers_the_batches_the_planner_will_run(verifier):
+    doc = bench_profile.startup_profile(verifier, max_batch=6)
+    assert [c["batch"] for c in doc["curves"]] == [1, 2, 4, 6]
+    assert doc["curves"][0]["nodes"] == list(bench_profile.STARTUP_NODES)
+    assert "start-up" in doc["source"] and doc["dtype"] == "float32"
+    model = StepCostModel.from_doc(doc)
+    assert model.batches == [1, 2, 4, 6] and model(6, 48) >= model(6, 6) > 0
+    assert verifier.active() == []
+
+
+def test_startup_profile_fits_a_short_context_model():
+    from tests.conftest import tiny_llama
+
+    short = Verifier(LlamaForward(tiny_llama(max_positions=64)), max_tree_nodes=16)
+    doc = bench_profile.startup_profile(short, max_batch=2)
+    nodes = doc["curves"][0]["nodes"]
+    assert nodes[0] == 0 and 1 < len(nodes) < len(bench_profile.STARTUP_NODES)   # fewer sizes, not none
+    assert StepCostModel.from_doc(doc)(2, 2) > 0
