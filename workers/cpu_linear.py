@@ -23,7 +23,9 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
 
 - `small`: the weight packed in panels for few rows (workers/small_gemm.py, our own AVX-512
   kernel), streamed once a call; more rows (prefills) go to a second copy: the plain weight in
-  float32 (MKL), oneDNN's blocked layout in bf16 (AMX there). Measured on the 2-core Intel Xeon,
+  float32 on Intel (MKL), oneDNN's blocked layout in bf16 (AMX there) and on other CPUs (where MKL
+  is slow: a 512-token fp32 prefill of SmolLM2 on a 2-core AMD EPYC Zen 5, 659 ms through MKL,
+  319 ms through oneDNN). Measured on the 2-core Intel Xeon,
   the 120 layer weights, fp32 (this machine's memory gives 18-24 GB/s and every figure moves with
   it, so these are runs side by side): 1 row 15.4 ms (F.linear 18.9), 8 rows 24.7 (MKL packed for
   8: 23.1), 16 rows 25.1 (MKL packed: 30.1), 32 rows 40.4 (45.7); 64 rows 60.9 against F.linear's
@@ -34,6 +36,10 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   even, 16 rows 32 vs 18), so more than 6 go to oneDNN. Two copies of the weights, against MKL's
   five (plain + four buckets). Whole SmolLM2 forward, 400 tokens of context, runs interleaved:
   1 row 34.5 ms (MKL 36.2), 8 rows 56.1 (51.2), 16 rows 58.5 (66.3), 32 rows 76.5 (91.4).
+  On the 2-core AMD EPYC (Zen 5, 2026-12-02), whole SmolLM2 forward, 128 tokens of context, runs
+  interleaved, `small` against `onednn`: fp32 1 row 12.9 ms (16.4), 8 rows 16.7 (18.6), 16 rows
+  19.7 (22.5), 32 rows 28.2 (34.1), 64 rows 53.1 (57.1); bf16 1 row 7.5 (10.3), 8-64 rows within
+  noise (both run oneDNN there). So `small` is the choice wherever it builds.
 
 `pick_backend` chooses per machine; `SPECGATE_CPU_GEMM=plain|mkl|onednn|small` overrides it (benchmarks
 compare them side by side). Results agree with `F.linear` to float32 rounding (~1e-5 relative),
@@ -65,10 +71,12 @@ def pick_backend(device: torch.device, dtype: torch.dtype, override: str | None 
         raise ValueError(f"SPECGATE_CPU_GEMM must be one of {', '.join(BACKENDS + ('auto',))}, not {choice!r}")
     usable = _usable_backends(device, dtype)
     if choice == "auto":
-        # Intel: our few-row kernel was measured fastest there (MKL's packed copies next); the
-        # AMD EPYC measurements above predate it, so there oneDNN stays (MKL is slow on it).
-        if _cpu_vendor() == "GenuineIntel":
-            choice = "small" if "small" in usable else "mkl" if dtype == torch.float32 else "onednn"
+        # Our few-row kernel was measured fastest on Intel and on AMD (above); without it, MKL's
+        # packed copies on Intel, oneDNN elsewhere (MKL is slow on AMD).
+        if "small" in usable:
+            choice = "small"
+        elif _cpu_vendor() == "GenuineIntel":
+            choice = "mkl" if dtype == torch.float32 else "onednn"
         else:
             choice = "onednn"
     return choice if choice in usable else "plain"
@@ -102,13 +110,14 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
         weight = weight.detach().contiguous()                               # [out, in]
-        # `small` keeps a second copy for many rows: plain in float32, oneDNN's layout in bf16.
+        # `small` keeps a second copy for many rows: plain in float32 on Intel (MKL), else oneDNN's.
         self.small = small_gemm.pack(weight) if backend == "small" else None
         # the kernel adds a float32 bias: converted once here, not on every call
         self.small_bias = None if self.small is None or bias is None else self.bias.float()
         # up to this many rows `small` runs its own kernel; more go to its second copy
         self.small_max_rows = 0 if self.small is None else small_gemm.max_rows(self.small)
-        blocked = backend == "onednn" or (backend == "small" and weight.dtype == torch.bfloat16)
+        blocked = backend == "onednn" or (backend == "small" and (
+            weight.dtype == torch.bfloat16 or _cpu_vendor() != "GenuineIntel"))
         self.weight = None if blocked else weight
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if blocked else None
         self.mkl = ({rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows) for rows in MKL_BUCKETS}

@@ -43,13 +43,32 @@ def test_override_and_environment_choose_the_backend(monkeypatch):
         pick_backend(CPU, torch.float32)
 
 
-def test_auto_follows_the_cpu_vendor(monkeypatch):
+def test_auto_takes_our_kernel_where_it_builds_else_follows_the_cpu_vendor(monkeypatch):
     monkeypatch.delenv("SPECGATE_CPU_GEMM", raising=False)
+    for vendor in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(cl, "_cpu_vendor", lambda: vendor)
+        if "small" in USABLE:
+            assert pick_backend(CPU, torch.float32) == "small"
+    monkeypatch.setattr(cl, "_usable_backends", lambda device, dtype: ("plain", "mkl", "onednn"))
     monkeypatch.setattr(cl, "_cpu_vendor", lambda: "GenuineIntel")
-    assert pick_backend(CPU, torch.float32) == ("small" if "small" in USABLE else
-                                                "mkl" if "mkl" in USABLE else "plain")
+    assert pick_backend(CPU, torch.float32) == "mkl"
+    assert pick_backend(CPU, torch.bfloat16) == "onednn"
     monkeypatch.setattr(cl, "_cpu_vendor", lambda: "AuthenticAMD")
-    assert pick_backend(CPU, torch.float32) == ("onednn" if "onednn" in USABLE else "plain")
+    assert pick_backend(CPU, torch.float32) == "onednn"
+
+
+@pytest.mark.parametrize("vendor, many_rows", [("GenuineIntel", "plain"), ("AuthenticAMD", "onednn")])
+def test_small_sends_many_rows_to_the_copy_fast_on_this_vendor(monkeypatch, vendor, many_rows):
+    if not {"small", "onednn"} <= set(USABLE):
+        pytest.skip("needs our kernel and oneDNN")
+    monkeypatch.setattr(cl, "_cpu_vendor", lambda: vendor)
+    g = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    lin = Linear(weight, bias, "small")
+    assert (lin.onednn is not None, lin.weight is not None) == (many_rows == "onednn", many_rows == "plain")
+    for rows in (3, lin.small_max_rows + 1, 200):
+        x = torch.randn(rows, 40, generator=g)
+        assert torch.allclose(lin(x), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5), rows
 
 
 def test_layouts_that_cannot_serve_fall_back_to_plain():
