@@ -69,9 +69,7 @@ class VerifierServer:
         self.step_profile = None
         if s.step_profile is None:
             from scheduler.bench_profile import startup_profile
-            self.step_profile = startup_profile(
-                self.runtime.verifier(max_tree_nodes=max(64, s.max_tree_nodes), prefix_cache_mb=0),
-                s.max_batch)
+            self.step_profile = startup_profile(self.runtime, s.max_batch)
         self._lock = threading.Lock()          # one call at a time touches the KV caches
         self._reniced: set[int] = set()
         # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)

@@ -193,15 +193,14 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
 def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None) -> Any:
     """The step costs the planner sizes tree budgets by: `settings.step_profile` when set, else
     `measured` (a verifier replica's start-up profile, Ray mode), else measured here now on a
-    verifier of its own (no prefix cache to fill with random prompts)."""
+    on `rt`."""
     from scheduler.bench_profile import startup_profile
     from scheduler.profile import StepCostModel
 
     if settings.step_profile is not None:
         return StepCostModel.from_json(settings.step_profile)
     if measured is None:
-        measured = startup_profile(rt.verifier(max_tree_nodes=max(64, settings.max_tree_nodes),
-                                               prefix_cache_mb=0), settings.max_batch)
+        measured = startup_profile(rt, settings.max_batch)
     return StepCostModel.from_doc(measured)
 
 

@@ -77,8 +77,8 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
     prompts = mixed_prompts(rt, concurrency * streams_per_slot, workloads)
     # the planner's step costs: this machine's, as the gateway measures them at start-up, unless a
     # profile file is given
-    cost = (StepCostModel.from_json(profile) if profile is not None else StepCostModel.from_doc(
-        startup_profile(rt.verifier(max_tree_nodes=max(64, budget.max_nodes), prefix_cache_mb=0), concurrency)))
+    cost = (StepCostModel.from_json(profile) if profile is not None
+            else StepCostModel.from_doc(startup_profile(rt, concurrency)))
     # Warm-up: one-off allocation and dispatch costs.
     serve_all(rt, prompts[:1], concurrency=1, max_tokens=8, drafter=drafter, budget=budget, profile=cost)
 

@@ -158,12 +158,11 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
                 verifier.release(rid)
         return [curve(b, [statistics.median(times[b, n]) for n in sorted(set(nodes))]) for b in groups]
 
-    if interleaved:
-        grid = grid_interleaved
-    out: dict[str, Any] = {"curves": grid(prompt_len)}
+    measure = grid_interleaved if interleaved else grid
+    out: dict[str, Any] = {"curves": measure(prompt_len)}
     others = sorted(set(c for c in contexts if c != prompt_len))
     if others:
-        out["contexts"] = [{"context": c, "curves": grid(c)} for c in others]
+        out["contexts"] = [{"context": c, "curves": measure(c)} for c in others]
     lengths = sorted(set(t for t in prefill_tokens if 2 <= t < verifier.context_limit))
     if lengths:
         times = [_median_s(lambda t=t: prefill("prefill", t), repeats) for t in lengths]
@@ -173,9 +172,12 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
     return out
 
 
-def startup_profile(verifier, max_batch: int) -> dict[str, Any]:
+def startup_profile(runtime, max_batch: int) -> dict[str, Any]:
     """This machine's step costs for the planner (module docstring): batches 1, 2, 4, … up to
-    `max_batch` (and `max_batch` itself), STARTUP_NODES draft nodes each; a profile document."""
+    `max_batch` (and `max_batch` itself), STARTUP_NODES draft nodes each; a profile document.
+    Measured on a verifier of its own over `runtime` (a `workers.runtime.Runtime`), without a
+    prefix cache for the random prompts to fill."""
+    verifier = runtime.verifier(max_tree_nodes=max(STARTUP_NODES), prefix_cache_mb=0)
     batches = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
     nodes = [n for n in STARTUP_NODES if n <= verifier.max_tree_nodes]
 

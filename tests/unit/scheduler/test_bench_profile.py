@@ -106,21 +106,25 @@ def test_interleaved_grid_times_every_point_and_releases_its_requests(verifier):
     assert verifier.active() == []
 
 
-def test_startup_profile_covers_the_batches_the_planner_will_run(verifier):
-    doc = bench_profile.startup_profile(verifier, max_batch=6)
+def runtime_over(model):
+    from workers.runtime import Runtime
+
+    return Runtime(tokenizer=None, forward=LlamaForward(model), hf_model=None, stop_token_ids=frozenset())
+
+
+def test_startup_profile_covers_the_batches_the_planner_will_run(tiny_model):
+    doc = bench_profile.startup_profile(runtime_over(tiny_model), max_batch=6)
     assert [c["batch"] for c in doc["curves"]] == [1, 2, 4, 6]
     assert doc["curves"][0]["nodes"] == list(bench_profile.STARTUP_NODES)
     assert "start-up" in doc["source"] and doc["dtype"] == "float32"
     model = StepCostModel.from_doc(doc)
     assert model.batches == [1, 2, 4, 6] and model(6, 48) >= model(6, 6) > 0
-    assert verifier.active() == []
 
 
 def test_startup_profile_fits_a_short_context_model():
     from tests.conftest import tiny_llama
 
-    short = Verifier(LlamaForward(tiny_llama(max_positions=64)), max_tree_nodes=16)
-    doc = bench_profile.startup_profile(short, max_batch=2)
+    doc = bench_profile.startup_profile(runtime_over(tiny_llama(max_positions=64)), max_batch=2)
     nodes = doc["curves"][0]["nodes"]
     assert nodes[0] == 0 and 1 < len(nodes) < len(bench_profile.STARTUP_NODES)   # fewer sizes, not none
     assert StepCostModel.from_doc(doc)(2, 2) > 0
