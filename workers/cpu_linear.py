@@ -88,11 +88,15 @@ def _usable_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...
     usable = ["plain"]
     if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         usable.append("mkl")
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if _has_onednn():
         usable.append("onednn")
     if small_gemm.available(dtype, device) and (dtype == torch.float32 or "onednn" in usable):
         usable.append("small")
     return tuple(usable)
+
+
+def _has_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 @lru_cache(maxsize=1)
@@ -116,8 +120,9 @@ class Linear:
         self.small_bias = None if self.small is None or bias is None else self.bias.float()
         # up to this many rows `small` runs its own kernel; more go to its second copy
         self.small_max_rows = 0 if self.small is None else small_gemm.max_rows(self.small)
+        # (a torch built without oneDNN keeps the plain float32 copy wherever it runs)
         blocked = backend == "onednn" or (backend == "small" and (
-            weight.dtype == torch.bfloat16 or _cpu_vendor() != "GenuineIntel"))
+            weight.dtype == torch.bfloat16 or (_cpu_vendor() != "GenuineIntel" and _has_onednn())))
         self.weight = None if blocked else weight
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_ROWS_HINT) if blocked else None
         self.mkl = ({rows: torch.ops.mkl._mkl_reorder_linear_weight(weight, rows) for rows in MKL_BUCKETS}
