@@ -192,8 +192,7 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
 
 def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None) -> Any:
     """The step costs the planner sizes tree budgets by: `settings.step_profile` when set, else
-    `measured` (a verifier replica's start-up profile, Ray mode), else measured here now on a
-    on `rt`."""
+    `measured` (a verifier replica's start-up profile, Ray mode), else measured now on `rt`."""
     from scheduler.bench_profile import startup_profile
     from scheduler.profile import StepCostModel
 

@@ -79,6 +79,13 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _headroom(nodes: Sequence[int], repeats: int, interleaved: bool) -> int:
+    """Tokens a request may commit while the grid is timed (every step could accept its whole
+    chain): one cell's steps, or, interleaved, every cell's, the requests never re-prefilled."""
+    per_step = sum(n + 1 for n in set(nodes)) if interleaved else max(nodes) + 1
+    return (repeats + 1) * per_step + 1       # + 1 warm-up step a cell
+
+
 def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
                     nodes: Sequence[int] = DEFAULT_NODES, prompt_len: int = 200,
                     repeats: int = 5, prefill_tokens: Sequence[int] = DEFAULT_PREFILL,
@@ -102,9 +109,8 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
     rng = random.Random(seed)
     vocab = verifier.target.vocab_size
     greedy = SamplingParams()
-    steps_per_cell = repeats + 1
-    # every step could accept its whole chain
-    headroom = steps_per_cell * (sum(n + 1 for n in set(nodes)) if interleaved else max(nodes) + 1) + 1
+    headroom = _headroom(nodes, repeats, interleaved)
+    ns = sorted(set(nodes))
     if min((prompt_len, *contexts)) < 2:
         raise ValueError("contexts must be ≥ 2 tokens")
     longest = max((prompt_len, *contexts))
@@ -121,7 +127,6 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
             [rng.randrange(3, vocab) for _ in range(n)])) for rid in ids])
 
     def curve(b: int, step_s: list[float]) -> dict[str, Any]:
-        ns = sorted(set(nodes))
         return {"batch": b, "nodes": ns, "tokens": [b * (1 + n) for n in ns],
                 "step_s": _monotone(step_s), "step_s_raw": step_s}
 
@@ -130,7 +135,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
         for b in sorted(set(batches)):
             ids = [f"b{b}r{i}" for i in range(b)]
             step_s = []
-            for n in sorted(set(nodes)):
+            for n in ns:
                 for rid in ids:
                     prefill(rid, length)
                 step_s.append(_median_s(lambda n=n: step(ids, n), repeats))
@@ -144,7 +149,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
         for ids in groups.values():
             for rid in ids:
                 prefill(rid, length)
-        points = [(b, n) for b in groups for n in sorted(set(nodes))]
+        points = [(b, n) for b in groups for n in ns]
         for b, n in points:                                 # warm-up
             step(groups[b], n)
         times: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
@@ -156,7 +161,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
         for ids in groups.values():
             for rid in ids:
                 verifier.release(rid)
-        return [curve(b, [statistics.median(times[b, n]) for n in sorted(set(nodes))]) for b in groups]
+        return [curve(b, [statistics.median(times[b, n]) for n in ns]) for b in groups]
 
     measure = grid_interleaved if interleaved else grid
     out: dict[str, Any] = {"curves": measure(prompt_len)}
@@ -180,13 +185,10 @@ def startup_profile(runtime, max_batch: int) -> dict[str, Any]:
     verifier = runtime.verifier(max_tree_nodes=max(STARTUP_NODES), prefix_cache_mb=0)
     batches = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
     nodes = [n for n in STARTUP_NODES if n <= verifier.max_tree_nodes]
-
-    def headroom() -> int:            # the tokens the interleaved grid's steps may commit
-        return (STARTUP_REPEATS + 1) * sum(n + 1 for n in nodes) + 1
-
-    while len(nodes) > 1 and headroom() + 2 > verifier.context_limit:    # short-context models
-        nodes.pop()
-    prompt_len = max(2, min(STARTUP_PROMPT_LEN, verifier.context_limit - headroom()))
+    while len(nodes) > 1 and _headroom(nodes, STARTUP_REPEATS, True) + 2 > verifier.context_limit:
+        nodes.pop()                   # short-context models: fewer tree sizes
+    prompt_len = max(2, min(STARTUP_PROMPT_LEN,
+                            verifier.context_limit - _headroom(nodes, STARTUP_REPEATS, True)))
     measured = measure_profile(verifier, batches=batches, nodes=nodes, prompt_len=prompt_len,
                                repeats=STARTUP_REPEATS, prefill_tokens=(), interleaved=True)
     doc = profile_document(measured, model="serving", dtype=str(verifier.target.dtype).replace("torch.", ""),

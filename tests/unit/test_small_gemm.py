@@ -76,6 +76,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_load():
     assert run.stdout.split()[:1] == ["True"], run.stdout + run.stderr
     assert not left
 
+
 def test_packed_layouts_put_each_weight_where_the_kernel_reads_it():
     w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5)       # [N=70, K=5]
     p = small_gemm.pack(w)
