@@ -88,7 +88,7 @@ def _usable_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...
     usable = ["plain"]
     if dtype == torch.float32 and torch._C.has_mkl and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"):
         usable.append("mkl")
-    if _has_onednn():
+    if _has_onednn() and (dtype == torch.float32 or _onednn_has_bf16()):
         usable.append("onednn")
     if small_gemm.available(dtype, device) and (dtype == torch.float32 or "onednn" in usable):
         usable.append("small")
@@ -97,6 +97,13 @@ def _usable_backends(device: torch.device, dtype: torch.dtype) -> tuple[str, ...
 
 def _has_onednn() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@lru_cache(maxsize=1)
+def _onednn_has_bf16() -> bool:
+    # oneDNN packs bf16 weights only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT; on an
+    # AVX2-only CPU its reorder raises, so bf16 stays on F.linear (plain) there.
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @lru_cache(maxsize=1)

@@ -90,3 +90,13 @@ def test_bf16_layouts_match_f_linear(backend, with_bias):
     for rows in (1, 2, 6, 7, 16, 33):       # either side of `small`'s switch to oneDNN
         x = torch.randn(rows, 40, generator=g).to(torch.bfloat16)
         assert torch.allclose(lin(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2), (backend, rows)
+
+
+def test_bf16_keeps_plain_where_onednn_cannot_pack_bf16(monkeypatch):
+    # An AVX2-only CPU: oneDNN serves float32 but its bf16 reorder raises, so bf16 must not pick it.
+    if not cl._has_onednn():
+        pytest.skip("no oneDNN in this torch build")
+    monkeypatch.setattr(cl, "_onednn_has_bf16", lambda: False)
+    assert "onednn" not in cl._usable_backends(CPU, torch.bfloat16)
+    assert "onednn" in cl._usable_backends(CPU, torch.float32)
+    assert pick_backend(CPU, torch.bfloat16, "onednn") == "plain"
