@@ -61,9 +61,12 @@ from scheduler.policies import Policy, PolicyConfig, make_policy
 from scheduler.profile import StepCostModel
 from scheduler.request import RequestStats, StepRecord
 from scheduler.state import SchedulerState
-from scheduler.workload_gen import SimRequest, WorkloadSpec, generate, with_arrivals
+from scheduler.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
+                                    with_arrivals)
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
+WORKLOADS = {"default": WorkloadSpec(),
+             "loadtest": WorkloadSpec(tenants=LOADTEST_TENANTS, predictor_sigma=None)}
 
 
 @dataclass(frozen=True)
@@ -257,9 +260,13 @@ def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepC
                                         min(8, int(math.log(theta) / math.log(r.alpha))))
         tau[rid] = expected_tau(r.alpha, d)
 
+    # a request not yet started still has its prompt's prefill to go, in full-batch steps
+    full_step = cost(b, b)
+
     def oracle(s: RequestStats) -> float:
         r = truth[s.request_id]
-        return (r.output_len - s.committed) / tau[s.request_id]
+        prefill = 0.0 if s.n_steps else cost.prefill(r.prompt_len) / full_step
+        return (r.output_len - s.committed) / tau[s.request_id] + prefill
     return oracle
 
 
@@ -383,6 +390,9 @@ def add_arguments(parser) -> None:
                         help="seconds; a negative value disables aging")
     parser.add_argument("--max-resident", type=int, default=32,
                         help="requests holding KV at once (the step loop's); 0: no limit")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                        help="default: four tenants with a length predictor; loadtest: what "
+                             "`loadtest compare --max-tokens 8-256` sends (no predictor)")
     parser.add_argument("--arrival-cv", type=float, default=1.0,
                         help="coefficient of variation of arrival gaps (1: Poisson, >1: bursty)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -400,7 +410,7 @@ def run(args) -> int:
                            aging_bound_s=None if args.aging_bound < 0 else args.aging_bound,
                            max_resident=(max(args.max_resident, args.max_batch)
                                          if args.max_resident > 0 else None),
-                           workload=replace(WorkloadSpec(), arrival_cv=args.arrival_cv),
+                           workload=replace(WORKLOADS[args.workload], arrival_cv=args.arrival_cv),
                            calibration_requests=min(1000, max(200, args.requests)))
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_sim(names, settings, jobs=args.jobs)

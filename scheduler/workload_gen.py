@@ -53,6 +53,9 @@ class TenantMix:
     alpha_b: float
     max_tokens: int = 2048
     priority: int = 0
+    # per request max_tokens drawn log-uniformly from (LO, HI), as `loadtest --max-tokens LO-HI`
+    # asks; None: every request asks for `max_tokens`
+    max_tokens_range: tuple[int, int] | None = None
 
 
 DEFAULT_TENANTS = (
@@ -61,6 +64,15 @@ DEFAULT_TENANTS = (
     TenantMix("rag", 0.25, 120, 0.7, 800, 0.5, 5.0, 2.0),
     TenantMix("agent", 0.15, 600, 0.7, 1000, 0.6, 3.0, 3.0, max_tokens=4096),
 )
+
+# What `specgate loadtest compare --max-tokens 8-256` sends the gateway (`--workload loadtest`):
+# two tenants of the same mix (chat, copy, code, summarize, extract), ~300-token prompts, each
+# request asking for a max_tokens drawn log-uniformly from 8-256, answers that would run on
+# (log-normal, median 70) and mostly stop at that bound, drafts accepted at mixed rates (copy and
+# extract high, chat low), and no length predictor (the gateway has none).
+LOADTEST_TENANTS = tuple(
+    TenantMix(name, 0.5, 70, 1.0, 300, 0.5, 2.0, 2.0, max_tokens=256, max_tokens_range=(8, 256))
+    for name in ("tenant-a", "tenant-b"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,22 +116,28 @@ def _lognormal(rng: random.Random, median: float, sigma: float) -> float:
 def generate(spec: WorkloadSpec, n: int, seed: int) -> list[SimRequest]:
     """n requests with arrival_s = 0; `with_arrivals` spreads them out afterwards."""
     rng = random.Random(seed)
+    # a stream of its own: where every bound is fixed, `rng`'s draws stay what they were
+    bound_rng = random.Random(seed + 7919)
     names = [t for t in spec.tenants]
     weights = [t.share for t in spec.tenants]
     out = []
     for i in range(n):
         t = rng.choices(names, weights)[0]
         natural = max(1, round(_lognormal(rng, t.out_median, t.out_sigma)))
-        length = min(natural, t.max_tokens)
+        bound = t.max_tokens
+        if t.max_tokens_range is not None:
+            lo, hi = t.max_tokens_range
+            bound = min(hi, int(math.exp(bound_rng.uniform(math.log(lo), math.log(hi + 1)))))
+        length = min(natural, bound)
         err = rng.gauss(0.0, 1.0)     # drawn either way: the same requests with or without one
         pred = None
         if spec.predictor_sigma is not None:
-            pred = min(t.max_tokens, max(1, round(natural * math.exp(
+            pred = min(bound, max(1, round(natural * math.exp(
                 spec.predictor_sigma * err))))
         out.append(SimRequest(
             index=i, request_id=f"r{i}", tenant=t.name, priority=t.priority, arrival_s=0.0,
             prompt_len=max(1, round(_lognormal(rng, t.prompt_median, t.prompt_sigma))),
-            max_tokens=t.max_tokens, output_len=length, hits_length=natural >= t.max_tokens,
+            max_tokens=bound, output_len=length, hits_length=natural >= bound,
             predicted_len=pred, alpha=rng.betavariate(t.alpha_a, t.alpha_b),
             alpha_early=rng.betavariate(*spec.early_alpha), seed=rng.getrandbits(32)))
     return out

@@ -36,10 +36,21 @@ order of service matters most), then at the engine's max_batch 8:
 * interleave "unified": "strict" +4.4% / +4.9% (batch 8: +0.5% / +0.6%). Under "strict" a request
   that leaves level 0 before its τ is stable lands below every perceptible request, however long
   they are, and cannot become perceptible without being served; "unified" has no such trap.
-* n_levels 6, growth 4, first_quantum 16 tree tokens: levels end at 16, 64, 256, 1,024 and 4,096
-  tree tokens verified, so the last level starts near the service of a p99 request (≈ 1,900
-  output tokens); 16 tokens is ~3–4 steps, what the stability test needs. first_quantum 4:
-  +0.0% / +0.1%; 64: −0.3% / −0.2% (noise); 3 levels with growth 2: +1.5% / +1.2%.
+* n_levels 6, growth 4, first_quantum 128 tree tokens: levels end at 128, 512, 2,048, 8,192 and
+  32,768 tree tokens verified. Under "unified" a newcomer counts as the steps left to the end of
+  its first quantum, plus its prompt's prefill in full-batch steps (`prefill_steps`: on a CPU a
+  300-token prefill costs as much as ~7 steps of 8), so a long first quantum lets a request whose
+  τ is known and that is nearly done finish before newcomers start, where a short one let every
+  newcomer in first (least attained service). The stability test still has its 3 steps well
+  inside the quantum. Against first_quantum 16 (the previous default; measured 2026-12-02, both
+  with the prefill term): default workload, batch 8, 17.34 → 17.30 s / 17.39 → 17.35 s; batch 1,
+  20.99 → 20.93 / 22.32 → 22.28 (no change); the `loadtest` workload (`specgate sim --workload
+  loadtest`, 2,000 requests, seeds 1 / 2), shipped profile, 4.01 → 3.80 s / 5.09 → 4.72 s against
+  FCFS's 3.92 / 5.26, and with the step costs of a 2-core Zen 1 EPYC (prefill ~59% of the busy
+  time) 12.95 → 12.21 s / 18.17 → 16.51 s against FCFS's 12.70 / 18.13; p99 1.00-1.16× FCFS's
+  (at 16: up to 1.63×). The prefill term alone: 12.65 → 12.19 s (seed 1, Zen 1 costs).
+  first_quantum 64 lies between, 256 equals 128. Earlier, at 16: 4 was +0.0% / +0.1% on the
+  default workload, 64 −0.3% / −0.2%, 3 levels with growth 2 +1.5% / +1.2%.
 * min_steps 3, max_rel_stderr 0.3: τ's step-to-step noise is about half its mean (geometric), so
   the standard error falls to 0.3 · mean after 3–4 steps for a steady request and holds back
   erratic ones. Stricter (8 steps, 0.15): +0.1% / +0.6%; none (2 steps): ±0.0%. We keep the light
@@ -76,17 +87,18 @@ fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on t
   sjf 43.7 s, laps 42.4 s (−25% against fcfs), srpt 37.1 s; bursty arrivals (Gamma gaps, CV 2),
   fcfs 49.7 s, sjf 41.4 s, laps 41.5 s, srpt 37.4 s. A better predictor (σ 0.5) helps both too:
   batch 1, sjf 32.9 s, laps 31.9 s (14% above srpt).
-* Bounded lengths and no predictor (the gateway today): a mix like `specgate loadtest compare
-  --max-tokens 8-256` (two tenants, lengths log-normal with median 70 and σ 1 cut at 256,
-  ~300-token prompts, the step costs measured on the AMD machine), 1,500 requests at load 0.85,
-  batch 8: fcfs 12.96 s, clairvoyant srpt 12.54 s (the order is worth 3% here), las 17.6 s,
-  laps 15.5 s (16.2 s before its length belief was cut at max_tokens; 13.5 s with the default
-  workload's predictor). With only the tenant's length distribution to go on, a log-normal's
-  expected remaining length grows with what a request has committed, so LAPS-SD ranks much as
-  least attained service does, and that loses to FCFS when lengths are bounded. On the real
-  gateway the same mix (rate 0.6/s, 116 requests a policy) measured laps 38% and 18% behind
-  fcfs before the cut and 22% ahead after it: single runs this close to saturation scatter by
-  ±20% (fcfs alone: 5.7, 5.8 and 7.0 s), so the real runs cannot tell the policies apart.
+* Bounded lengths and no predictor (the gateway today): `specgate sim --workload loadtest` (what
+  `loadtest compare --max-tokens 8-256` sends: max_tokens log-uniform 8-256 per request, answers
+  mostly stopping there, ~300-token prompts; workload_gen.py), 2,000 requests at load 0.85,
+  batch 8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.72
+  (4.01 / 5.09 at first_quantum 16; srpt here ranks by output steps plus the prefill still to
+  come, and has no aging bound). The order of service is worth a few percent on this mix, and the
+  prefills of a CPU engine take much of its time whatever the order. On the real gateway single
+  runs near saturation scatter far more than that: on a 2-core Zen 1 (capacity 0.48
+  completions/s, rate 0.41/s, 106 requests a policy) fcfs measured 9.4 s and 27.2 s in two runs
+  of the same arrivals, and sjf (which, with no predictor, serves as fcfs does) 10.5 and 47.7 s;
+  laps 15.6 s (first_quantum 16) and 14.3 s (128). Earlier, on the AMD Zen 5: fcfs 5.7, 5.8 and
+  7.0 s in three runs. So the real runs cannot tell the policies apart; the simulator can.
 """
 from __future__ import annotations
 
@@ -104,7 +116,7 @@ from scheduler.state import SchedulerState
 class LAPS(Policy):
     name = "laps"
 
-    def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 16.0,
+    def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 128.0,
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
                  lengths: str = "calibrated", **overrides) -> None:
@@ -179,4 +191,11 @@ class LAPS(Policy):
         if math.isinf(end):
             return BAND + s.attained
         per_step = s.attained / s.n_steps if s.n_steps else 1.0
-        return (end - s.attained) / per_step
+        return (end - s.attained) / per_step + (self.prefill_steps(s) if not s.n_steps else 0.0)
+
+    def prefill_steps(self, s: RequestStats) -> float:
+        cost = self.config.step_cost
+        if cost is None or not hasattr(cost, "prefill"):
+            return 0.0
+        b = self.config.max_batch
+        return cost.prefill(s.prompt_len) / cost(b, b)

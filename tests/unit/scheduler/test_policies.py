@@ -80,7 +80,9 @@ LAPS_CASES = [
 
 @pytest.mark.parametrize("interleave, requests, expected", LAPS_CASES)
 def test_laps_order(interleave, requests, expected):
-    got = ranked("laps", requests, interleave=interleave, min_steps=4, max_rel_stderr=0.2)
+    # levels as LAS's (first quantum 16 tree tokens), so that a case's level is plain to see
+    got = ranked("laps", requests, interleave=interleave, min_steps=4, max_rel_stderr=0.2,
+                 first_quantum=16.0)
     assert got == expected[:len(requests) - 1]
 
 
@@ -281,13 +283,27 @@ def test_laps_without_predictions_or_records_does_not_round_robin_similar_reques
     policy = make_policy("laps", max_batch=1, min_steps=2, **NO_AGING)
     reqs = [stats(f"r{i}", predicted=None, max_tokens=96, arrival=i) for i in range(3)]
     state = build(policy, reqs)
-    served = [step(policy, state, 10.0 + t).request_ids[0] for t in range(60)]
-    # each newcomer gets its first quantum (2 steps of 1 + 7 tree tokens), then r0, nearest to
-    # its 96 tokens, runs to the end (48 steps at τ 2 in all) before the others resume
-    assert served[:6] == ["r0", "r0", "r1", "r1", "r2", "r2"]
-    assert served[6:52] == ["r0"] * 46 and served[52] != "r0"
+    served = [step(policy, state, 10.0 + t).request_ids[0] for t in range(144)]
+    # a newcomer's first quantum (128 tree tokens, 16 steps of 1 + 7) is longer than what r0 has
+    # left once its τ is known, so r0 runs to its 96 tokens (48 steps at τ 2), then r1, then r2
+    assert served == ["r0"] * 48 + ["r1"] * 48 + ["r2"] * 48
     assert all(policy.predictable(s) for s in reqs)
     # and a request that asks for fewer tokens ranks ahead of one that asks for many
     short, long_ = stable("short", predicted=None, max_tokens=16), stable("long", predicted=None)
     assert ranked("laps", [long_, short, stats("new", arrival=5)], min_steps=4,
                   max_rel_stderr=0.2)[0] == "short"
+
+
+def test_laps_counts_a_newcomers_prefill_in_its_first_quantum():
+    # on a CPU a 1,000-token prompt's prefill costs as much as many steps: of two newcomers the
+    # one with the short prompt is nearer the end of its first quantum, and starts first
+    from scheduler.profile import StepCostModel
+    cost = StepCostModel([(1, [1, 16], [0.02, 0.03]), (2, [2, 32], [0.03, 0.05])],
+                         prefill=([10, 1000], [0.02, 2.0]))
+    long_prompt, short_prompt = stats("long_prompt", arrival=0), stats("short_prompt", arrival=1)
+    long_prompt.prompt_len, short_prompt.prompt_len = 1000, 10
+    got = ranked("laps", [long_prompt, short_prompt], step_cost=cost)
+    assert got == ["short_prompt"]
+    assert ranked("laps", [long_prompt, short_prompt]) == ["long_prompt"]   # no costs: by arrival
+    policy = make_policy("laps", max_batch=2, step_cost=cost)
+    assert policy.prefill_steps(long_prompt) == pytest.approx(2.0 / 0.03)   # in full-batch steps
