@@ -46,6 +46,17 @@ Curve = tuple[int, Sequence[float], Sequence[float]]   # (batch, tokens, step_s)
 MIN_STEP_S = 1e-4
 
 
+def prefill_steps(cost, prompt_len: int, batch: int) -> float:
+    """A prompt's prefill in plain steps of `batch` requests (`cost` a StepCostModel): how the
+    scheduler weighs the prefill a request has still to come against decode steps.
+
+    >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08])], prefill=([100, 200], [0.2, 0.3]))
+    >>> round(prefill_steps(m, 150, 1), 2)
+    6.25
+    """
+    return cost.prefill(prompt_len) / cost(batch, batch)
+
+
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     if len(xs) == 1:
         return ys[0]

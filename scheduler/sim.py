@@ -58,7 +58,7 @@ import numpy as np
 from scheduler.admission import ADMITTED, AdmissionControl, AdmissionLimits
 from scheduler.budget import expected_tau, tree_budgets
 from scheduler.policies import Policy, PolicyConfig, make_policy
-from scheduler.profile import StepCostModel
+from scheduler.profile import StepCostModel, prefill_steps
 from scheduler.request import RequestStats, StepRecord
 from scheduler.state import SchedulerState
 from scheduler.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
@@ -260,12 +260,10 @@ def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepC
                                         min(8, int(math.log(theta) / math.log(r.alpha))))
         tau[rid] = expected_tau(r.alpha, d)
 
-    # a request not yet started still has its prompt's prefill to go, in full-batch steps
-    full_step = cost(b, b)
-
     def oracle(s: RequestStats) -> float:
         r = truth[s.request_id]
-        prefill = 0.0 if s.n_steps else cost.prefill(r.prompt_len) / full_step
+        # a request not yet started still has its prompt's prefill to go
+        prefill = 0.0 if s.n_steps else prefill_steps(cost, r.prompt_len, b)
         return (r.output_len - s.committed) / tau[s.request_id] + prefill
     return oracle
 

@@ -109,6 +109,7 @@ from typing import Iterable
 from scheduler.policies.base import BAND, Policy
 from scheduler.policies.length_model import LengthModel
 from scheduler.policies.levels import Levels
+from scheduler.profile import prefill_steps
 from scheduler.request import RequestStats, StepRecord
 from scheduler.state import SchedulerState
 
@@ -197,5 +198,4 @@ class LAPS(Policy):
         cost = self.config.step_cost
         if cost is None or not hasattr(cost, "prefill"):
             return 0.0
-        b = self.config.max_batch
-        return cost.prefill(s.prompt_len) / cost(b, b)
+        return prefill_steps(cost, s.prompt_len, self.config.max_batch)
