@@ -220,6 +220,7 @@ class SchedulerCollector:
                               "Live requests whose acceptance estimate is stable (LAPS-SD)")
         g.add_metric([], perceptible)
         yield g
+        yield from _prefix_cache_gauges(self.step_loop.worker)
         steps = CounterMetricFamily("specgate_steps", "Verification steps run by the loop")
         steps.add_metric([], self.step_loop.steps)
         yield steps
@@ -232,3 +233,22 @@ class SchedulerCollector:
                 ok = False
             up.add_metric([name], 1.0 if ok else 0.0)
         yield up
+
+
+def _prefix_cache_gauges(worker: Any) -> Iterable:
+    """The prefix cache's bytes held and capacity, where the worker keeps one in this process
+    (none for the fake worker; a Ray verifier's cache lives in its replica). Summed over tenants:
+    one tenant's share would tell another what it sends."""
+    usage = getattr(worker, "prefix_cache_usage", None)
+    try:
+        got = usage() if callable(usage) else None
+    except Exception:                                  # a scrape never fails on a figure
+        got = None
+    if not isinstance(got, tuple):
+        return
+    for name, help_text, value in (
+            ("specgate_prefix_cache_bytes", "KV bytes the prefix cache holds", got[0]),
+            ("specgate_prefix_cache_capacity_bytes", "KV bytes the prefix cache may hold", got[1])):
+        g = GaugeMetricFamily(name, help_text)
+        g.add_metric([], float(value))
+        yield g

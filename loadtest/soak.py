@@ -10,12 +10,21 @@ finished) the gateway process is sampled: RSS and open file descriptors (from /p
 when installed), Redis `used_memory` and the number of keys under the store prefix when Redis is
 used, and the window's latency p50/p99 and errors.
 
-The report has the series and, comparing the last window with the first one after the warm-up
-windows (`--warmup-windows`, default 1: a new process's heap and caches grow at first),
+The report has the series and, comparing the last window with the first one after the warm-up,
 `rss_growth_after_warmup`, `fd_growth_after_warmup`, `redis_memory_growth_after_warmup` and
 `latency_drift` (p50), each a fraction (0.1: 10% more). A growth past `--warn-growth` (default
 0.10) is printed as a WARN line; the exit code stays 0, since one short run is a hint, not a
 verdict (the Redis memory is the whole server's, and a short run's p50 is noisy).
+
+Warm-up: a new gateway's RSS grows at first by what it is meant to keep: the verifier's prefix
+cache (256 MiB by default, full only after a few hundred distinct prompt blocks), the allocator's
+high-water mark, lazily built kernels. Counting that as growth would call a bounded cache a leak
+(a real-model soak at 0.25 requests/s: RSS +16% over the 2.5 minutes the prefix cache took to
+fill, then flat). By default (`--warmup-windows auto`) warm-up windows run before the measured
+`--minutes`, until the gateway's `specgate_prefix_cache_bytes` gauge has levelled off (grew by
+less than 1% of its capacity over a window; one window where there is no prefix cache), at most
+`--max-warmup-windows`; `warmup_levelled` says whether it did. `--warmup-windows N` instead
+leaves the first N of the `--minutes` windows out.
 
 Because one window's p50 against another's is mostly noise, `latency_trend` also fits a line to
 every post-warm-up window's p50 (`trend`): the change the line makes over the run as a fraction of
@@ -47,8 +56,11 @@ GROWTH_KEYS = {"rss_growth_after_warmup": "rss_bytes", "fd_growth_after_warmup":
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=10.0, help="how long to run the load")
     p.add_argument("--window-s", type=float, default=30.0, help="seconds per sampling window")
-    p.add_argument("--warmup-windows", type=int, default=1,
-                   help="windows left out of the growth and drift figures")
+    p.add_argument("--warmup-windows", type=_warmup_arg, default="auto",
+                   help="'auto': warm up until the prefix cache levels off, before --minutes; "
+                        "N: leave the first N windows of --minutes out of the figures")
+    p.add_argument("--max-warmup-windows", type=int, default=40,
+                   help="with --warmup-windows auto: measure anyway after this many")
     p.add_argument("--rate", type=float, default=10.0, help="mean arrivals per second")
     p.add_argument("--seed", type=int, default=0, help="window i uses seed + i")
     p.add_argument("--workloads", default="chat,copy",
@@ -82,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ended_ttl_s:
         settings["ended_ttl_s"] = args.ended_ttl_s
     report = soak(settings, windows=window_count(args.minutes, args.window_s),
-                  window_s=args.window_s, warmup=args.warmup_windows, rate=args.rate,
+                  window_s=args.window_s, warmup=args.warmup_windows,
+                  max_warmup=args.max_warmup_windows, rate=args.rate,
                   seed=args.seed, workloads=args.workloads.split(","),
                   max_tokens=args.max_tokens, tenants=args.tenants)
     if args.json:
@@ -95,7 +108,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError("--warmup-windows must be 'auto' or >= 0")
+    return n
+
+
 # ---- pure parts ----------------------------------------------------------------------------------
+def levelled(cache: list[tuple[int, int] | None], tolerance: float = 0.01) -> bool:
+    """Whether the prefix cache has levelled off by the last of the windows' (bytes held,
+    capacity) samples: it grew by less than `tolerance` of its capacity since the one before, or
+    there is no cache to fill. Needs two samples where there is a cache.
+
+    >>> levelled([(0, 100), (50, 100)]), levelled([(100, 100), (100, 100)]), levelled([None])
+    (False, True, True)
+    """
+    if not cache or cache[-1] is None:
+        return True
+    if len(cache) < 2 or cache[-2] is None:
+        return False
+    (before, _), (now, capacity) = cache[-2], cache[-1]
+    return now - before < tolerance * capacity
+
+
 def window_count(minutes: float, window_s: float) -> int:
     """Whole windows in the run, at least one: window_count(0.075, 1.5) == 3."""
     if minutes <= 0 or window_s <= 0:
@@ -188,44 +226,89 @@ def redis_sample(client: Any, prefix: str) -> dict[str, int]:
     return {"redis_used_memory": int(client.info("memory")["used_memory"]), "redis_keys": keys}
 
 
+def prefix_cache_usage(url: str, admin_key: str) -> tuple[int, int] | None:
+    """The gateway's prefix cache gauges (bytes held, capacity); None where it has no prefix
+    cache (the fake worker) or /metrics does not answer."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    values = {s.name: int(s.value) for family in text_string_to_metric_families(r.text)
+              for s in family.samples
+              if s.name in ("specgate_prefix_cache_bytes", "specgate_prefix_cache_capacity_bytes")}
+    if len(values) < 2:
+        return None
+    return values["specgate_prefix_cache_bytes"], values["specgate_prefix_cache_capacity_bytes"]
+
+
 # ---- the run -------------------------------------------------------------------------------------
-def soak(settings: dict, *, windows: int, window_s: float, warmup: int = 1, rate: float,
-         seed: int = 0, workloads: list[str] = ("chat", "copy"), max_tokens: int = 32,
-         tenants: int = 3) -> dict:
-    """Run `windows` load windows against one gateway process; the report (module docstring)."""
+def soak(settings: dict, *, windows: int, window_s: float, warmup: int | str = "auto",
+         max_warmup: int = 40, rate: float, seed: int = 0,
+         workloads: list[str] = ("chat", "copy"), max_tokens: int = 32, tenants: int = 3) -> dict:
+    """Run the load against one gateway process, window by window: with `warmup` "auto", warm-up
+    windows until the prefix cache levels off (at most `max_warmup`), then `windows` more; with
+    an int, `windows` in all, the first `warmup` of them warm-up. The report: module docstring."""
+    from gateway.tenants import new_api_key
     from loadtest.loadgen import loadtest
 
     keys = tenant_keys(tenants)
+    settings = {**settings, "admin_key": new_api_key()}    # to read the gateway's /metrics
     redis_client = None
     if settings.get("redis_url"):
         import redis
         redis_client = redis.Redis.from_url(settings["redis_url"])
-    series = []
+    series: list[dict] = []
+    caches: list[tuple[int, int] | None] = []
     with gateway_process(settings, keys) as gw:
         t0 = time.monotonic()
-        baseline = _sample(gw.pid, redis_client, settings.get("store_prefix", ""))
-        for i in range(windows):
+
+        def sample() -> dict:
+            caches.append(prefix_cache_usage(gw.url, settings["admin_key"]))
+            return {**_sample(gw.pid, redis_client, settings.get("store_prefix", "")),
+                    "prefix_cache_bytes": None if caches[-1] is None else caches[-1][0]}
+
+        def window(i: int, phase: str) -> None:
             rep = asyncio.run(loadtest(gw.url, keys, rate=rate, duration=window_s, seed=seed + i,
                                        workloads=list(workloads), max_tokens=max_tokens))
             o = rep["overall"]
-            series.append({"window": i, "t_s": round(time.monotonic() - t0, 3),
+            series.append({"window": i, "warmup": phase == "warm-up",
+                           "t_s": round(time.monotonic() - t0, 3),
                            "requests": o["requests"], "completed": o["completed"],
                            "errors": o["requests"] - o["completed"],
                            "p50_latency_s": o["e2e_s"]["p50"], "p99_latency_s": o["e2e_s"]["p99"],
-                           "ttft_p99_s": o["ttft_s"]["p99"],
-                           **_sample(gw.pid, redis_client, settings.get("store_prefix", ""))})
-            print(f"soak: window {i + 1}/{windows}: {o['completed']}/{o['requests']} completed, "
-                  f"p50 {_ms(series[-1]['p50_latency_s'])}, RSS "
-                  f"{series[-1]['rss_bytes'] / 2**20:.1f} MiB, {series[-1]['open_fds']} fds",
+                           "ttft_p99_s": o["ttft_s"]["p99"], **sample()})
+            w = series[-1]
+            print(f"soak: {phase} window {i + 1}: {o['completed']}/{o['requests']} completed, "
+                  f"p50 {_ms(w['p50_latency_s'])}, RSS {w['rss_bytes'] / 2**20:.1f} MiB, "
+                  f"{w['open_fds']} fds" + _cache_text(w["prefix_cache_bytes"]),
                   file=sys.stderr, flush=True)
+
+        baseline = sample()
+        if warmup == "auto":
+            while len(series) < max_warmup and not (series and levelled(caches)):
+                window(len(series), "warm-up")
+            n_warm = len(series)
+            for _ in range(windows):
+                window(len(series), "measured")
+        else:
+            n_warm = min(int(warmup), windows)
+            for i in range(windows):
+                window(i, "warm-up" if i < n_warm else "measured")
     if redis_client is not None:
         redis_client.close()
-    return {"settings": {"windows": windows, "window_s": window_s, "warmup_windows": warmup,
-                         "rate": rate, "seed": seed, "workloads": list(workloads),
-                         "max_tokens": max_tokens, "tenants": tenants,
-                         "gateway": {k: v for k, v in settings.items() if k != "redis_url"},
+    return {"settings": {"windows": len(series), "window_s": window_s, "warmup_windows": n_warm,
+                         "warmup": warmup, "rate": rate, "seed": seed,
+                         "workloads": list(workloads), "max_tokens": max_tokens,
+                         "tenants": tenants,
+                         "gateway": {k: v for k, v in settings.items()
+                                     if k not in ("redis_url", "admin_key")},
                          "redis": redis_client is not None},
-            "before_load": baseline, "series": series, **growths(series, warmup)}
+            "warmup_levelled": levelled(caches),
+            "before_load": baseline, "series": series, **growths(series, n_warm)}
 
 
 def _sample(pid: int, redis_client: Any, prefix: str) -> dict:
@@ -241,12 +324,18 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f} ms"
 
 
+def _cache_text(nbytes: int | None) -> str:
+    return "" if nbytes is None else f", prefix cache {nbytes / 2**20:.1f} MiB"
+
+
 def summary(report: dict) -> str:
     s, series = report["settings"], report["series"]
     pct = lambda x: "-" if x is None else f"{x:+.1%}"        # noqa: E731
     done = sum(w["completed"] for w in series)
     sent = sum(w["requests"] for w in series)
-    return (f"soak: {s['windows']} windows of {s['window_s']:g} s at {s['rate']:g}/s: "
+    warm = "" if report.get("warmup_levelled", True) else ", the prefix cache still filling"
+    return (f"soak: {s['windows']} windows of {s['window_s']:g} s at {s['rate']:g}/s "
+            f"({s['warmup_windows']} of them warm-up{warm}): "
             f"{done}/{sent} completed; after warm-up: RSS "
             f"{pct(report['rss_growth_after_warmup'])}, "
             f"fds {pct(report['fd_growth_after_warmup'])}, Redis memory "
@@ -278,6 +367,10 @@ def plot(report: dict, path: Path) -> None:
         axes[2].plot(t, [w[key] for w in series], marker="o", label=key[:3])
     axes[2].set(title="end-to-end latency per window", xlabel="seconds", ylabel="seconds")
     axes[2].legend()
+    warm = [w["t_s"] for w in series if w.get("warmup")]
+    if warm:                                       # where the measured windows begin
+        for ax in axes:
+            ax.axvline(warm[-1], color="grey", linestyle="--", linewidth=1)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -70,6 +70,11 @@ class BatchWorker:
         """Requests whose KV is held, in admission order."""
         return list(self._resident)
 
+    def prefix_cache_usage(self) -> tuple[int, int] | None:
+        """(bytes held, capacity in bytes) of the verifier's prefix cache; None without one."""
+        pc = self.verifier.prefix_cache
+        return None if pc is None else pc.usage_bytes()
+
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
                 drafter: str | None = None) -> int:

@@ -55,6 +55,7 @@ class PrefixCache:
         self.lookups = 0
         self.hit_tokens = 0          # prefill tokens served from the cache (a metric; tests)
         self.computed_tokens = 0     # prefill tokens computed
+        self.block_bytes: int | None = None   # K and V of one block; known from the first one
 
     @classmethod
     def for_bytes(cls, nbytes: int, n_layers: int, n_kv_heads: int, head_dim: int,
@@ -62,10 +63,24 @@ class PrefixCache:
         """A cache holding at most `nbytes` of KV; None when not even one block fits."""
         per_block = 2 * n_layers * n_kv_heads * block * head_dim * torch.finfo(dtype).bits // 8
         blocks = int(nbytes // per_block)
-        return cls(blocks, block) if blocks >= 1 else None
+        if blocks < 1:
+            return None
+        cache = cls(blocks, block)
+        cache.block_bytes = per_block
+        return cache
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def usage_bytes(self) -> tuple[int, int]:
+        """(bytes of KV held, bytes it may hold): how full the cache is, for a gauge (the soak's
+        warm-up waits for it to level off). Both 0 until the first block shows a block's size,
+        unless `for_bytes` made the cache."""
+        if self.block_bytes is None and self._blocks:
+            k = next(iter(self._blocks.values())).k
+            self.block_bytes = 2 * k.numel() * k.element_size()
+        per = self.block_bytes or 0
+        return len(self._blocks) * per, self.capacity_blocks * per
 
     def match(self, tenant: str, tokens: Sequence[int]) -> list[_Block]:
         """The cached blocks that spell the longest whole-block prefix of `tokens`, in order."""

@@ -110,6 +110,9 @@ DASHBOARDS = {
             q(f"histogram_quantile({p}, sum by (le) (rate(specgate_step_duration_seconds_bucket[{RATE}])))",
               f"p{int(p * 100)}") for p in (0.5, 0.99)]),
         ("Queue time", "s", quantiles("specgate_queue_time_seconds")),
+        ("Prefix cache: fill (KV bytes held / capacity)", "percentunit", [
+            q("sum(specgate_prefix_cache_bytes) / sum(specgate_prefix_cache_capacity_bytes)",
+              "fill")]),
     ]),
     "tenants": ("specgate: tenants", [
         ("Requests by tenant", "reqps", [

@@ -128,6 +128,9 @@ def test_prefix_cache_hits_are_counted_per_tenant(gateway):
         hits = samples.get(("specgate_prefix_cache_hit_tokens_total", (("tenant", tenant),)), 0)
         prefilled = samples[("specgate_prefill_tokens_total", (("tenant", tenant),))]
         assert 32 <= hits < prefilled
+    held = samples[("specgate_prefix_cache_bytes", ())]
+    capacity = samples[("specgate_prefix_cache_capacity_bytes", ())]
+    assert 0 < held <= capacity
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")

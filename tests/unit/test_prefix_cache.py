@@ -89,6 +89,20 @@ def test_capacity_from_bytes():
         PrefixCache(0)
 
 
+def test_usage_counts_the_blocks_held_against_the_capacity():
+    per_block = 2 * 2 * 1 * B * 3 * 4                  # K and V, [2 layers, 1 head, B, 3] fp32
+    pc = PrefixCache(4, block=B)
+    assert pc.usage_bytes() == (0, 0)                  # a block's size shows with the first one
+    tokens = list(range(1, 10))                        # two whole blocks
+    pc.store("a", tokens, filled(tokens), [])
+    assert pc.usage_bytes() == (2 * per_block, 4 * per_block)
+    more = list(range(30, 50))                         # five more: LRU keeps it at capacity
+    pc.store("b", more, filled(more), [])
+    assert pc.usage_bytes() == (4 * per_block, 4 * per_block)
+    sized = PrefixCache.for_bytes(10 * 2**20, 30, 3, 64, torch.float32)
+    assert sized.usage_bytes() == (0, sized.capacity_blocks * 2 * 30 * 3 * 32 * 64 * 4)
+
+
 # ---- through the verifier --------------------------------------------------------------------
 EOS = 2
 

@@ -1,5 +1,5 @@
 """Soak: growth and drift arithmetic on hand-made series, then a short fake-worker run over a real
-Redis (three windows of 1.5 s)."""
+Redis (a warm-up window and three more of 1.5 s)."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from loadtest.soak import growth, growths, open_fds, rss_bytes, trend, warnings, window_count
+from loadtest.soak import (growth, growths, levelled, open_fds, rss_bytes, trend, warnings,
+                           window_count)
 
 
 @pytest.mark.parametrize("values, warmup, want", [
@@ -60,6 +61,19 @@ def test_growths_and_warnings():
     assert any("latency_trend" in line for line in warnings(growths(rising, 1), 0.10))
 
 
+@pytest.mark.parametrize("cache, want", [
+    ([None], True),                                 # no prefix cache: nothing to fill
+    ([(0, 1000)], False),                           # one sample: no change seen yet
+    ([(0, 1000), (400, 1000)], False),              # filling
+    ([(990, 1000), (1000, 1000)], False),           # grew 1% of its capacity: not less
+    ([(995, 1000), (1000, 1000)], True),            # full: LRU keeps it there
+    ([(300, 1000), (305, 1000)], True),             # the workload's prompts all cached
+    ([None, (10, 1000)], False),                    # the gauge appeared: not levelled yet
+])
+def test_levelled(cache, want):
+    assert levelled(cache) is want
+
+
 def test_window_count():
     assert window_count(0.075, 1.5) == 3
     assert window_count(10, 30) == 20
@@ -86,13 +100,17 @@ def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
     assert run(args) == 0
     rep = json.loads(out.read_text())
     series = rep["series"]
-    assert len(series) == 3 and [w["window"] for w in series] == [0, 1, 2]
+    # auto warm-up: the fake worker keeps no prefix cache, so one warm-up window, then 3 measured
+    assert len(series) == 4 and [w["window"] for w in series] == [0, 1, 2, 3]
+    assert [w["warmup"] for w in series] == [True, False, False, False]
+    assert rep["settings"]["warmup_windows"] == 1 and rep["warmup_levelled"] is True
+    assert all(w["prefix_cache_bytes"] is None for w in series)
     for w in series:
         assert w["rss_bytes"] > 0 and w["open_fds"] > 0
         assert w["redis_used_memory"] > 0 and w["redis_keys"] > 0     # tenants, at least
         assert w["requests"] > 0 and w["completed"] == w["requests"] and w["errors"] == 0
         assert 0 < w["p50_latency_s"] <= w["p99_latency_s"]
-    assert series[0]["t_s"] < series[1]["t_s"] < series[2]["t_s"]
+    assert series[0]["t_s"] < series[1]["t_s"] < series[2]["t_s"] < series[3]["t_s"]
     for key in ("rss_growth_after_warmup", "fd_growth_after_warmup",
                 "redis_memory_growth_after_warmup", "latency_drift"):
         assert isinstance(rep[key], float)
@@ -104,5 +122,5 @@ def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
     client.close()
     expiring = [t for t in ttls if t > 0]
     assert expiring and max(expiring) <= 30_000
-    assert "soak: 3 windows" in capsys.readouterr().out
+    assert "soak: 4 windows" in capsys.readouterr().out
     assert (tmp_path / "soak.png").stat().st_size > 1000
