@@ -163,7 +163,13 @@ def test_redis_restart_under_load_loses_and_duplicates_nothing(own_redis):
                 async with httpx.AsyncClient(timeout=30) as client:
                     before = [asyncio.create_task(post(client, url, "sk-acme", body(max_tokens)))
                               for _ in range(n_before)]
-                    await asyncio.sleep(0.25)              # some running, some queued
+                    # Stop Redis once every one of them is admitted (live in the scheduler or
+                    # already answered), some running, some queued. A fixed sleep was not enough
+                    # on a slow machine: 22 of 24 were still arriving, and refused with 503.
+                    deadline = time.monotonic() + 20
+                    while (len(emb.step_loop.state.requests) + sum(t.done() for t in before)
+                           < n_before and time.monotonic() < deadline):
+                        await asyncio.sleep(0.005)
                     own_redis.stop()
                     in_flight = sum(not t.done() for t in before)
                     down_at = time.monotonic()
