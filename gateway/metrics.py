@@ -236,9 +236,9 @@ class SchedulerCollector:
 
 
 def _prefix_cache_gauges(worker: Any) -> Iterable:
-    """The prefix cache's bytes held and capacity, where the worker keeps one in this process
-    (none for the fake worker; a Ray verifier's cache lives in its replica). Summed over tenants:
-    one tenant's share would tell another what it sends."""
+    """The prefix cache's bytes held and capacity: an in-process worker's own, or in Ray mode the
+    sum the verifier replicas last reported (`VerifierPool`); none for the fake worker. Summed
+    over tenants: one tenant's share would tell another what it sends."""
     usage = getattr(worker, "prefix_cache_usage", None)
     try:
         got = usage() if callable(usage) else None

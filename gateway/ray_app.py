@@ -110,7 +110,8 @@ class VerifierServer:
             self._note(request_id, "prefill")
             cached = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
                                          max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
-            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0, "cached": cached}
+            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0, "cached": cached,
+                    "prefix_cache": self.worker.prefix_cache_usage()}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:
         """{"results": StepResults, "missing": request ids not held here, "busy_s": time spent}.
@@ -129,7 +130,9 @@ class VerifierServer:
             d0 = self.worker.draft_s
             results = self.worker.step(items)
             draft_s = self.worker.draft_s - d0
-        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s}
+            cache = self.worker.prefix_cache_usage()
+        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s,
+                "prefix_cache": cache}
 
     def release(self, entries: list, *, replica: str) -> None:
         with self._lock:

@@ -15,6 +15,10 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
 
 Every call after the prefill names the home (`replica=`), and the router sends it there.
 
+Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity);
+the pool keeps the latest per live replica, and `prefix_cache_usage` sums them for the scheduler's
+/metrics, as an in-process `BatchWorker` reports its own.
+
 A replica that dies takes its requests' KV with it, never their tokens: the pool keeps each
 request's committed context (prompt + every token a step returned), so a request whose home is
 gone (the call fails, or a replacement answers that it does not hold the request) is prefilled
@@ -67,6 +71,7 @@ class VerifierPool:
         self.busy_s = 0.0
         self.draft_s = 0.0                             # of which drafting (the slowest replica's)
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
+        self._cache_usage: dict[str, tuple[int, int]] = {}   # replica id -> its latest report
         self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[Release]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -116,6 +121,19 @@ class VerifierPool:
     def resident(self) -> list[str]:
         return list(self.home)
 
+    def prefix_cache_usage(self) -> tuple[int, int] | None:
+        """(bytes held, capacity) of the live replicas' prefix caches, from their latest answers;
+        None before any replica reported one."""
+        reports = [u for replica, u in list(self._cache_usage.items()) if replica not in self.dead]
+        if not reports:
+            return None
+        return sum(u[0] for u in reports), sum(u[1] for u in reports)
+
+    def _note_cache(self, replica: str, answer: dict) -> None:
+        usage = answer.get("prefix_cache")
+        if usage is not None:
+            self._cache_usage[replica] = (int(usage[0]), int(usage[1]))
+
     # ---- calls ----------------------------------------------------------------------------------
     def _place(self, request_id: str) -> int:
         """Prefill `request_id` from its committed context on the least-loaded live replica."""
@@ -135,6 +153,7 @@ class VerifierPool:
             avoid=sorted(self.dead), release=pending).result()
         replica = answer["replica"]
         self.busy_s += answer["busy_s"]
+        self._note_cache(replica, answer)
         with self._lock:
             done = set(pending.get(replica, ()))
             left = [r for r in self._releases.pop(replica, []) if r not in done]
@@ -169,6 +188,7 @@ class VerifierPool:
             if answer["missing"]:              # a replacement, or a router that could not pin
                 lost += answer["missing"]
                 continue
+            self._note_cache(home, answer)
             if answer["busy_s"] >= busy:
                 busy, draft = answer["busy_s"], answer.get("draft_s", 0.0)
             for r in answer["results"]:

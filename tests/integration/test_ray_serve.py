@@ -181,6 +181,9 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
                    for fam in text_string_to_metric_families(metrics.text) for x in fam.samples}
         assert samples[("specgate_requests_total", (("status", "finished"), ("tenant", "t1")))] > 0
         assert samples[("specgate_steps_total", ())] > 0
+        # the verifier replicas' prefix caches, as their answers reported them to the scheduler
+        assert 0 < samples[("specgate_prefix_cache_bytes", ())] <= samples[
+            ("specgate_prefix_cache_capacity_bytes", ())]
         assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [str(model_dir)]
 
 

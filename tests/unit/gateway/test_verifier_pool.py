@@ -18,6 +18,7 @@ from workers.acceptance import SamplingParams
 from workers.batch_worker import BatchWorker, WorkItem
 from workers.drafters.base import TreeBudget
 from workers.llama_forward import LlamaForward
+from workers.prefix_cache import PrefixCache
 from workers.verifier import Verifier
 
 
@@ -73,13 +74,15 @@ class _Method:
         apply_releases(worker, release.get(rid, ()) if isinstance(release, dict) else release)
         if self.name == "prefill":
             cached = worker.prefill(*args, **kwargs)
-            return _Response({"replica": rid, "busy_s": 0.001, "cached": cached})
+            return _Response({"replica": rid, "busy_s": 0.001, "cached": cached,
+                              "prefix_cache": worker.prefix_cache_usage()})
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))
             missing = [i.request_id for i in args[0] if i.request_id not in worker.resident()]
             if missing:
                 return _Response({"results": [], "missing": missing, "busy_s": 0.0})
-            return _Response({"results": worker.step(args[0]), "missing": [], "busy_s": 0.001})
+            return _Response({"results": worker.step(args[0]), "missing": [], "busy_s": 0.001,
+                              "prefix_cache": worker.prefix_cache_usage()})
         apply_releases(worker, args[0])                     # release
         return _Response(None)
 
@@ -217,3 +220,21 @@ def test_an_evicted_request_reaches_its_home_as_evicted_so_drafters_do_not_learn
     assert handle.replicas["r0"].resident() == ["other"]
     suffix = workers[0].drafter("suffix")
     assert len(suffix._tenants["default"].lengths) == 1                       # "kept" only
+
+
+def test_prefix_cache_usage_sums_the_live_replicas_latest_reports(tiny_model):
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model), prefix_cache=PrefixCache(8, block=4)))
+               for _ in range(2)]
+    handle = StandInHandle(workers)
+    pool = VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,))
+    assert pool.prefix_cache_usage() is None                  # no replica has answered yet
+    prefill(pool, "q0", n=9)                                  # 8 tokens of context: two blocks
+    prefill(pool, "q1", n=13)                                 # on the other replica: three
+    held = [w.verifier.prefix_cache.usage_bytes() for w in workers]
+    assert sorted(len(w.verifier.prefix_cache) for w in workers) == [2, 3]
+    assert pool.prefix_cache_usage() == (held[0][0] + held[1][0], held[0][1] + held[1][1])
+    home = pool.home["q0"]
+    handle.dying.add(home)                                    # q0's home dies under the next step
+    pool.step([WorkItem("q0", TreeBudget(4, 4)), WorkItem("q1", TreeBudget(4, 4))])
+    survivor = next(w for rid, w in handle.replicas.items())
+    assert pool.prefix_cache_usage() == survivor.verifier.prefix_cache.usage_bytes()
