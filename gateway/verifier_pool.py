@@ -17,7 +17,8 @@ Every call after the prefill names the home (`replica=`), and the router sends i
 
 Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity);
 the pool keeps the latest per live replica, and `prefix_cache_usage` sums them for the scheduler's
-/metrics, as an in-process `BatchWorker` reports its own.
+/metrics, as an in-process `BatchWorker` reports its own. A replica Serve retires (scale-down, a
+rolling update) just stops answering, so a report older than `CACHE_REPORT_TTL_S` is left out.
 
 A replica that dies takes its requests' KV with it, never their tokens: the pool keeps each
 request's committed context (prompt + every token a step returned), so a request whose home is
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -40,6 +42,7 @@ from workers.verifier import StepResult
 log = logging.getLogger(__name__)
 
 MAX_REPLACEMENTS = 3      # re-prefill rounds within one step before the step fails
+CACHE_REPORT_TTL_S = 300.0   # a replica silent this long no longer counts in the cache gauges
 
 
 @dataclass
@@ -71,7 +74,8 @@ class VerifierPool:
         self.busy_s = 0.0
         self.draft_s = 0.0                             # of which drafting (the slowest replica's)
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
-        self._cache_usage: dict[str, tuple[int, int]] = {}   # replica id -> its latest report
+        # replica id -> (when, (bytes held, capacity)): its latest prefix-cache report
+        self._cache_usage: dict[str, tuple[float, tuple[int, int]]] = {}
         self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[Release]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -121,10 +125,12 @@ class VerifierPool:
     def resident(self) -> list[str]:
         return list(self.home)
 
-    def prefix_cache_usage(self) -> tuple[int, int] | None:
-        """(bytes held, capacity) of the live replicas' prefix caches, from their latest answers;
-        None before any replica reported one."""
-        reports = [u for replica, u in list(self._cache_usage.items()) if replica not in self.dead]
+    def prefix_cache_usage(self, now: float | None = None) -> tuple[int, int] | None:
+        """(bytes held, capacity) of the live replicas' prefix caches, from their latest answers
+        within CACHE_REPORT_TTL_S of `now` (monotonic seconds); None when there is none."""
+        now = time.monotonic() if now is None else now
+        reports = [u for replica, (t, u) in list(self._cache_usage.items())
+                   if replica not in self.dead and now - t <= CACHE_REPORT_TTL_S]
         if not reports:
             return None
         return sum(u[0] for u in reports), sum(u[1] for u in reports)
@@ -132,7 +138,7 @@ class VerifierPool:
     def _note_cache(self, replica: str, answer: dict) -> None:
         usage = answer.get("prefix_cache")
         if usage is not None:
-            self._cache_usage[replica] = (int(usage[0]), int(usage[1]))
+            self._cache_usage[replica] = (time.monotonic(), (int(usage[0]), int(usage[1])))
 
     # ---- calls ----------------------------------------------------------------------------------
     def _place(self, request_id: str) -> int:

@@ -7,13 +7,14 @@ thing, on real Ray, is tests/integration/test_ray_serve.py.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
 
 from gateway.ray_routing import rank_replicas
 from gateway.releases import Evicted, apply_releases
-from gateway.verifier_pool import VerifierPool
+from gateway.verifier_pool import CACHE_REPORT_TTL_S, VerifierPool
 from workers.acceptance import SamplingParams
 from workers.batch_worker import BatchWorker, WorkItem
 from workers.drafters.base import TreeBudget
@@ -238,3 +239,6 @@ def test_prefix_cache_usage_sums_the_live_replicas_latest_reports(tiny_model):
     pool.step([WorkItem("q0", TreeBudget(4, 4)), WorkItem("q1", TreeBudget(4, 4))])
     survivor = next(w for rid, w in handle.replicas.items())
     assert pool.prefix_cache_usage() == survivor.verifier.prefix_cache.usage_bytes()
+    # a replica that has not answered for CACHE_REPORT_TTL_S (retired by Serve) drops out
+    later = time.monotonic() + CACHE_REPORT_TTL_S + 1
+    assert pool.prefix_cache_usage(now=later) is None
