@@ -55,7 +55,7 @@ class PrefixCache:
         self.lookups = 0
         self.hit_tokens = 0          # prefill tokens served from the cache (a metric; tests)
         self.computed_tokens = 0     # prefill tokens computed
-        self.block_bytes: int | None = None   # K and V of one block; known from the first one
+        self.block_bytes: int | None = None   # K and V of one block; set by the first one stored
 
     @classmethod
     def for_bytes(cls, nbytes: int, n_layers: int, n_kv_heads: int, head_dim: int,
@@ -75,10 +75,7 @@ class PrefixCache:
     def usage_bytes(self) -> tuple[int, int]:
         """(bytes of KV held, bytes it may hold): how full the cache is, for a gauge (the soak's
         warm-up waits for it to level off). Both 0 until the first block shows a block's size,
-        unless `for_bytes` made the cache."""
-        if self.block_bytes is None and self._blocks:
-            k = next(iter(self._blocks.values())).k
-            self.block_bytes = 2 * k.numel() * k.element_size()
+        unless `for_bytes` made the cache. A plain read: /metrics calls it from another thread."""
         per = self.block_bytes or 0
         return len(self._blocks) * per, self.capacity_blocks * per
 
@@ -120,6 +117,8 @@ class PrefixCache:
             if blk is None:
                 blk = _Block(self._next_id, key, cache.k[:, :, start:start + b].clone(),
                              cache.v[:, :, start:start + b].clone())
+                if self.block_bytes is None:
+                    self.block_bytes = 2 * blk.k.numel() * blk.k.element_size()
                 self._next_id += 1
                 self._blocks[key] = blk
             added.append(blk)
