@@ -50,12 +50,14 @@ The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached 
 scripts/setup.sh builds them) and only on x86-64 CPUs with
 AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
 why not), every caller keeps another path, SPECGATE_SMALL_GEMM=0 turns them off and
-SPECGATE_AMX=0 the AMX tiles alone.
+SPECGATE_AMX=0 the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim image has
+none) they are unavailable and torch's paths run.
 """
 from __future__ import annotations
 
 import os
 import platform
+import shutil
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -103,6 +105,12 @@ def _module():
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - _cpu_flags()
     if missing:
         unavailable_reason = f"CPU lacks {', '.join(sorted(missing))}"
+        return None
+    # torch builds (and checks, even when the build is cached) with $CXX or c++; without one, as in
+    # the python:3.11-slim image, say so rather than have torch try, warn at length and fail.
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        unavailable_reason = f"no C++ compiler ({compiler}) to build them"
         return None
     try:
         with _lock:

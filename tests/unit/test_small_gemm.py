@@ -142,6 +142,21 @@ def test_switched_off_it_says_why_and_the_engine_keeps_torchs_paths(monkeypatch)
         small_gemm.unavailable_reason = None
 
 
+def test_without_a_compiler_it_says_so_without_trying_a_build(monkeypatch, tmp_path):
+    """As in the slim image: no c++ on the PATH. No build directory is made, nothing is run."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    small_gemm._module.cache_clear()
+    try:
+        assert not small_gemm.available(torch.float32)
+        assert "no C++ compiler" in small_gemm.unavailable_reason
+        assert not (tmp_path / "ext").exists()
+    finally:
+        monkeypatch.undo()
+        small_gemm._module.cache_clear()
+        small_gemm.unavailable_reason = None
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_matches_torch(dtype):
     g = torch.Generator().manual_seed(3)
