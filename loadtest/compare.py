@@ -15,6 +15,14 @@ event loop and step loop would share the GIL with the load generator, so the cli
 would be part of every latency; and a fresh process per policy leaves nothing (warm caches, a
 grown heap, a queue not yet drained) from one policy's run to the next. The cost is a start-up per
 policy (about 2 s with the fake worker; the model load with a real one).
+
+`--rounds N` runs every policy N times: round r uses seed + r (the same arrivals for every policy
+within a round) and reverses the order of the policies every other round (fcfs,laps then laps,fcfs).
+Each policy's row pools its rounds' requests; `rounds` keeps each round's means and laps'
+reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the policy run first
+was the slowest in both of two real-model runs (2026-12-02, 0.95 requests/s, 300 s each):
+fcfs,sjf,laps gave 6.27, 4.79, 3.71 s mean (laps 41% below fcfs); laps,fcfs gave 5.47, 4.27 s
+(laps 28% above). One pass of each policy measures the machine's drift as much as the policies.
 """
 from __future__ import annotations
 
@@ -52,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fake-worker", action="store_true",
                    help="no model: the scheduler's fake worker")
     p.add_argument("--fake-step-ms", type=float, default=10.0, help="fake worker sleep per step")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every policy this many times, seed + round, the order reversed every "
+                        "other round; rows pool the rounds (see the module docstring)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--json", type=Path, help="write the comparison here")
     p.add_argument("--plot", type=Path, help="end-to-end latency CDF per policy (PNG)")
@@ -61,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     report = compare(policies, gateway_settings(args), tenants=args.tenants, rate=args.rate,
                      duration=args.duration, seed=args.seed, workloads=args.workloads.split(","),
-                     max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout)
+                     max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
+                     rounds=args.rounds)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:
@@ -105,19 +117,66 @@ def policy_row(report: dict) -> dict:
             "generator_lag_p99_ms": report["generator_lag_ms"]["p99"]}
 
 
+def laps_reductions(rows: dict[str, dict], key: str) -> dict[str, float | None]:
+    """laps' reduction of `key` against each other policy's (`rows` holds laps)."""
+    return {p: reduction(r[key], rows["laps"][key]) for p, r in rows.items() if p != "laps"}
+
+
 def comparison(reports: dict[str, dict], settings: dict) -> dict:
     """Per policy rows, laps' reductions against the others (mean and p99 latency) and each
     policy's end-to-end samples (for the CDF)."""
     rows = {name: policy_row(rep) for name, rep in reports.items()}
     out: dict[str, Any] = {"settings": settings, "policies": rows}
     if "laps" in rows:
-        laps = rows["laps"]
-        others = [p for p in rows if p != "laps"]
-        out["laps_reduction_vs"] = {p: reduction(rows[p]["mean_latency_s"],
-                                                 laps["mean_latency_s"]) for p in others}
-        out["laps_p99_reduction_vs"] = {p: reduction(rows[p]["p99_latency_s"],
-                                                     laps["p99_latency_s"]) for p in others}
+        out["laps_reduction_vs"] = laps_reductions(rows, "mean_latency_s")
+        out["laps_p99_reduction_vs"] = laps_reductions(rows, "p99_latency_s")
     out["samples"] = {name: rep["samples"]["overall"]["e2e_s"] for name, rep in reports.items()}
+    return out
+
+
+def round_order(policies: list[str], r: int) -> list[str]:
+    """The order of round `r`: as given in even rounds, reversed in odd ones."""
+    return list(policies) if r % 2 == 0 else list(reversed(policies))
+
+
+def pooled(reports: list[dict]) -> dict:
+    """One policy's rounds (`loadgen` reports) as one report of the fields `policy_row` reads:
+    latency figures over every round's requests, counts summed, rates averaged over the rounds,
+    the generator's worst p99 lag."""
+    from loadtest.loadgen import stats
+
+    if len(reports) == 1:
+        return reports[0]
+    e2e = [x for rep in reports for x in rep["samples"]["overall"]["e2e_s"]]
+    ttft = [x for rep in reports for x in rep["samples"]["overall"].get("ttft_s", [])]
+    overall = [rep["overall"] for rep in reports]
+    types: dict[str, int] = {}
+    for o in overall:
+        for t, n in o["errors_by_type"].items():
+            types[t] = types.get(t, 0) + n
+
+    def mean_of(key: str) -> float | None:
+        xs = [o[key] for o in overall if o[key] is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    lags = [rep["generator_lag_ms"]["p99"] for rep in reports
+            if rep["generator_lag_ms"]["p99"] is not None]
+    return {"overall": {"e2e_s": stats(e2e), "ttft_s": stats(ttft),
+                        "requests": sum(o["requests"] for o in overall),
+                        "completed": sum(o["completed"] for o in overall), "errors_by_type": types,
+                        "output_tokens_per_s": mean_of("output_tokens_per_s"),
+                        "completed_per_s": mean_of("completed_per_s")},
+            "generator_lag_ms": {"p99": max(lags, default=None)},
+            "samples": {"overall": {"e2e_s": e2e, "ttft_s": ttft}}}
+
+
+def round_summary(order: list[str], reports: dict[str, dict]) -> dict:
+    """One round: its order, each policy's mean latency, laps' reductions of the mean."""
+    rows = {p: policy_row(reports[p]) for p in order}
+    out: dict[str, Any] = {"order": order,
+                           "mean_latency_s": {p: r["mean_latency_s"] for p, r in rows.items()}}
+    if "laps" in rows:
+        out["laps_reduction_vs"] = laps_reductions(rows, "mean_latency_s")
     return out
 
 
@@ -131,27 +190,38 @@ def tenant_keys(n: int) -> list[tuple[str, str]]:
 # ---- the runs ------------------------------------------------------------------------------------
 def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: float,
             duration: float, seed: int = 0, workloads: list[str] = ("chat",),
-            max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0) -> dict:
-    """Run the same load against one fresh gateway per policy; the comparison report."""
+            max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0,
+            rounds: int = 1) -> dict:
+    """Run the same load against one fresh gateway per policy (per round); the comparison."""
     from loadtest.loadgen import loadtest
 
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ValueError(f"unknown policy {bad[0] if bad else ''!r}; from: {', '.join(POLICIES)}")
+    if rounds < 1:
+        raise ValueError("--rounds must be at least 1")
     keys = tenant_keys(tenants)
-    reports = {}
-    for policy in policies:
-        print(f"compare: policy {policy}: starting a gateway", file=sys.stderr, flush=True)
-        with gateway_process({**settings, "policy": policy}, keys) as gw:
-            reports[policy] = asyncio.run(loadtest(
-                gw.url, keys, rate=rate, duration=duration, seed=seed, workloads=list(workloads),
-                max_tokens=max_tokens, bursty=bursty, timeout=timeout))
+    by_round: list[tuple[list[str], dict[str, dict]]] = []
+    for r in range(rounds):
+        order, reports = round_order(policies, r), {}
+        for policy in order:
+            print(f"compare: round {r + 1}/{rounds}, policy {policy}: starting a gateway",
+                  file=sys.stderr, flush=True)
+            with gateway_process({**settings, "policy": policy}, keys) as gw:
+                reports[policy] = asyncio.run(loadtest(
+                    gw.url, keys, rate=rate, duration=duration, seed=seed + r,
+                    workloads=list(workloads), max_tokens=max_tokens, bursty=bursty,
+                    timeout=timeout))
+        by_round.append((order, reports))
     run_settings = {"policies": list(policies), "rate": rate, "duration": duration, "seed": seed,
+                    "rounds": rounds,
                     "workloads": list(workloads), "max_tokens": max_tokens_label(max_tokens),
                     "tenants": tenants,
                     "bursty": bursty, "gateway": {k: v for k, v in settings.items()
                                                   if k not in ("redis_url", "tenants_file")}}
-    return comparison(reports, run_settings)
+    out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in policies}, run_settings)
+    out["rounds"] = [round_summary(order, reps) for order, reps in by_round]
+    return out
 
 
 @dataclass
@@ -229,6 +299,12 @@ def table(report: dict) -> str:
                      f"{ms(r['p50_latency_s']):>10}{ms(r['p99_latency_s']):>10}"
                      f"{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
                      f"{pct(red[name]) if name in red else '':>10}")
+    rounds = report.get("rounds", [])
+    if len(rounds) > 1:
+        for i, r in enumerate(rounds, 1):
+            means = ", ".join(f"{p} {ms(x)}" for p, x in r["mean_latency_s"].items())
+            vs = ", ".join(f"{p} {pct(x)}" for p, x in r.get("laps_reduction_vs", {}).items())
+            lines.append(f"round {i}: mean ms {means}" + (f"; laps vs {vs}" if vs else ""))
     return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from loadtest.compare import comparison, policy_row, reduction, table, tenant_keys
+from loadtest.compare import (comparison, policy_row, pooled, reduction, round_order, round_summary,
+                              table, tenant_keys)
 
 
 def _report(mean, p50, p99, completed=10, requests=10, ttft=(0.01, 0.02)):
@@ -50,6 +51,33 @@ def test_comparison_rows_and_laps_reductions():
     assert policy_row(reps["fcfs"])["errors"] == 0
 
 
+def test_rounds_alternate_the_order():
+    assert [round_order(["fcfs", "sjf", "laps"], r) for r in range(3)] == [
+        ["fcfs", "sjf", "laps"], ["laps", "sjf", "fcfs"], ["fcfs", "sjf", "laps"]]
+
+
+def test_pooled_rounds_count_every_request_once():
+    a, b = _report(1.0, 1.0, 1.0, completed=3), _report(4.0, 4.0, 4.0, completed=1, requests=2)
+    a["samples"]["overall"]["e2e_s"] = [0.5, 1.0, 1.5]
+    b["overall"]["errors_by_type"] = {"timeout": 1}
+    b["generator_lag_ms"]["p99"] = 7.0
+    row = policy_row(pooled([a, b]))
+    assert row["mean_latency_s"] == pytest.approx(7.0 / 4)          # over the 4 requests, not 2 means
+    assert (row["p50_latency_s"], row["p99_latency_s"]) == (1.0, 4.0)
+    assert (row["requests"], row["completed"], row["errors"]) == (12, 4, 8)
+    assert row["errors_by_type"] == {"timeout": 1} and row["generator_lag_p99_ms"] == 7.0
+    assert row["completed_per_s"] == pytest.approx((3 / 8 + 1 / 8) / 2)
+    assert pooled([a]) is a
+
+
+def test_a_round_reports_laps_against_the_others_in_its_order():
+    reps = {"laps": _report(3.0, 3.0, 3.0), "fcfs": _report(4.0, 4.0, 4.0)}
+    r = round_summary(["laps", "fcfs"], reps)
+    assert r["order"] == ["laps", "fcfs"] and r["mean_latency_s"] == {"laps": 3.0, "fcfs": 4.0}
+    assert r["laps_reduction_vs"] == pytest.approx({"fcfs": 0.25})
+    assert "laps_reduction_vs" not in round_summary(["fcfs"], reps)
+
+
 def test_tenant_keys_are_fixed():
     assert tenant_keys(2) == [("t0", "sk-loadtest-0"), ("t1", "sk-loadtest-1")]
     with pytest.raises(ValueError):
@@ -64,12 +92,19 @@ def test_fake_worker_compare_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
     args = p.parse_args(["--policies", "fcfs,laps", "--fake-worker", "--fake-step-ms", "2",
                          "--rate", "8", "--duration", "1.5", "--seed", "3", "--max-tokens", "8",
-                         "--workloads", "chat,copy", "--json", str(out), "--plot", str(png)])
+                         "--workloads", "chat,copy", "--rounds", "2", "--json", str(out),
+                         "--plot", str(png)])
     assert run(args) == 0
     rep = json.loads(out.read_text())
-    assert list(rep["policies"]) == ["fcfs", "laps"]
+    assert list(rep["policies"]) == ["fcfs", "laps"] and rep["settings"]["rounds"] == 2
+    assert [r["order"] for r in rep["rounds"]] == [["fcfs", "laps"], ["laps", "fcfs"]]
     requests = {r["requests"] for r in rep["policies"].values()}
-    assert len(requests) == 1 and requests.pop() > 3        # the same arrivals for both
+    assert len(requests) == 1 and requests.pop() > 6        # the same arrivals for both, 2 rounds
+    for r in rep["rounds"]:                                 # each round's mean is in the pool
+        assert set(r["mean_latency_s"]) == {"fcfs", "laps"} and set(r["laps_reduction_vs"]) == {"fcfs"}
+    assert len(rep["samples"]["laps"]) == rep["policies"]["laps"]["completed"]
+    from loadtest.compare import table
+    assert "round 2: mean ms laps " in table(rep)
     for row in rep["policies"].values():
         assert {"mean_latency_s", "p50_latency_s", "p99_latency_s", "completed", "errors",
                 "ttft_p50_s", "ttft_p99_s"} <= set(row)
