@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.policies import POLICIES, make_policy
+from scheduler.profile import StepCostModel
 from scheduler.request import RequestStats, StepRecord
 from scheduler.state import SchedulerState
 
@@ -34,7 +35,10 @@ def bench_plan(n_requests: int = 1000, policy: str = "laps", repeats: int = 2000
                token_budget: int = 64, step_s: float = 0.05) -> dict[str, Any]:
     """Median and p99 of `plan()` in µs with `n_requests` live requests."""
     rng = random.Random(seed)
-    opts: dict[str, Any] = {"max_batch": max_batch, "token_budget": token_budget}
+    # the shipped step-cost profile, as the gateway plans with its model's (goodput-aware tree
+    # budgets, LAPS-SD's prefill term and wait credit all read it)
+    opts: dict[str, Any] = {"max_batch": max_batch, "token_budget": token_budget,
+                            "step_cost": StepCostModel.from_json(None)}
     if policy == "srpt":   # no ground truth here: the predicted length stands in for it
         opts["oracle"] = lambda s: (s.predicted_len or 1) - s.committed
     pol = make_policy(policy, **opts)

@@ -21,6 +21,9 @@ remaining time once it is stable (Li, Chen, Li, IJCAI 2025, arXiv 2505.17074).
   max_tokens as the prediction (length_model.py says why), so it becomes perceptible like any
   other. "predicted": predicted length −
   committed; past the prediction, `overrun_factor` × committed; no prediction, never perceptible.
+* A wait credit (`wait_weight`, `wait_credit`) keeps the tail near FCFS's: every full-batch step a
+  request has waited since it arrived counts as `wait_weight` (0.03) of a step less to serve, so a
+  long request is not passed over until the aging bound while shorter ones keep arriving.
 
 Interleaving (`interleave`):
 * "unified" (default): one scale, remaining steps. A non-perceptible request counts as needing the
@@ -64,6 +67,17 @@ order of service matters most), then at the engine's max_batch 8:
   Again with max_tokens standing in before a tenant's record and the belief cut at max_tokens,
   on the currently shipped profile: batch 1, 24.9 s against 29.1 s (LAS) and 28.4 s (FCFS).
 * Aging (PolicyConfig.aging_bound_s, 60 s in the simulator) costs LAPS ≤ 0.6% of mean latency.
+* wait_weight 0.03 (measured 2026-12-03). Without it, on the `loadtest` workload (2,000 requests,
+  seeds 1-8) laps' p99 was 1.14× FCFS's on average at load 0.85 (worst 1.27×) and 1.48× at 0.95
+  (worst 1.93×, 7 of 8 seeds over 1.2×): ranked by remaining steps alone, long requests waited
+  until the aging bound (max wait 57-58 s against FCFS's 10-43 s); a real `loadtest compare` run
+  showed the same (p99 1.61× FCFS's). With 0.03: 1.06× (worst 1.19×) and 1.08× (worst 1.12×),
+  for a mean of 94.3% and 90.4% of FCFS's instead of 93.4% and 85.2%. 0.02: worst 1.27× and
+  1.20×; 0.05: mean 95.1% and 92.4%. Default workload, batch 8, seeds 1 / 2: 17.30 → 17.33 s /
+  17.35 → 17.37 s, p99 unchanged (141.5 / 135.5 s); batch 1: 20.93 → 21.57 / 22.28 → 23.29 s
+  (+3-5%), p99 233 → 220 / 247 s. A shorter aging bound is the blunter tool: at 20 s (load 0.95,
+  seeds 1 / 2) laps' mean was 5.47 / 15.96 s for p99 26.4 / 61.5 s; the credit at 0.02 gives
+  5.37 / 13.20 s for 26.8 / 58.6 s.
 * PolicyConfig.max_resident (the step loop's KV limit; base.py): without it, LAS and LAPS-SD can
   start more requests than hold KV, and aging then thrashes the cache (see scheduler/sim.py).
 
@@ -82,7 +96,7 @@ fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on t
   span 100×, and both sort by tenant alike); with the workload's predictor (σ 0.9 in ln), the
   Bayes-best use of prediction plus tenant record ranks at 34.0 s against srpt's 28.0 s and sjf's
   35.3 s. LAPS-SD reaches 34.6 s: 27% below fcfs, 2% below sjf, 23% above srpt.
-* p99 ≤ 1.2 × fcfs p99 and max wait ≤ the aging bound do hold (batch 8: 1.09×; batch 1: 1.16×).
+* p99 ≤ 1.2 × fcfs p99 and max wait ≤ the aging bound do hold (batch 8: 1.11×; batch 1: 1.04×).
 * Where order matters more, LAPS-SD gains more, but so does SJF: batch 8 at load 0.95, fcfs 56.6 s,
   sjf 43.7 s, laps 42.4 s (−25% against fcfs), srpt 37.1 s; bursty arrivals (Gamma gaps, CV 2),
   fcfs 49.7 s, sjf 41.4 s, laps 41.5 s, srpt 37.4 s. A better predictor (σ 0.5) helps both too:
@@ -90,15 +104,19 @@ fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on t
 * Bounded lengths and no predictor (the gateway today): `specgate sim --workload loadtest` (what
   `loadtest compare --max-tokens 8-256` sends: max_tokens log-uniform 8-256 per request, answers
   mostly stopping there, ~300-token prompts; workload_gen.py), 2,000 requests at load 0.85,
-  batch 8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.72
-  (4.01 / 5.09 at first_quantum 16; srpt here ranks by output steps plus the prefill still to
-  come, and has no aging bound). The order of service is worth a few percent on this mix, and the
-  prefills of a CPU engine take much of its time whatever the order. On the real gateway single
+  batch 8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.83
+  (4.72 without the wait credit, 4.01 / 5.09 at first_quantum 16; srpt here ranks by output
+  steps plus the prefill still to come, and has no aging bound). The order of service is worth
+  a few percent on this mix, and the prefills of a CPU engine take much of its time whatever the
+  order. On the real gateway single
   runs near saturation scatter far more than that: on a 2-core Zen 1 (capacity 0.48
   completions/s, rate 0.41/s, 106 requests a policy) fcfs measured 9.4 s and 27.2 s in two runs
   of the same arrivals, and sjf (which, with no predictor, serves as fcfs does) 10.5 and 47.7 s;
   laps 15.6 s (first_quantum 16) and 14.3 s (128). Earlier, on the AMD Zen 5: fcfs 5.7, 5.8 and
-  7.0 s in three runs. So the real runs cannot tell the policies apart; the simulator can.
+  7.0 s in three runs; on a Zen 5 on 2026-12-03 (`loadtest compare --rounds 2`, 1.6/s against a
+  measured capacity of 1.88, before the wait credit), round 1 fcfs 2.92, sjf 4.27, laps 3.66 s,
+  round 2 (order reversed, other arrivals) laps 15.23, sjf 7.04, fcfs 15.93 s. So the real runs
+  cannot tell the policies apart; the simulator can.
 """
 from __future__ import annotations
 
@@ -120,7 +138,7 @@ class LAPS(Policy):
     def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 128.0,
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
-                 lengths: str = "calibrated", **overrides) -> None:
+                 lengths: str = "calibrated", wait_weight: float = 0.03, **overrides) -> None:
         if interleave not in ("strict", "unified"):
             raise ValueError(f"interleave must be 'strict' or 'unified', not {interleave!r}")
         if lengths not in ("calibrated", "predicted"):
@@ -132,7 +150,17 @@ class LAPS(Policy):
         self.interleave = interleave
         self.overrun_factor = overrun_factor
         self.tau_skip = tau_skip
+        if wait_weight < 0:
+            raise ValueError("wait_weight must be ≥ 0")
+        self.wait_weight = wait_weight
         super().__init__(config, **overrides)
+        cost, b = self.config.step_cost, self.config.max_batch
+        # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
+        self._full_step_s = cost(b, b) if cost is not None else None
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._origin: float | None = None     # the first arrival ranked: keeps the credit small
 
     def stable(self, s: RequestStats) -> bool:
         """The perceptible test: enough steps and a small standard error of mean τ."""
@@ -182,6 +210,10 @@ class LAPS(Policy):
         return finished
 
     def key(self, s: RequestStats) -> float:
+        return self.service_key(s) + self.wait_credit(s)
+
+    def service_key(self, s: RequestStats) -> float:
+        """The rank by service alone: levels and attained service, or predicted remaining steps."""
         if self.interleave == "strict":
             if s.perceptible:
                 return BAND + self.remaining_steps(s)
@@ -193,6 +225,19 @@ class LAPS(Policy):
             return BAND + s.attained
         per_step = s.attained / s.n_steps if s.n_steps else 1.0
         return (end - s.attained) / per_step + (self.prefill_steps(s) if not s.n_steps else 0.0)
+
+    def wait_credit(self, s: RequestStats) -> float:
+        """`wait_weight` × the request's arrival, in full-batch steps after the first one ranked.
+
+        Ranking by key − wait_weight × steps waited since arrival would change every key at every
+        step by the same amount for everyone; adding wait_weight × arrival instead orders requests
+        the same way and never changes: of two requests, the one that came T seconds earlier goes
+        first unless it needs more than wait_weight × T / step more steps."""
+        if not self.wait_weight or self._full_step_s is None:
+            return 0.0
+        if self._origin is None:
+            self._origin = s.arrival_s
+        return self.wait_weight * (s.arrival_s - self._origin) / self._full_step_s
 
     def prefill_steps(self, s: RequestStats) -> float:
         cost = self.config.step_cost

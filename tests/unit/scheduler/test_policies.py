@@ -13,6 +13,7 @@ from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
 from scheduler.request import Status, StepRecord
 
 NO_AGING = dict(aging_bound_s=None)
+FLAT_STEP = lambda batch, tokens: 0.1          # noqa: E731  a step costs 0.1 s, whatever it holds
 
 
 def order(policy, requests, now=100.0):
@@ -307,3 +308,24 @@ def test_laps_counts_a_newcomers_prefill_in_its_first_quantum():
     assert ranked("laps", [long_prompt, short_prompt]) == ["long_prompt"]   # no costs: by arrival
     policy = make_policy("laps", max_batch=2, step_cost=cost)
     assert policy.prefill_steps(long_prompt) == pytest.approx(2.0 / 0.03)   # in full-batch steps
+
+
+@pytest.mark.parametrize("came_later_by, weight, cost, first", [
+    (30.0, 0.03, FLAT_STEP, "short"),   # 10 + 0.03·30/0.1 = 19 steps < 20: the short one still
+    (40.0, 0.03, FLAT_STEP, "long"),    # 10 + 12 = 22 > 20: the long one has waited long enough
+    (40.0, 0.0, FLAT_STEP, "short"),    # no credit: shortest remaining first
+    (40.0, 0.03, None, "short"),        # no cost model: waiting cannot be put in steps, no credit
+])
+def test_laps_wait_credit_lets_a_long_request_that_came_much_earlier_go_first(
+        came_later_by, weight, cost, first):
+    # both perceptible after 4 steps of τ 2 (8 tokens): 40 tokens left is 20 steps, 20 is 10
+    long_ = stable("long", arrival=0.0, predicted=48)
+    short = stable("short", arrival=came_later_by, predicted=28)
+    got = ranked("laps", [long_, short, stats("new", arrival=1000.0)], lengths="predicted",
+                 min_steps=4, max_rel_stderr=0.2, wait_weight=weight, step_cost=cost)
+    assert got[0] == first
+
+
+def test_laps_wait_credit_is_not_negative():
+    with pytest.raises(ValueError, match="wait_weight"):
+        make_policy("laps", wait_weight=-0.1)
