@@ -231,14 +231,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
     import uvicorn
 
-    config = uvicorn.Config(emb.app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, lifespan="off")
+    config = uvicorn_config(emb.app, host=settings.host, port=settings.port,
+                            log_level=settings.log_level)
     emb.start()
     try:
         _run_on(config.get_loop_factory(), _serve(emb, uvicorn.Server(config)))
     finally:
         emb.stop()
     return 0
+
+
+# How long an idle keep-alive connection stays open. uvicorn's default, 5 s, is also httpx's
+# keepalive_expiry: a client may then send its next request on a pooled connection at the instant
+# the server closes it, and see a ReadError for a request the server never read (one in 657 in a
+# `loadtest compare` run on a busy 2-core machine). Longer than clients keep idle connections,
+# the client always closes first; 90 s is what Ray Serve's proxy keeps (Ray mode).
+KEEP_ALIVE_S = 90
+
+
+def uvicorn_config(app: Any, **options: Any) -> Any:
+    """The uvicorn.Config every specgate HTTP server runs with (`options`: host, port, …)."""
+    import uvicorn
+
+    return uvicorn.Config(app, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S, **options)
 
 
 def _run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, main: Any) -> None:
@@ -289,7 +304,7 @@ def background_server(app: Any, host: str = "127.0.0.1", port: int = 0,
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off"))
+    server = uvicorn.Server(uvicorn_config(app, log_level=log_level))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
                               name="specgate-http", daemon=True)
     thread.start()

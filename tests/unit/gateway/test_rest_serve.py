@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -158,3 +160,25 @@ def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_prof
         {"batch": 8, "tokens": [8, 64], "step_s": [0.03, 0.09]}]}))
     *_, given = _target(Settings(model=str(model), step_profile=path), False, rt)
     assert given.source == "mine" and given(8, 64) == pytest.approx(0.09)
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive():
+    # httpx (under the OpenAI SDK and our load generator) drops a pooled connection idle for
+    # keepalive_expiry; a server closing idle ones as early would race the client's next request
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with background_server(ok) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            for pause in (0.0, httpx.Limits().keepalive_expiry + 1):
+                time.sleep(pause)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"ok"):
+                    chunk = sock.recv(4096)
+                    assert chunk, f"the server closed a connection idle for {pause} s"
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 200")
