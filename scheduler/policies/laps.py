@@ -71,13 +71,13 @@ order of service matters most), then at the engine's max_batch 8:
   seeds 1-8) laps' p99 was 1.14× FCFS's on average at load 0.85 (worst 1.27×) and 1.48× at 0.95
   (worst 1.93×, 7 of 8 seeds over 1.2×): ranked by remaining steps alone, long requests waited
   until the aging bound (max wait 57-58 s against FCFS's 10-43 s); a real `loadtest compare` run
-  showed the same (p99 1.61× FCFS's). With 0.03: 1.06× (worst 1.19×) and 1.08× (worst 1.12×),
-  for a mean of 94.3% and 90.4% of FCFS's instead of 93.4% and 85.2%. 0.02: worst 1.27× and
-  1.20×; 0.05: mean 95.1% and 92.4%. Default workload, batch 8, seeds 1 / 2: 17.30 → 17.33 s /
-  17.35 → 17.37 s, p99 unchanged (141.5 / 135.5 s); batch 1: 20.93 → 21.57 / 22.28 → 23.29 s
-  (+3-5%), p99 233 → 220 / 247 s. A shorter aging bound is the blunter tool: at 20 s (load 0.95,
-  seeds 1 / 2) laps' mean was 5.47 / 15.96 s for p99 26.4 / 61.5 s; the credit at 0.02 gives
-  5.37 / 13.20 s for 26.8 / 58.6 s.
+  showed the same (p99 1.61× FCFS's; two runs with the credit: 0.82× and 0.95×). With 0.03: 1.06×
+  (worst 1.19×) and 1.08× (worst 1.12×), for a mean of 94.3% and 90.4% of FCFS's instead of 93.4%
+  and 85.2%. 0.02: worst 1.27× and 1.20×; 0.05: mean 95.1% and 92.4%. Default workload, batch 8,
+  seeds 1 / 2: 17.30 → 17.33 s / 17.35 → 17.37 s, p99 unchanged (141.5 / 135.5 s); batch 1: 20.93 →
+  21.57 / 22.28 → 23.29 s (+3-5%), p99 233 → 220 / 247 s. A shorter aging bound is the blunter
+  tool: at 20 s (load 0.95, seeds 1 / 2) laps' mean was 5.47 / 15.96 s for p99 26.4 / 61.5 s; the
+  credit at 0.02 gives 5.37 / 13.20 s for 26.8 / 58.6 s.
 * PolicyConfig.max_resident (the step loop's KV limit; base.py): without it, LAS and LAPS-SD can
   start more requests than hold KV, and aging then thrashes the cache (see scheduler/sim.py).
 
@@ -103,16 +103,15 @@ fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on t
   batch 1, sjf 32.9 s, laps 31.9 s (14% above srpt).
 * Bounded lengths and no predictor (the gateway today): `specgate sim --workload loadtest` (what
   `loadtest compare --max-tokens 8-256` sends: max_tokens log-uniform 8-256 per request, answers
-  mostly stopping there, ~300-token prompts; workload_gen.py), 2,000 requests at load 0.85,
-  batch 8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.83
-  (4.72 without the wait credit, 4.01 / 5.09 at first_quantum 16; srpt here ranks by output
-  steps plus the prefill still to come, and has no aging bound). The order of service is worth
-  a few percent on this mix, and the prefills of a CPU engine take much of its time whatever the
-  order. On the real gateway single
-  runs near saturation scatter far more than that: on a 2-core Zen 1 (capacity 0.48
-  completions/s, rate 0.41/s, 106 requests a policy) fcfs measured 9.4 s and 27.2 s in two runs
-  of the same arrivals, and sjf (which, with no predictor, serves as fcfs does) 10.5 and 47.7 s;
-  laps 15.6 s (first_quantum 16) and 14.3 s (128). Earlier, on the AMD Zen 5: fcfs 5.7, 5.8 and
+  mostly stopping there, ~300-token prompts; workload_gen.py), 2,000 requests at load 0.85, batch
+  8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.83 (4.72
+  without the wait credit, 4.01 / 5.09 at first_quantum 16; srpt here ranks by output steps plus
+  the prefill still to come, and has no aging bound). The order of service is worth a few percent
+  on this mix, and the prefills of a CPU engine take much of its time whatever the order. On the
+  real gateway single runs near saturation scatter far more than that: on a 2-core Zen 1 (capacity
+  0.48 completions/s, rate 0.41/s, 106 requests a policy) fcfs measured 9.4 s and 27.2 s in two
+  runs of the same arrivals, and sjf (which, with no predictor, serves as fcfs does) 10.5 and 47.7
+  s; laps 15.6 s (first_quantum 16) and 14.3 s (128). Earlier, on the AMD Zen 5: fcfs 5.7, 5.8 and
   7.0 s in three runs; on a Zen 5 on 2026-12-03 (`loadtest compare --rounds 2`, 1.6/s against a
   measured capacity of 1.88, before the wait credit), round 1 fcfs 2.92, sjf 4.27, laps 3.66 s,
   round 2 (order reversed, other arrivals) laps 15.23, sjf 7.04, fcfs 15.93 s. So the real runs
