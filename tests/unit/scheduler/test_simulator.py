@@ -140,3 +140,19 @@ def test_laps_keeps_up_with_fcfs_where_clients_bound_their_lengths():
     r = run_sim(["fcfs", "laps"], s)["policies"]
     assert r["laps"]["mean_latency_s"] <= r["fcfs"]["mean_latency_s"]
     assert r["laps"]["p99_latency_s"] <= 1.2 * r["fcfs"]["p99_latency_s"]
+
+
+def test_latency_splits_into_waiting_and_time_in_steps():
+    # one sequence per step: a request's time in steps is its own prefill and steps, the same
+    # under every order of service (common random numbers), so the order moves only the waiting
+    s = replace(SMALL, n_requests=300, max_batch=1, calibration_steps=3000)
+    r = _strip(run_sim(["fcfs", "srpt"], s))["policies"]
+    for p in r.values():
+        assert p["mean_wait_s"] > 0 and p["mean_in_steps_s"] > 0
+        assert p["mean_wait_s"] + p["mean_in_steps_s"] == pytest.approx(p["mean_latency_s"])
+    assert r["srpt"]["mean_in_steps_s"] == pytest.approx(r["fcfs"]["mean_in_steps_s"], rel=1e-9)
+    assert r["srpt"]["mean_wait_s"] < 0.8 * r["fcfs"]["mean_wait_s"]
+    # a nearly idle engine waits little: M/G/1 at ρ 0.05 waits ρ·E[S²]/2E[S] ≈ 0.1 E[S] here
+    idle = _strip(run_sim(["fcfs"], replace(s, load=0.05)))["policies"]["fcfs"]
+    assert idle["mean_wait_s"] < 0.15 * idle["mean_in_steps_s"]
+    assert idle["mean_wait_s"] < 0.1 * r["fcfs"]["mean_wait_s"]
