@@ -3,8 +3,9 @@
 Three sources feed them:
   the service (event-loop side)   requests by tenant and outcome, TTFT, inter-token latency,
                                   end-to-end latency, tokens, rate-limit and queue refusals;
-  each request's final stats      (delivered on the step loop's thread) queue time, drafted and
-                                  accepted tokens by tenant and drafter, τ per step;
+  each request's final stats      (delivered on the step loop's thread) queue time, time in
+                                  steps, drafted and accepted tokens by tenant and drafter, τ
+                                  per step;
   the step loop                   step duration and batch size, preemptions (`InstrumentedWorker`,
                                   a pass-through around the worker), and, read when scraped, live
                                   requests per scheduler level and status and perceptible requests.
@@ -46,6 +47,12 @@ class GatewayMetrics:
         self.queue_time = Histogram("specgate_queue_time_seconds",
                                     "From admission to the request's first step",
                                     ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        # end-to-end minus this is time spent waiting (queued, preempted), the part of latency
+        # an order of service moves; `loadtest compare` reports the split per policy
+        self.in_steps = Histogram("specgate_time_in_steps_seconds",
+                                  "Time inside the verification steps a request was in, its "
+                                  "own and its batch-mates' prefills included",
+                                  ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specgate_prompt_tokens", "Prompt tokens of admitted requests",
                                      ["tenant"], registry=r)
         self.generation_tokens = Counter("specgate_generation_tokens",
@@ -113,6 +120,7 @@ class GatewayMetrics:
         tenant = stats.tenant
         if stats.first_served_s is not None:
             self.queue_time.labels(tenant).observe(max(0.0, stats.first_served_s - stats.arrival_s))
+            self.in_steps.labels(tenant).observe(stats.in_steps_s)
         drafted = max(0, stats.attained - stats.n_steps)     # attained = Σ (1 root + tree nodes)
         if drafted:
             self.drafted.labels(tenant, drafter).inc(drafted)

@@ -9,6 +9,10 @@ arrivals (same seed, rate, duration, workloads, max tokens) against it; then the
 the next policy gets a new one. The report has, per policy, the end-to-end latency mean/p50/p99,
 TTFT p50/p99, completed and errors, and `laps_reduction_vs`: how much lower laps' mean latency is
 than each other policy's, as a fraction of that policy's (0.25: laps is 25% faster on average).
+From each gateway's /metrics, read once its load is done: `server_mean_latency_s` (arrival at the
+gateway to the last token), `mean_in_steps_s` (inside the verification steps the request was in)
+and `mean_wait_s`, their difference: the time spent queued or preempted, the only part of latency
+an order of service moves directly, so the most any policy can take off the mean.
 
 NOTE: a child process per policy, not the gateway in this process. In process, the gateway's
 event loop and step loop would share the GIL with the load generator, so the client's own timing
@@ -42,6 +46,10 @@ from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse
 from loadtest.workload import WORKLOADS
 
 POLICIES = ("laps", "fcfs", "sjf", "las")
+ADMIN_KEY = "sk-loadtest-admin"             # each compare gateway's, to read its /metrics
+# the server-side histograms whose sums and counts give the latency split (module docstring)
+SPLIT_SERIES = {"e2e": "specgate_e2e_request_latency_seconds",
+                "in_steps": "specgate_time_in_steps_seconds"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,7 +122,49 @@ def policy_row(report: dict) -> dict:
             # completions a second over the run: near the server's capacity when the rate
             # saturates it, which is how "~85% of capacity" is found
             "completed_per_s": o["completed_per_s"],
-            "generator_lag_p99_ms": report["generator_lag_ms"]["p99"]}
+            "generator_lag_p99_ms": report["generator_lag_ms"]["p99"],
+            **latency_split(report.get("server"))}
+
+
+def server_sums(metrics_text: str) -> dict[str, float]:
+    """`{e2e,in_steps}_{sum,count}` over every tenant, from a gateway's /metrics text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {f"{series}_{part}": f"{key}_{part}" for key, series in SPLIT_SERIES.items()
+             for part in ("sum", "count")}
+    out = dict.fromkeys(names.values(), 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[names[sample.name]] += sample.value
+    return out
+
+
+def latency_split(sums: dict[str, float] | None) -> dict[str, float | None]:
+    """Server-side mean latency, mean time in steps and their difference, the mean wait.
+
+    >>> latency_split({"e2e_sum": 30.0, "e2e_count": 10, "in_steps_sum": 20.0, "in_steps_count": 10})
+    {'server_mean_latency_s': 3.0, 'mean_in_steps_s': 2.0, 'mean_wait_s': 1.0}
+    """
+    mean = lambda k: (sums[k + "_sum"] / sums[k + "_count"]          # noqa: E731
+                      if sums and sums.get(k + "_count") else None)
+    e2e, in_steps = mean("e2e"), mean("in_steps")
+    wait = e2e - in_steps if e2e is not None and in_steps is not None else None
+    return {"server_mean_latency_s": e2e, "mean_in_steps_s": in_steps, "mean_wait_s": wait}
+
+
+def read_server_sums(url: str) -> dict[str, float] | None:
+    """`server_sums` of the gateway at `url`, or None where /metrics cannot be read."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                      timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError as exc:
+        print(f"compare: could not read {url}/metrics: {exc}", file=sys.stderr)
+        return None
+    return server_sums(r.text)
 
 
 def laps_reductions(rows: dict[str, dict], key: str) -> dict[str, float | None]:
@@ -161,7 +211,9 @@ def pooled(reports: list[dict]) -> dict:
 
     lags = [rep["generator_lag_ms"]["p99"] for rep in reports
             if rep["generator_lag_ms"]["p99"] is not None]
-    return {"overall": {"e2e_s": stats(e2e), "ttft_s": stats(ttft),
+    servers = [rep["server"] for rep in reports if rep.get("server")]
+    return {"server": {k: sum(x[k] for x in servers) for k in servers[0]} if servers else None,
+            "overall": {"e2e_s": stats(e2e), "ttft_s": stats(ttft),
                         "requests": sum(o["requests"] for o in overall),
                         "completed": sum(o["completed"] for o in overall), "errors_by_type": types,
                         "output_tokens_per_s": mean_of("output_tokens_per_s"),
@@ -207,11 +259,13 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
         for policy in order:
             print(f"compare: round {r + 1}/{rounds}, policy {policy}: starting a gateway",
                   file=sys.stderr, flush=True)
-            with gateway_process({**settings, "policy": policy}, keys) as gw:
+            with gateway_process({**settings, "policy": policy, "admin_key": ADMIN_KEY},
+                                 keys) as gw:
                 reports[policy] = asyncio.run(loadtest(
                     gw.url, keys, rate=rate, duration=duration, seed=seed + r,
                     workloads=list(workloads), max_tokens=max_tokens, bursty=bursty,
                     timeout=timeout))
+                reports[policy]["server"] = read_server_sums(gw.url)
         by_round.append((order, reports))
     run_settings = {"policies": list(policies), "rate": rate, "duration": duration, "seed": seed,
                     "rounds": rounds,
@@ -292,12 +346,13 @@ def table(report: dict) -> str:
     red = report.get("laps_reduction_vs", {})
     per_s = lambda x: "-" if x is None else f"{x:.2f}"              # noqa: E731
     lines = [f"{'policy':<8}{'done':>7}{'done/s':>8}{'errors':>7}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
-             f"{'ttft p50':>10}{'ttft p99':>10}{'laps vs':>10}"]
+             f"{'ttft p50':>10}{'ttft p99':>10}{'wait ms':>10}{'steps ms':>10}{'laps vs':>10}"]
     for name, r in report["policies"].items():
         lines.append(f"{name:<8}{r['completed']:>7}{per_s(r['completed_per_s']):>8}{r['errors']:>7}"
                      f"{ms(r['mean_latency_s']):>10}"
                      f"{ms(r['p50_latency_s']):>10}{ms(r['p99_latency_s']):>10}"
                      f"{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
+                     f"{ms(r.get('mean_wait_s')):>10}{ms(r.get('mean_in_steps_s')):>10}"
                      f"{pct(red[name]) if name in red else '':>10}")
     rounds = report.get("rounds", [])
     if len(rounds) > 1:

@@ -114,6 +114,8 @@ class RequestStats:
     first_served_s: float | None = None    # start of its first step (time to first token)
     finished_s: float | None = None
     max_wait_s: float = 0.0                # longest gap between arrival/steps seen so far
+    in_steps_s: float = 0.0                # time inside the steps it was in (prefills included):
+                                           # latency − this is waiting, what an order can move
 
     def __post_init__(self) -> None:
         self.last_served_s = self.arrival_s
@@ -155,6 +157,7 @@ class RequestStats:
             self.accepted_sum += tau - 1 if tau > 1 else 0
             self.tried_sum += rec.tried
         self.last_served_s = end_s
+        self.in_steps_s += end_s - start_s
         self.status = Status.RUNNING
 
 

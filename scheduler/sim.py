@@ -103,7 +103,6 @@ class RunOutcome:
     committed: int
     prefill_s: float = 0.0
     reprefills: int = 0
-    in_steps_s: list[float] = field(default_factory=list)   # per finished request, in order
 
 
 class KVResidency:
@@ -155,11 +154,6 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
     kv = KVResidency(cost, max_resident, spec.prefill)
     truth: dict[str, tuple[SimRequest, random.Random]] = {}
     finished: list[RequestStats] = []
-    # seconds each live request has spent inside steps it was planned into (its own prefill and
-    # its batch-mates' included): latency minus this is time spent waiting, the only part an
-    # order of service can move
-    in_steps: dict[str, float] = {}
-    finished_in_steps: list[float] = []
     now = busy = 0.0
     i = refused = steps = aged = batch_sum = committed_total = 0
     n = len(requests)
@@ -193,8 +187,6 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             committed_total += rec.committed
             records.append(rec)
         dt += cost(len(records), tokens)
-        for rid in plan.request_ids:
-            in_steps[rid] = in_steps.get(rid, 0.0) + dt
         now += dt
         busy += dt
         steps += 1
@@ -204,10 +196,9 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             ac.release(s.tenant)
             kv.release(s.request_id)
             finished.append(s)
-            finished_in_steps.append(in_steps.pop(s.request_id))
             del truth[s.request_id]
     return RunOutcome(finished, refused, steps, busy, now, aged, batch_sum, committed_total,
-                      kv.prefill_s, kv.reprefills, finished_in_steps)
+                      kv.prefill_s, kv.reprefills)
 
 
 def _sample_step(r: SimRequest, s: RequestStats, nodes: int, depth: int, rng: random.Random,
@@ -298,7 +289,7 @@ def run_policy(name: str, settings: SimSettings, rate: float) -> dict[str, Any]:
 
 def summarize(name: str, out: RunOutcome, policy: Policy, wall_s: float) -> dict[str, Any]:
     lat = np.array([s.finished_s - s.arrival_s for s in out.finished])
-    in_steps = np.array(out.in_steps_s)
+    in_steps = np.array([s.in_steps_s for s in out.finished])
     tenants: dict[str, list[float]] = {}
     for s, x in zip(out.finished, lat):
         tenants.setdefault(s.tenant, []).append(float(x))

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from loadtest.compare import (comparison, policy_row, pooled, reduction, round_order, round_summary,
-                              table, tenant_keys)
+from loadtest.compare import (comparison, latency_split, policy_row, pooled, reduction, round_order,
+                              round_summary, server_sums, table, tenant_keys)
 
 
 def _report(mean, p50, p99, completed=10, requests=10, ttft=(0.01, 0.02)):
@@ -49,6 +49,32 @@ def test_comparison_rows_and_laps_reductions():
     # without laps there is nothing to reduce against
     assert "laps_reduction_vs" not in comparison({"fcfs": reps["fcfs"]}, {})
     assert policy_row(reps["fcfs"])["errors"] == 0
+
+
+def test_the_latency_split_comes_from_the_gateways_own_histograms():
+    from prometheus_client.exposition import generate_latest
+    from gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    for tenant, e2e, in_steps in (("a", 3.0, 2.0), ("a", 5.0, 1.0), ("b", 4.0, 3.0)):
+        m.e2e.labels(tenant).observe(e2e)
+        m.in_steps.labels(tenant).observe(in_steps)
+    m.queue_time.labels("a").observe(9.0)                  # another histogram: left out
+    sums = server_sums(generate_latest(m.registry).decode())
+    assert sums == pytest.approx({"e2e_sum": 12.0, "e2e_count": 3, "in_steps_sum": 6.0,
+                                  "in_steps_count": 3})
+    assert latency_split(sums) == pytest.approx(
+        {"server_mean_latency_s": 4.0, "mean_in_steps_s": 2.0, "mean_wait_s": 2.0})
+    assert latency_split(None) == {"server_mean_latency_s": None, "mean_in_steps_s": None,
+                                   "mean_wait_s": None}
+    # rounds pool sums and counts, not means
+    a, b = _report(1.0, 1.0, 1.0), _report(1.0, 1.0, 1.0)
+    a["server"] = sums
+    b["server"] = {"e2e_sum": 2.0, "e2e_count": 1, "in_steps_sum": 2.0, "in_steps_count": 1}
+    row = policy_row(pooled([a, b]))
+    assert row["mean_wait_s"] == pytest.approx(14 / 4 - 8 / 4)
+    line = table(comparison({"fcfs": pooled([a, b])}, {})).splitlines()[1]
+    assert line.split()[-2:] == ["1500.0", "2000.0"]                  # wait ms, steps ms
 
 
 def test_rounds_alternate_the_order():
@@ -110,6 +136,11 @@ def test_fake_worker_compare_writes_json_and_plot(tmp_path):
                 "ttft_p50_s", "ttft_p99_s"} <= set(row)
         assert row["errors"] == 0 and row["completed"] == row["requests"], row["errors_by_type"]
         assert 0 < row["p50_latency_s"] <= row["p99_latency_s"]
+        # the gateway's own split: steps of at least 2 ms each, within what the client measured
+        assert 0.002 < row["mean_in_steps_s"] <= row["server_mean_latency_s"]
+        assert row["server_mean_latency_s"] <= row["mean_latency_s"]
+        assert row["mean_wait_s"] == pytest.approx(row["server_mean_latency_s"]
+                                                   - row["mean_in_steps_s"])
     assert set(rep["laps_reduction_vs"]) == {"fcfs"}
     assert png.stat().st_size > 1000
 

@@ -17,6 +17,7 @@ from gateway.tenants import Tenant
 
 MODEL = "smollm2-135m"
 ADMIN = "sk-admin-metrics"
+FAKE_STEP_MS = 2.0          # fake steps take time, so time in steps has something to measure
 
 
 def scrape(c: httpx.Client) -> dict[tuple[str, tuple], float]:
@@ -35,7 +36,8 @@ def value(samples, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def server():
-    emb = build_embedded(Settings(fake_worker=True, fake_context=1024, admin_key=ADMIN))
+    emb = build_embedded(Settings(fake_worker=True, fake_context=1024, admin_key=ADMIN,
+                                  fake_step_ms=FAKE_STEP_MS))
     emb.tenants.put(Tenant("alpha"), ["sk-alpha"])
     emb.tenants.put(Tenant("limited", rpm=1), ["sk-limited"])
     emb.start()
@@ -76,9 +78,13 @@ def test_series_agree_with_the_responses(server):
     assert value(m, "specgate_rate_limit_refusals_total", tenant="limited", reason="rpm") == 1
     assert value(m, "specgate_generation_tokens_total", tenant="alpha") == tokens
     for h in ("specgate_time_to_first_token_seconds", "specgate_e2e_request_latency_seconds",
-              "specgate_queue_time_seconds"):
+              "specgate_queue_time_seconds", "specgate_time_in_steps_seconds"):
         assert value(m, h + "_count", tenant="alpha") == 5
         assert value(m, h + "_sum", tenant="alpha") >= 0
+    # time in steps: at least the fake's sleep per step, and within each request's latency
+    assert (value(m, "specgate_e2e_request_latency_seconds_sum", tenant="alpha")
+            >= value(m, "specgate_time_in_steps_seconds_sum", tenant="alpha")
+            >= FAKE_STEP_MS / 1000 * steps > 0)
     assert (value(m, "specgate_e2e_request_latency_seconds_sum", tenant="alpha")
             >= value(m, "specgate_time_to_first_token_seconds_sum", tenant="alpha") > 0)
     # τ per step: one observation per step, and they add up to the tokens committed
@@ -117,7 +123,7 @@ def test_queue_depth_shows_live_requests_by_level_and_status(server):
             # idle statuses are still there, at zero (dashboards get 0, not "no data")
             assert {dict(k)["status"] for k in depth} == {"queued", "running", "preempted"}
     finally:
-        fake.step_s = 0.0
+        fake.step_s = FAKE_STEP_MS / 1000
 
 
 def test_each_app_has_its_own_registry():

@@ -43,6 +43,7 @@ def test_record_step_accounts_tau_service_and_wait():
     assert s.tau_stderr == pytest.approx(1.0)          # sd √2 over √2 steps
     assert s.max_wait_s == 3.0                         # arrival 1.0 → first step at 4.0
     assert s.first_served_s == 4.0 and s.last_served_s == 5.5
+    assert s.in_steps_s == pytest.approx(1.0)          # two steps of 0.5 s; 3.5 s waiting
     assert s.status is Status.RUNNING
     # α = accepted ÷ tried = (2 + 0) ÷ (3 + 1), shrunk by the prior 1/2
     assert s.alpha_estimate() == pytest.approx((2 + 1) / (4 + 2))
