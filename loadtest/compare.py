@@ -126,18 +126,37 @@ def policy_row(report: dict) -> dict:
             **latency_split(report.get("server"))}
 
 
-def server_sums(metrics_text: str) -> dict[str, float]:
-    """`{e2e,in_steps}_{sum,count}` over every tenant, from a gateway's /metrics text."""
+def metrics_text(url: str, admin_key: str) -> str | None:
+    """The gateway's /metrics page, or None where it does not answer."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return r.text
+
+
+def metric_sums(text: str, names: set[str]) -> dict[str, float]:
+    """The samples of a /metrics page named in `names`, each summed over its labels; a name
+    without samples is left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {f"{series}_{part}": f"{key}_{part}" for key, series in SPLIT_SERIES.items()
-             for part in ("sum", "count")}
-    out = dict.fromkeys(names.values(), 0.0)
-    for family in text_string_to_metric_families(metrics_text):
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in names:
-                out[names[sample.name]] += sample.value
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def server_sums(text: str) -> dict[str, float]:
+    """`{e2e,in_steps}_{sum,count}` over every tenant, from a gateway's /metrics text."""
+    names = {f"{series}_{part}": f"{key}_{part}" for key, series in SPLIT_SERIES.items()
+             for part in ("sum", "count")}
+    found = metric_sums(text, set(names))
+    return {key: found.get(name, 0.0) for name, key in names.items()}
 
 
 def latency_split(sums: dict[str, float] | None) -> dict[str, float | None]:
@@ -154,17 +173,12 @@ def latency_split(sums: dict[str, float] | None) -> dict[str, float | None]:
 
 
 def read_server_sums(url: str) -> dict[str, float] | None:
-    """`server_sums` of the gateway at `url`, or None where /metrics cannot be read."""
-    import httpx
-
-    try:
-        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
-                      timeout=30)
-        r.raise_for_status()
-    except httpx.HTTPError as exc:
-        print(f"compare: could not read {url}/metrics: {exc}", file=sys.stderr)
+    """`server_sums` of the compare gateway at `url`, or None where /metrics cannot be read."""
+    text = metrics_text(url, ADMIN_KEY)
+    if text is None:
+        print(f"compare: could not read {url}/metrics", file=sys.stderr)
         return None
-    return server_sums(r.text)
+    return server_sums(text)
 
 
 def laps_reductions(rows: dict[str, dict], key: str) -> dict[str, float | None]:

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.compare import gateway_process, tenant_keys
+from loadtest.compare import gateway_process, metric_sums, metrics_text, tenant_keys
 from loadtest.workload import WORKLOADS
 
 GROWTH_KEYS = {"rss_growth_after_warmup": "rss_bytes", "fd_growth_after_warmup": "open_fds",
@@ -229,20 +229,12 @@ def redis_sample(client: Any, prefix: str) -> dict[str, int]:
 def prefix_cache_usage(url: str, admin_key: str) -> tuple[int, int] | None:
     """The gateway's prefix cache gauges (bytes held, capacity); None where it has no prefix
     cache (the fake worker) or /metrics does not answer."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30)
-        r.raise_for_status()
-    except httpx.HTTPError:
-        return None
-    values = {s.name: int(s.value) for family in text_string_to_metric_families(r.text)
-              for s in family.samples
-              if s.name in ("specgate_prefix_cache_bytes", "specgate_prefix_cache_capacity_bytes")}
+    held, capacity = "specgate_prefix_cache_bytes", "specgate_prefix_cache_capacity_bytes"
+    text = metrics_text(url, admin_key)
+    values = metric_sums(text, {held, capacity}) if text is not None else {}
     if len(values) < 2:
         return None
-    return values["specgate_prefix_cache_bytes"], values["specgate_prefix_cache_capacity_bytes"]
+    return int(values[held]), int(values[capacity])
 
 
 # ---- the run -------------------------------------------------------------------------------------

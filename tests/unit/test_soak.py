@@ -124,3 +124,36 @@ def test_fake_worker_soak_over_redis(redis_url, redis_prefix, tmp_path, capsys):
     assert expiring and max(expiring) <= 30_000
     assert "soak: 4 windows" in capsys.readouterr().out
     assert (tmp_path / "soak.png").stat().st_size > 1000
+
+
+def test_prefix_cache_usage_reads_both_gauges_from_metrics():
+    import http.server
+    import threading
+
+    from loadtest.soak import prefix_cache_usage
+
+    pages = {"/metrics": b"# TYPE specgate_prefix_cache_bytes gauge\nspecgate_prefix_cache_bytes 123.0\n"
+                         b"# TYPE specgate_prefix_cache_capacity_bytes gauge\n"
+                         b"specgate_prefix_cache_capacity_bytes 4096.0\n"}
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("Authorization") == "Bearer sk-admin" and self.path in pages
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(pages[self.path] if ok else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert prefix_cache_usage(url, "sk-admin") == (123, 4096)
+        assert prefix_cache_usage(url, "sk-wrong") is None              # /metrics refused
+        pages["/metrics"] = b"specgate_prefix_cache_bytes 5.0\n"          # no capacity gauge
+        assert prefix_cache_usage(url, "sk-admin") is None
+    finally:
+        server.shutdown()
+        server.server_close()
