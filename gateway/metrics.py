@@ -14,11 +14,18 @@ prometheus-client's metrics are thread-safe, so both threads record directly.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from scheduler.loop import Worker
+
+if TYPE_CHECKING:
+    from scheduler.loop import StepLoop
+    from scheduler.request import RequestStats
+    from workers.contract import StepResult, WorkItem
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 30.0, 60.0, 120.0, 300.0)
@@ -26,6 +33,14 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.
                          0.3, 0.5, 0.75, 1.0, 2.5)
 TAU_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServedWorker(Worker, Protocol):
+    """The step loop's worker as the gateway serves it: `scheduler.loop.Worker` plus its prefix
+    cache's (bytes held, capacity) for /metrics, None without one (`BatchWorker`, Ray mode's
+    `VerifierPool`, `FakeWorker`)."""
+
+    def prefix_cache_usage(self) -> tuple[int, int] | None: ...
 
 
 class GatewayMetrics:
@@ -115,7 +130,7 @@ class GatewayMetrics:
         self.generation_tokens.labels(tenant).inc(completion_tokens)
 
     # ---- a request's final stats (step loop thread) ---------------------------------------------
-    def request_stats(self, stats: Any, drafter: str) -> None:
+    def request_stats(self, stats: RequestStats, drafter: str) -> None:
         """From `scheduler.request.RequestStats` at the end of a request."""
         tenant = stats.tenant
         if stats.first_served_s is not None:
@@ -130,10 +145,10 @@ class GatewayMetrics:
             h.observe(tau)
 
     # ---- the step loop ----------------------------------------------------------------------------
-    def instrument(self, worker: Any) -> "InstrumentedWorker":
+    def instrument(self, worker: ServedWorker) -> "InstrumentedWorker":
         return InstrumentedWorker(worker, self)
 
-    def watch(self, step_loop: Any, components: dict[str, Callable[[], bool]] | None = None) -> None:
+    def watch(self, step_loop: StepLoop, components: dict[str, Callable[[], bool]] | None = None) -> None:
         """Report the loop's live requests (by level and status) and steps when scraped, and
         whether each of `components` (name -> check; e.g. the state store) is up."""
         self.registry.register(SchedulerCollector(step_loop, components or {}))
@@ -159,7 +174,7 @@ class InstrumentedWorker:
     Preemptions are counted here because this is where one step's batch meets the next: a
     request in the previous batch, absent from this one and still live, was preempted."""
 
-    def __init__(self, worker: Any, metrics: GatewayMetrics,
+    def __init__(self, worker: ServedWorker, metrics: GatewayMetrics,
                  is_live: Callable[[str], bool] | None = None) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -167,7 +182,7 @@ class InstrumentedWorker:
         self.tenant_of: Callable[[str], str | None] = lambda rid: None
         self._previous: set[str] = set()
 
-    def step(self, items: Sequence[Any]):
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         ids = {i.request_id for i in items}
         left_out = sum(1 for rid in self._previous - ids if self.is_live(rid))
         if left_out:
@@ -194,6 +209,9 @@ class InstrumentedWorker:
             self.metrics.prefix_cache_hits.labels(tenant).inc(cached)
         return cached
 
+    def prefix_cache_usage(self) -> tuple[int, int] | None:
+        return self.worker.prefix_cache_usage()
+
     def __getattr__(self, name: str) -> Any:    # release, evict, context_limit, resident, …
         return getattr(self.worker, name)
 
@@ -202,7 +220,7 @@ class SchedulerCollector:
     """Gauges read from the loop's state when scraped (a copy of the live set: the loop's thread
     may change it meanwhile; `dict.copy` of a plain dict is atomic under the GIL)."""
 
-    def __init__(self, step_loop: Any, components: dict[str, Callable[[], bool]] | None = None) -> None:
+    def __init__(self, step_loop: StepLoop, components: dict[str, Callable[[], bool]] | None = None) -> None:
         self.step_loop = step_loop
         self.components = dict(components or {})
 
@@ -243,16 +261,15 @@ class SchedulerCollector:
         yield up
 
 
-def _prefix_cache_gauges(worker: Any) -> Iterable:
+def _prefix_cache_gauges(worker: ServedWorker) -> Iterable:
     """The prefix cache's bytes held and capacity: an in-process worker's own, or in Ray mode the
     sum the verifier replicas last reported (`VerifierPool`); none for the fake worker. Summed
     over tenants: one tenant's share would tell another what it sends."""
-    usage = getattr(worker, "prefix_cache_usage", None)
     try:
-        got = usage() if callable(usage) else None
+        got = worker.prefix_cache_usage()
     except Exception:                                  # a scrape never fails on a figure
         got = None
-    if not isinstance(got, tuple):
+    if got is None:
         return
     for name, help_text, value in (
             ("specgate_prefix_cache_bytes", "KV bytes the prefix cache holds", got[0]),

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
 from gateway.service import MAX_STOP_CHARS, MAX_STOPS, GenerateInput, GenerateOutput, SpecStats
+from gateway.tenancy.records import Tenant
 
 BIG = 2**31 - 1              # upper bound for counts: refuses absurd numbers with the field named
 
@@ -77,7 +78,7 @@ class _Sampling(BaseModel):
             raise ValueError("logit_bias is not supported")
         return v
 
-    def generate_input(self, tenant: Any, **text: Any) -> GenerateInput:
+    def generate_input(self, tenant: Tenant, **text: Any) -> GenerateInput:
         spec = self.speculation or SpeculationOptions()
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return GenerateInput(
@@ -134,7 +135,7 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix (insertion) is not supported")
         return v
 
-    def to_input(self, tenant: Any) -> GenerateInput:
+    def to_input(self, tenant: Tenant) -> GenerateInput:
         p = self.prompt
         if isinstance(p, str):
             return self.generate_input(tenant, prompt=p)
@@ -194,7 +195,7 @@ class ChatRequest(_Sampling):
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_input(self, tenant: Any) -> GenerateInput:
+    def to_input(self, tenant: Tenant) -> GenerateInput:
         return self.generate_input(tenant, messages=[m.as_dict() for m in self.messages])
 
 

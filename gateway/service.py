@@ -21,17 +21,21 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
+from gateway.tenancy.records import SpeculationPolicy, Tenant
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from scheduler.admission import ADMITTED
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.request import Request, RequestStats, Status
-from workers.acceptance import SamplingParams
+from workers.contract import SamplingParams
 from workers.runtime import encode_record
+
+if TYPE_CHECKING:
+    from gateway.tenancy.limits import Grant, Limiter
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ MAX_TEMPERATURE = 2.0
 
 @dataclass(frozen=True)
 class GenerateInput:
-    tenant: Any                         # gateway.tenants.Tenant
+    tenant: Tenant | None               # None: not authenticated (refused with 401)
     model: str
     prompt: str | None = None           # completions
     messages: list[dict] | None = None  # chat (chat template applied)
@@ -83,11 +87,21 @@ class GenerateOutput:
     speculation: SpecStats
 
 
+class EventStream(Protocol):
+    """What `open_stream` returns: `RequestStream` here, `gateway.ray_serve.remote.RemoteStream`
+    in a Ray ingress; `StreamChunk`s, then one `GenerateOutput`."""
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk | GenerateOutput]: ...
+
+    async def aclose(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Prepared:
     """A request that passed every check and is ready to submit."""
     request: Request
-    tenant: Any
+    tenant: Tenant
     model: str
     stops: tuple[str, ...]
 
@@ -98,7 +112,7 @@ def new_request_id(kind: str) -> str:
 
 class GenerationService:
     def __init__(self, step_loop: StepLoop, tokenizer: Any, *, models: Sequence[str],
-                 limiter: Any | None = None, metrics: GatewayMetrics | None = None,
+                 limiter: Limiter | None = None, metrics: GatewayMetrics | None = None,
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id):
@@ -144,20 +158,19 @@ class GenerationService:
 
     async def open_stream(self, inp: GenerateInput) -> "RequestStream":
         """`stream`, awaitable: the call the routers make, so a remote service (Ray mode's
-        `gateway.remote.RemoteService`) can admit the request over the network first."""
+        `gateway.ray_serve.remote.RemoteService`) can admit the request over the network first."""
         return self.stream(inp)
 
     def stream(self, inp: GenerateInput) -> "RequestStream":
         """Admit the request (raises ApiError) and return its event iterator. Call it on the
         event loop that will iterate it (the loop's thread posts events there)."""
         t0 = time.perf_counter()
-        tenant = getattr(inp.tenant, "name", None)
-        if tenant is None:
+        if inp.tenant is None:
             raise errors.unauthorized()
         try:
-            prep = self._prepare(inp)
+            prep = self._prepare(inp, inp.tenant)
         except ApiError:
-            self.metrics.rejected(tenant)
+            self.metrics.rejected(inp.tenant.name)
             raise
         grant = self._acquire(prep)
         try:
@@ -168,8 +181,7 @@ class GenerationService:
             raise
 
     # ---- check and tokenize ---------------------------------------------------------------------
-    def _prepare(self, inp: GenerateInput) -> _Prepared:
-        tenant = inp.tenant
+    def _prepare(self, inp: GenerateInput, tenant: Tenant) -> _Prepared:
         if inp.model not in self.models:
             raise errors.unknown_model(inp.model)
         if not tenant.allows_model(inp.model):
@@ -179,7 +191,7 @@ class GenerationService:
         if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
             raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
                                  "max_tokens")
-        drafter, tree_cap = self._speculation(inp)
+        drafter, max_tree_tokens = self._speculation(inp, tenant.speculation)
         ids, param, kind = self._tokenize(inp)
         limit = self.step_loop.worker.context_limit
         if len(ids) >= limit:
@@ -190,14 +202,15 @@ class GenerationService:
         max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
         rid = self.request_id(kind)
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
-                             max_tokens=max_new, priority=int(getattr(tenant, "priority", 0)))
+                             max_tokens=max_new, priority=tenant.priority,
+                             max_tree_tokens=max_tree_tokens)
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
-                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
-                      max_tree_nodes=tree_cap)
+                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)
 
     def _tokenize(self, inp: GenerateInput) -> tuple[list[int], str, str]:
-        given = [k for k in ("prompt", "messages", "prompt_ids") if getattr(inp, k) is not None]
+        inputs = {"prompt": inp.prompt, "messages": inp.messages, "prompt_ids": inp.prompt_ids}
+        given = [k for k, v in inputs.items() if v is not None]
         if len(given) != 1:
             raise ApiError(400, "send exactly one of 'prompt' or 'messages'",
                            param="prompt" if not given else given[1],
@@ -212,7 +225,7 @@ class GenerationService:
                     raise errors.invalid(f"token id {t!r} is outside the vocabulary "
                                          f"(0 … {self.vocab_size - 1})", f"prompt.{i}")
             return ids, "prompt", "cmpl"
-        record = {field: getattr(inp, field)}
+        record = {field: inputs[field]}
         try:
             ids = encode_record(self.tokenizer, record)
         except ValueError as exc:
@@ -221,7 +234,7 @@ class GenerationService:
             raise errors.invalid("prompt is empty: at least one token is needed", field)
         return ids, field, "chatcmpl" if field == "messages" else "cmpl"
 
-    def _speculation(self, inp: GenerateInput) -> tuple[str, int | None]:
+    def _speculation(self, inp: GenerateInput, policy: SpeculationPolicy) -> tuple[str, int | None]:
         """(drafter name, tree cap) within the tenant's policy: a request may turn speculation
         off or shrink its tree, never go past what its tenant allows."""
         if inp.speculation not in (None, True, False):
@@ -230,9 +243,6 @@ class GenerationService:
         if cap is not None and (not _is_int(cap) or cap < 0):
             raise errors.invalid(f"max_tree_tokens must be an integer >= 0, got {cap!r}",
                                  "speculation.max_tree_tokens")
-        policy = getattr(inp.tenant, "speculation", None)
-        if policy is None:
-            return (self.drafters[0] if self.drafters else "none"), cap
         drafter = next((d for d in policy.drafters if d in self.drafters), None)
         if not policy.enabled or inp.speculation is False or drafter is None:
             return "none", 0
@@ -241,10 +251,10 @@ class GenerationService:
         return ("none", 0) if cap == 0 else (drafter, cap)
 
     # ---- limits and admission ----------------------------------------------------------------------
-    def _acquire(self, prep: _Prepared) -> Any:
+    def _acquire(self, prep: _Prepared) -> Grant | None:
         if self.limiter is None:
             return None
-        from gateway.limits import LimitExceeded
+        from gateway.tenancy.limits import LimitExceeded
         s = prep.request.stats
         try:
             return self.limiter.acquire(prep.tenant, s.prompt_len + s.max_tokens)
@@ -254,7 +264,7 @@ class GenerationService:
                                       code=f"{exc.kind}_exceeded" if exc.kind else
                                       "rate_limit_exceeded") from None
 
-    def _submit(self, prep: _Prepared, grant: Any, t0: float) -> "RequestStream":
+    def _submit(self, prep: _Prepared, grant: Grant | None, t0: float) -> "RequestStream":
         aio = asyncio.get_running_loop()
         stream = RequestStream(self, prep, grant, aio, t0)
         self._sync_tenant(prep.tenant)
@@ -275,17 +285,16 @@ class GenerationService:
         stream.admitted = True
         return stream
 
-    def _sync_tenant(self, tenant: Any) -> None:
+    def _sync_tenant(self, tenant: Tenant) -> None:
         """Bring the scheduler's view of a tenant up to date (tenants change at run time)."""
-        self.step_loop.set_tenant(tenant.name, weight=float(getattr(tenant, "weight", 1.0)),
-                                  max_queued=getattr(tenant, "max_queued", None))
+        self.step_loop.set_tenant(tenant.name, weight=float(tenant.weight), max_queued=tenant.max_queued)
 
 
 class RequestStream:
     """One admitted request's events as an async iterator: `StreamChunk`s, then one
     `GenerateOutput`. `aclose()` (or dropping it) before the end cancels the request."""
 
-    def __init__(self, service: GenerationService, prep: _Prepared, grant: Any,
+    def __init__(self, service: GenerationService, prep: _Prepared, grant: Grant | None,
                  aio: asyncio.AbstractEventLoop, t0: float) -> None:
         self.service = service
         self.prep = prep

@@ -41,11 +41,11 @@ class Settings(BaseSettings):
     # the scheduler
     max_batch: int = Field(8, ge=1)
     token_budget: int = Field(64, ge=1)        # per step: Σ (1 root + tree nodes)
-    max_tree_nodes: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
+    max_tree_tokens: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     # the planner's step costs: a profile JSON (`specgate bench profile --json`); default: measured
-    # on this machine at start-up, a few seconds (scheduler/bench_profile.py startup_profile)
+    # on this machine at start-up, a few seconds (tools/bench_profile.py startup_profile)
     step_profile: Path | None = None
     max_live: int = Field(4096, ge=1)          # queued + running: more is 503
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)

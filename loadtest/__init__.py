@@ -1,1 +1,1 @@
-"""Load generation, workloads, reports."""
+"""A client of a running gateway: open-loop load, workloads, policy comparison, soak."""

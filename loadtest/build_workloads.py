@@ -23,13 +23,11 @@ Only the sentences that frame each task ("Repeat the text after ...") are ours.
 Why the copy/extract framing looks the way it does: SmolLM2-135M-Instruct (the default model) does
 not copy when the instruction comes first ("Repeat the following text exactly, without adding or
 changing anything:\n\n<passage>"): it answers with its own prose or code, so the copy workload
-measured nothing about copying. ``copied`` = share of greedy tokens whose 3-gram (with the two
-tokens before) occurs in the prompt ids; probes on 4 copy prompts, 40 new tokens: instruction first
-0.16; same plus a "you are a copying tool" system message 0.17; user text = bare passage with an
-"echo" system message 0.15; "fix the spelling mistakes" 0.14; passage in triple quotes with the
-instruction after it 0.45 (0.24-0.34 when the instruction also gave the passage's first words).
-What works best is the passage *between* an announcing sentence and a closing instruction, with a
-``Text:`` label the model echoes and then continues from::
+would measure nothing about copying. Framings were compared by ``copied``, the share of greedy
+tokens whose 3-gram (with the two tokens before) occurs in the prompt ids (README, "Drafters,
+draft models and workloads", has the probes' figures). What works best is the passage *between*
+an announcing sentence and a closing instruction, with a ``Text:`` label the model echoes and
+then continues from::
 
     Repeat the text after "Text:" exactly, word for word.
 
@@ -39,16 +37,11 @@ What works best is the passage *between* an announcing sentence and a closing in
 
     End of text. Now write the text above again, exactly as it is.
 
-Extract prompts use the same sandwich with the task-specific instruction at the end. With 32 new
-tokens this framing scored 0.82 over the 14 copy prompts (instruction first: 0.16 on 4 prompts).
-Mean ``copied`` over the 14 prompts, 128 greedy tokens, float32, CPU: copy 0.60, extract 0.50.
-The model starts copying nearly every passage but drifts into paraphrase after a few sentences,
-often where it re-wraps the docstrings' hard line breaks. So copy passages have each prose
-paragraph's lines joined (``unwrap_paragraphs``; the wrapping is layout, not text): copy 0.76
-(probes, same setup: the same with "repeat the text above, word for word" as the closing
-sentence 0.68; with "Do not change, shorten or explain anything." added 0.53; passages of
-60-140 words 0.54). Extract passages keep their line breaks (unwrapped: 0.48 vs 0.50).
-Summarize, chat and code prompts are unchanged.
+Extract prompts use the same sandwich with the task-specific instruction at the end. The model
+starts copying nearly every passage but drifts into paraphrase after a few sentences, often where
+it re-wraps the docstrings' hard line breaks, so copy passages have each prose paragraph's lines
+joined (``unwrap_paragraphs``; the wrapping is layout, not text); extract passages keep their
+line breaks (joining them did not help there). Summarize, chat and code prompts are unchanged.
 
 The output is deterministic for a given CPython minor version: docstrings change between Python
 releases, so rebuild with the interpreter named in ``PYTHON_VERSION`` to reproduce the shipped

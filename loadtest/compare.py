@@ -3,7 +3,7 @@
     specgate loadtest compare --policies fcfs,sjf,laps --rate 8 --duration 60 --json cmp.json
     specgate loadtest compare --fake-worker --fake-step-ms 20 --rate 40 --duration 10 --plot cmp.png
 
-For each policy, one embedded gateway (`serve_cmd.build_embedded`) is started in a fresh child
+For each policy, one embedded gateway (`gateway.builders.embedded.build_embedded`) is started in a fresh child
 process, the same tenants are created in it with known keys, and `loadgen.loadtest` runs the same
 arrivals (same seed, rate, duration, workloads, max tokens) against it; then the gateway stops and
 the next policy gets a new one. The report has, per policy, the end-to-end latency mean/p50/p99,
@@ -18,15 +18,15 @@ NOTE: a child process per policy, not the gateway in this process. In process, t
 event loop and step loop would share the GIL with the load generator, so the client's own timing
 would be part of every latency; and a fresh process per policy leaves nothing (warm caches, a
 grown heap, a queue not yet drained) from one policy's run to the next. The cost is a start-up per
-policy (about 2 s with the fake worker; the model load with a real one).
+policy (short with the fake worker; the model load with a real one).
 
 `--rounds N` runs every policy N times: round r uses seed + r (the same arrivals for every policy
 within a round) and reverses the order of the policies every other round (fcfs,laps then laps,fcfs).
 Each policy's row pools its rounds' requests; `rounds` keeps each round's means and laps'
 reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the policy run first
-was the slowest in both of two real-model runs (2026-12-02, 0.95 requests/s, 300 s each):
-fcfs,sjf,laps gave 6.27, 4.79, 3.71 s mean (laps 41% below fcfs); laps,fcfs gave 5.47, 4.27 s
-(laps 28% above). One pass of each policy measures the machine's drift as much as the policies.
+was the slowest in both of two real-model runs, so that laps came out far ahead of fcfs in one
+order and far behind it in the other (README.md, "Scheduling policies on the real gateway").
+One pass of each policy measures the machine's drift as much as the policies.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from loadtest.bench_gateway import recv_or_none
 from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse_max_tokens
 from loadtest.workload import WORKLOADS
 
@@ -333,9 +332,10 @@ def gateway_process(settings: dict, tenants: list[tuple[str, str]],
 def _child_main(settings: dict, tenants: list[tuple[str, str]], conn: Any) -> None:
     """The gateway process: build, add the tenants, serve until "stop" or the parent is gone."""
     try:
-        from gateway.serve_cmd import background_server, build_embedded
+        from gateway.http.server import background_server
+        from gateway.builders.embedded import build_embedded
         from gateway.settings import Settings
-        from gateway.tenants import Tenant
+        from gateway.tenancy.records import Tenant
 
         emb = build_embedded(Settings(**settings), progress=False)
         for name, key in tenants:
@@ -396,3 +396,11 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def recv_or_none(conn: Any) -> Any:
+    """The next message on a multiprocessing pipe, or None once the other end is gone."""
+    try:
+        return conn.recv()
+    except EOFError:
+        return None

@@ -19,10 +19,11 @@ verdict (the Redis memory is the whole server's, and a short run's p50 is noisy)
 Warm-up: a new gateway's RSS grows at first by what it is meant to keep: the verifier's prefix
 cache (256 MiB by default, full only after a few hundred distinct prompt blocks), the allocator's
 high-water mark, lazily built kernels. Counting that as growth would call a bounded cache a leak
-(a real-model soak at 0.25 requests/s, 10 minutes: RSS +21% after a one-window warm-up, +0.6%
-after the 3 minutes the prefix cache took to fill). By default (`--warmup-windows auto`) warm-up windows run before the measured
-`--minutes`, until the gateway's `specgate_prefix_cache_bytes` gauge has levelled off (grew by
-less than 1% of its capacity over a window; one window where there is no prefix cache), at most
+(a real-model soak whose RSS growth looked alarming after a one-window warm-up was flat once the
+prefix cache had filled: README.md, "Serving path and start-up times"). By default
+(`--warmup-windows auto`) warm-up windows run before the measured `--minutes`, until the
+gateway's `specgate_prefix_cache_bytes` gauge has levelled off (grew by less than 1% of its
+capacity over a window; one window where there is no prefix cache), at most
 `--max-warmup-windows`; `warmup_levelled` says whether it did. `--warmup-windows N` instead
 leaves the first N of the `--minutes` windows out.
 
@@ -244,7 +245,7 @@ def soak(settings: dict, *, windows: int, window_s: float, warmup: int | str = "
     """Run the load against one gateway process, window by window: with `warmup` "auto", warm-up
     windows until the prefix cache levels off (at most `max_warmup`), then `windows` more; with
     an int, `windows` in all, the first `warmup` of them warm-up. The report: module docstring."""
-    from gateway.tenants import new_api_key
+    from gateway.tenancy.records import new_api_key
     from loadtest.loadgen import loadtest
 
     keys = tenant_keys(tenants)

@@ -1,1 +1,3 @@
-"""Request lifecycle, scheduling policies, the step loop and the simulator."""
+"""Request lifecycle, scheduling policies, tree sizing, the state stores and the step loop: pure
+bookkeeping over the workers' contract (`workers.contract`); the policies, sizing and the loop import
+no torch."""

@@ -31,26 +31,28 @@ from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
 from scheduler.store import MemoryStore, StateStore, StepWrite
-from workers.acceptance import SamplingParams
-from workers.batch_worker import WorkItem
-from workers.drafters.base import NO_SPECULATION, TreeBudget
+from workers.contract import SamplingParams, StepResult, WorkItem
 from workers.stopping import cut
-from workers.verifier import StepResult
 
 log = logging.getLogger(__name__)
 
 
 class Worker(Protocol):
-    """What the loop drives: `workers.batch_worker.BatchWorker`, or a fake with the same calls."""
+    """What the loop drives: `workers.batch_worker.BatchWorker`, or a fake with the same calls.
+    `step` drafts each item's tree within the budget it is given (the plan sizes them)."""
     context_limit: int
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> None: ...
+                drafter: str | None = None) -> object: ...
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]: ...
 
-    def release(self, request_id: str) -> None: ...
+    def release(self, request_id: str) -> None:
+        """Free a finished request's KV and drafter state."""
+
+    def evict(self, request_id: str) -> None:
+        """Free the KV of a request that is not finished (it is prefilled again when planned)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class StepLoop:
             raise ValueError("prompt is empty: at least one token is needed")
         if s.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {s.max_tokens}")
+        if req.drafter == "none":
+            s.max_tree_tokens = 0                      # the planner sizes its trees to nothing
         room = self.worker.context_limit - len(req.prompt_ids) - len(req.output_ids)
         if room < 1:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model's context is "
@@ -217,8 +221,8 @@ class StepLoop:
         planned = [rid for rid in plan.request_ids if self._ensure_resident(rid, keep)]
         if not planned:
             return True
-        items = [WorkItem(rid, self._budget(rid, b))
-                 for rid, b in zip(plan.request_ids, plan.budgets) if rid in self._resident]
+        items = [WorkItem(rid, b) for rid, b in zip(plan.request_ids, plan.budgets)
+                 if rid in self._resident]
         try:
             results = self.worker.step(items)
         except Exception as exc:                       # a step failure ends its batch, not the loop
@@ -244,7 +248,8 @@ class StepLoop:
             appended[rid] = tokens
             # The path tried: accepted drafts, plus the one rejected where the walk stopped.
             tried = res.accepted + (1 if res.drafted > res.accepted else 0) if res.drafted else 0
-            records.append(StepRecord(rid, res.tree_tokens, len(tokens), cause, tried))
+            records.append(StepRecord(rid, res.tree_tokens, len(tokens), cause, tried,
+                                      res.drafted, res.accepted, res.draft_s, res.draft_depth))
             self._resident[rid] = self._resident.pop(rid)        # most recently served last
         before = set(self.state.running)
         finished = self.policy.update(self.state, records, now, step_s)
@@ -259,15 +264,6 @@ class StepLoop:
             self._forget(s.request_id)
             self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
 
-    def _budget(self, request_id: str, planned: TreeBudget) -> TreeBudget:
-        req = self._requests[request_id]
-        if req.drafter == "none":
-            return NO_SPECULATION
-        cap = req.max_tree_nodes
-        if cap is not None and planned.max_nodes > cap:
-            return TreeBudget(cap, min(planned.max_depth, cap)) if cap > 0 else NO_SPECULATION
-        return planned
-
     def _ensure_resident(self, request_id: str, keep: set[str]) -> bool:
         if request_id in self._resident:
             return True
@@ -275,9 +271,7 @@ class StepLoop:
             victim = next((r for r in self._resident if r not in keep), None)
             if victim is None:
                 break
-            # Evicted, not finished: re-prefilled when planned again (a worker without `evict`
-            # releases, which frees the same KV).
-            getattr(self.worker, "evict", self.worker.release)(victim)
+            self.worker.evict(victim)          # not finished: re-prefilled when planned again
             del self._resident[victim]
         req = self._requests[request_id]
         try:

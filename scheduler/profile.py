@@ -130,7 +130,7 @@ class StepCostModel:
 
     @classmethod
     def from_doc(cls, doc: dict) -> "StepCostModel":
-        """A profile already parsed (e.g. `scheduler.bench_profile.startup_profile`'s)."""
+        """A profile already parsed (e.g. `tools.bench_profile.startup_profile`'s)."""
 
         def curves(cs: list[dict]) -> list[Curve]:
             return [(c["batch"], c["tokens"], c["step_s"]) for c in cs]

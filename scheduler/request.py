@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from workers.acceptance import SamplingParams
+from scheduler.sizing import AlphaEstimate, observe, observe_draft_time
+from workers.contract import SamplingParams
 
 
 class Status(str, enum.Enum):
@@ -78,13 +79,20 @@ class StepRecord(NamedTuple):
     committed: τ, tokens committed (accepted + the bonus token; ≥ 1 unless the step failed).
     finish:    None, or the cause the request finished with ("stop", "eos", "length", …).
     tried:     draft tokens compared on the path the acceptance walk followed (accepted, plus one
-               if it stopped at a rejection); None when unknown. Feeds the α estimate.
+               if it stopped at a rejection); None when unknown.
+    drafted, accepted: draft nodes verified and accepted (before any cut at a stop or the
+               limit): the evidence of the request's α estimate (scheduler/sizing.py).
+    draft_s, draft_depth: seconds its drafter spent on this step's tree, and the tree's depth.
     """
     request_id: str
     verified: int
     committed: int
     finish: str | None = None
     tried: int | None = None
+    drafted: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    draft_depth: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +105,8 @@ class RequestStats:
     max_tokens: int
     priority: int = 0                      # priority class: 0 before 1 before 2 …
     predicted_len: int | None = None       # predicted output tokens; None when no predictor
+    max_tree_tokens: int | None = None     # cap on its draft nodes per step (tenant or request;
+                                           # 0: no speculation); None: the deployment's
     status: Status = Status.QUEUED
     cause: str | None = None               # why it ended (see finish_reason)
     committed: int = 0                     # output tokens committed so far
@@ -105,8 +115,9 @@ class RequestStats:
     tau_sum: float = 0.0
     tau_sq_sum: float = 0.0
     tau_history: list[int] = field(default_factory=list)   # τ per step
-    accepted_sum: int = 0                  # α estimate = accepted ÷ tried (when tried is known)
+    accepted_sum: int = 0                  # draft tokens accepted, and compared, in all
     tried_sum: int = 0
+    estimate: AlphaEstimate = AlphaEstimate()   # α and drafting time, for tree sizing
     level: int = 0                         # multi-level queue level (las, laps)
     perceptible: bool = False              # acceptance estimate stable enough to predict time
     predicted_remaining_s: float | None = None
@@ -133,9 +144,6 @@ class RequestStats:
         var = (self.tau_sq_sum - self.tau_sum * self.tau_sum / n) / (n - 1)
         return math.sqrt(max(var, 0.0) / n)
 
-    def alpha_estimate(self) -> float:
-        return alpha_estimate(self)
-
     def wait_s(self, now: float) -> float:
         return now - self.last_served_s
 
@@ -156,6 +164,9 @@ class RequestStats:
         if rec.tried is not None:
             self.accepted_sum += tau - 1 if tau > 1 else 0
             self.tried_sum += rec.tried
+        self.estimate = observe(self.estimate, rec.drafted, rec.accepted)
+        if rec.draft_s > 0:
+            self.estimate = observe_draft_time(self.estimate, rec.draft_s, rec.draft_depth)
         self.last_served_s = end_s
         self.in_steps_s += end_s - start_s
         self.status = Status.RUNNING
@@ -171,11 +182,6 @@ class RequestStats:
         return finish_reason(self.status, self.cause)
 
 
-def alpha_estimate(s: RequestStats) -> float:
-    """α = accepted ÷ tried, shrunk towards the prior 1 ÷ 2 while there is little evidence."""
-    return (s.accepted_sum + 1.0) / (s.tried_sum + 2.0)
-
-
 @dataclass(slots=True, eq=False)
 class Request:
     """The full record: the policy's `stats` plus what the drafters and the verifier need.
@@ -189,7 +195,6 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()             # stop strings, never emitted (the step loop checks text)
     drafter: str | None = None             # None: the deployment's default; "none": no speculation
-    max_tree_nodes: int | None = None      # the tenant's cap on nodes per step; None: no cap
     output_ids: list[int] = field(default_factory=list)
 
     @property

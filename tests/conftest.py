@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Iterator
 
 import pytest
-import torch
 
 from redis_server import delete_prefix, redis_server, unique_prefix
 
 
 def tiny_llama(seed: int = 0, *, vocab: int = 128, layers: int = 2, max_positions: int = 512,
                attention_bias: bool = False, head_dim: int = 64):
+    import torch                       # here, not at the top: scheduler tests load no torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

@@ -6,7 +6,8 @@ import contextlib
 import numpy as np
 import torch
 
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import DraftContext, TreeBudget
+from workers.drafters.base import Drafter
 from workers.tree import TokenTree, truncate
 
 
@@ -19,7 +20,7 @@ def hf_greedy(model, prompt_ids, max_new_tokens: int, eos: int | list[int] | Non
     return out[0, len(prompt_ids):].tolist()
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes trees around a known continuation: some branches right, some wrong, in a chosen shape.
 
     `shape` = "chain" (the true continuation, cut at a random point, then wrong tokens), "wide"
@@ -66,9 +67,6 @@ class OracleDrafter:
             parent, level = next_parent, level + 1
         return truncate(TokenTree(tuple(tokens), tuple(parents)), budget.max_nodes, budget.max_depth)
 
-    def release(self, request_id: str) -> None:
-        pass
-
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -100,8 +98,9 @@ def serving(settings, tenants: dict[str, list[str]], *, tenant_options: dict | N
     """An embedded gateway built from `settings`, with `tenants` (name -> API keys; options per
     name in `tenant_options`, e.g. {"limited": {"rpm": 1}}), its step loop running, served on a
     free loopback port: yields (embedded, base URL); stops it all on exit."""
-    from gateway.serve_cmd import background_server, build_embedded
-    from gateway.tenants import Tenant
+    from gateway.http.server import background_server
+    from gateway.builders.embedded import build_embedded
+    from gateway.tenancy.records import Tenant
 
     emb = build_embedded(settings, progress=False)
     for name, keys in tenants.items():

@@ -15,34 +15,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from workers.contract import SamplingParams
 from workers.tree import TokenTree, children
 
-__all__ = ["SamplingParams", "Acceptance", "warp", "accept_greedy", "accept_sampling"]
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the target samples. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off.
-
-    ``seed`` seeds the request's own RNG, so one request's output does not depend on its batch.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["Acceptance", "warp", "accept_greedy", "accept_sampling"]
 
 
 @dataclass(frozen=True)
@@ -105,8 +81,9 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
 
     The kept set is a prefix of the tokens sorted by probability, so it lies within the top m tokens
     as soon as their mass reaches ``top_p``: sort only those (m = 64, then 1024, then all V). A full
-    sort of a 49k vocabulary costs ~20× the softmax; an ``argpartition`` ~2×, and LLM distributions
-    are usually peaked enough for the first try. Ties are broken by token id within the candidates.
+    sort of a 49k vocabulary costs many times the softmax, an ``argpartition`` a small multiple
+    of it (README.md, "Serving path and start-up times"), and LLM distributions are usually
+    peaked enough for the first try. Ties are broken by token id within the candidates.
     """
     # The 1e-12 absorbs rounding in sums (.5 + .3 must reach .8).
     target = top_p - 1e-12
@@ -219,7 +196,8 @@ def _residual(p: np.ndarray, q: Optional[np.ndarray], x: int) -> np.ndarray:
 def _sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """One draw from p (need not be normalised); never returns a zero-probability token.
 
-    Inverse CDF via searchsorted: ~10× cheaper than ``rng.choice`` and tolerant of rounding in sums.
+    Inverse CDF via searchsorted: much cheaper than ``rng.choice`` (README.md, "Serving path and
+    start-up times") and tolerant of rounding in sums.
     """
     cdf = np.cumsum(p)
     i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))

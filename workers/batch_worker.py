@@ -1,35 +1,28 @@
 """Draft + verify for a batch of admitted requests: what one step of any loop asks of the workers.
 
-Both loops drive this one class: `workers.engine.Engine` (whole generations, `specgate generate`
-and the benches) and the scheduler's step loop (serving, which picks the batch and a tree budget
-per request each step). The worker owns what lives next to the KV cache: each request's context
-(prompt + committed output), its drafter and its speculation state (`workers.speculation`), so a
-request's drafting backs off on its own evidence whichever loop drives it.
+Both loops drive this one class: `scheduler.generation.Engine` (whole generations, `specgate
+generate` and the benches) and the scheduler's step loop (serving). The worker owns what lives
+next to the KV cache: each request's context (prompt + committed output) and its drafter.
 
-A step: for each item, size the tree (the goodput-best depth for this request's acceptance, within
-the budget the caller allows), let the request's drafter propose it, then verify every tree in one
-forward pass and extend the contexts with what was committed.
+A step carries out the plan it is handed: for each item, the request's drafter proposes a tree
+within the item's budget (the planner alone decides how big: scheduler/sizing.py), every tree is
+verified in one forward pass, and the contexts grow by what was committed. Each result reports
+what the planner learns from: nodes drafted and accepted, and the request's share of the
+drafting time.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from workers.acceptance import SamplingParams
-from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, TreeBudget
+from workers.contract import DraftContext, SamplingParams, StepResult, WorkItem
+from workers.drafters.base import Drafter
 from workers.drafters.registry import create_drafter
-from workers.speculation import SpeculationConfig, SpeculationState, next_budget, record, record_draft_time
 from workers.tree import TokenTree, depths, truncate
-from workers.verifier import StepResult, Verifier, VerifyItem
+from workers.verifier import Verifier, VerifyItem
 
 _EMPTY = TokenTree.empty()
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    request_id: str
-    budget: TreeBudget        # the most this step may draft for the request (NO_SPECULATION: none)
 
 
 @dataclass
@@ -38,19 +31,18 @@ class _Resident:
     context: list[int]        # prompt + committed output; the last token is the root
     prompt_len: int
     drafter: Drafter
-    spec: SpeculationState
+
+    def draft_context(self, request_id: str) -> DraftContext:
+        return DraftContext(request_id, self.tenant, self.context, self.prompt_len)
 
 
 class BatchWorker:
-    def __init__(self, verifier: Verifier, *, default_drafter: str = "ngram", adaptive: bool = True,
-                 speculation: SpeculationConfig | None = None,
+    def __init__(self, verifier: Verifier, *, default_drafter: str = "ngram",
                  drafters: Mapping[str, Drafter] | None = None):
         """`drafters`: instances by name (created from the registry on first use otherwise); one
         instance serves every request that names it, keyed by request id inside."""
         self.verifier = verifier
         self.default_drafter = default_drafter
-        self.adaptive = adaptive          # else every step drafts the full budget it is given
-        self.speculation = speculation or SpeculationConfig()
         self._drafters: dict[str, Drafter] = dict(drafters or {})
         self._resident: dict[str, _Resident] = {}
         self.draft_s = 0.0                # time spent proposing trees, accumulated
@@ -83,8 +75,7 @@ class BatchWorker:
         tokens whose KV came from the prefix cache."""
         chosen = self.drafter(drafter)
         cached = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
-        self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
-                                               SpeculationState(self.speculation))
+        self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen)
         return cached
 
     def release(self, request_id: str) -> None:
@@ -100,74 +91,56 @@ class BatchWorker:
         res = self._resident.pop(request_id, None)
         self.verifier.release(request_id)
         if res is not None:
-            getattr(res.drafter, "evict", res.drafter.release)(request_id)
+            res.drafter.evict(request_id)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
-        """Draft for every item, verify all trees in one pass, commit. Results in item order."""
+        """Draft every item's tree within its budget, verify all trees in one pass, commit.
+        Results in item order."""
         t0 = time.perf_counter()
-        trees = [VerifyItem(item.request_id, tree) for item, tree in zip(items, self._draft(items))]
+        trees, shares = self._draft(items)
         self.draft_s += time.perf_counter() - t0
-        results = self.verifier.verify(trees)
-        for step in results:
-            res = self._resident[step.request_id]
-            res.spec = record(res.spec, step.drafted, step.accepted)
-            res.context.extend(step.tokens)
+        results = self.verifier.verify([VerifyItem(it.request_id, tree) for it, tree in zip(items, trees)])
+        out = []
+        for step, tree, share in zip(results, trees, shares):
+            self._resident[step.request_id].context.extend(step.tokens)
+            out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0)))
         self._prefetch(items)
-        return results
+        return out
+
+    def _groups(self, items: Sequence[WorkItem]) -> dict[int, tuple[Drafter, list[int]]]:
+        """Item indices that speculate this step, by drafter instance."""
+        groups: dict[int, tuple[Drafter, list[int]]] = {}
+        for i, item in enumerate(items):
+            if item.budget.speculates:
+                res = self._resident_for(item.request_id)
+                groups.setdefault(id(res.drafter), (res.drafter, []))[1].append(i)
+        return groups
+
+    def _draft(self, items: Sequence[WorkItem]) -> tuple[list[TokenTree], list[float]]:
+        """One tree per item (empty where the budget drafts nothing), and each item's share of the
+        drafting time. Each drafter gets all its requests of the step in one call (a draft model
+        shares its passes, a remote drafter makes one round trip)."""
+        trees: list[TokenTree] = [_EMPTY] * len(items)
+        shares = [0.0] * len(items)
+        for drafter, idx in self._groups(items).values():
+            group = [(self._resident[items[i].request_id].draft_context(items[i].request_id),
+                      items[i].budget) for i in idx]
+            t0 = time.perf_counter()
+            proposed = drafter.propose_batch(group)
+            share = (time.perf_counter() - t0) / len(idx)
+            for i, tree in zip(idx, proposed):
+                b = items[i].budget
+                # held to the budget here: a remote drafter's tree may have been prefetched
+                trees[i], shares[i] = truncate(tree, b.max_nodes, b.max_depth), share
+        return trees, shares
 
     def _prefetch(self, items: Sequence[WorkItem]) -> None:
-        """Let drafters that can (remote ones: `prefetch_batch`) start drafting the next step now,
-        for these requests at the budgets they would get again, while the step's results travel."""
-        groups: dict[int, tuple[Drafter, list[tuple[DraftContext, TreeBudget]]]] = {}
-        for item in items:
-            res = self._resident.get(item.request_id)
-            if res is None or not hasattr(res.drafter, "prefetch_batch"):
-                continue
-            budget = self._budget(res, item.budget)
-            if budget.speculates:
-                ctx = DraftContext(item.request_id, res.tenant, res.context, res.prompt_len)
-                groups.setdefault(id(res.drafter), (res.drafter, []))[1].append((ctx, budget))
-        for drafter, group in groups.values():
-            drafter.prefetch_batch(group)
-
-    def _draft(self, items: Sequence[WorkItem]) -> list[TokenTree]:
-        """One tree per item. A drafter with `propose_batch` (a remote one: Ray mode's draft
-        workers) gets all its requests of the step in one call instead of one call each."""
-        trees: list[TokenTree | None] = [None] * len(items)
-        batched: dict[int, list[tuple[int, DraftContext, TreeBudget]]] = {}
-        by_id: dict[int, Drafter] = {}
-        for i, item in enumerate(items):
-            res = self._resident_for(item.request_id)
-            budget = self._budget(res, item.budget)
-            if not budget.speculates:
-                trees[i] = _EMPTY
-                continue
-            ctx = DraftContext(item.request_id, res.tenant, res.context, res.prompt_len)
-            if hasattr(res.drafter, "propose_batch"):
-                batched.setdefault(id(res.drafter), []).append((i, ctx, budget))
-                by_id[id(res.drafter)] = res.drafter
-            else:
-                t0 = time.perf_counter()
-                trees[i] = res.drafter.propose(ctx, budget)
-                self._charge(res, time.perf_counter() - t0, trees[i])
-        for key, group in batched.items():   # a remote drafter may have prefetched these trees
-            t0 = time.perf_counter()
-            proposed = by_id[key].propose_batch([(ctx, budget) for _, ctx, budget in group])
-            share = (time.perf_counter() - t0) / len(group)    # one call drafted for all of them
-            for (i, _, budget), tree in zip(group, proposed):
-                trees[i] = truncate(tree, budget.max_nodes, budget.max_depth)   # held to the budget here
-                self._charge(self._resident[items[i].request_id], share, trees[i])
-        return trees
-
-    def _charge(self, res: _Resident, seconds: float, tree: TokenTree) -> None:
-        """Book drafting time against the request, per tree level, so its sizing weighs it."""
-        if len(tree):
-            res.spec = record_draft_time(res.spec, seconds, max(depths(tree)))
-
-    def _budget(self, res: _Resident, allowed: TreeBudget) -> TreeBudget:
-        if not allowed.speculates:
-            return NO_SPECULATION
-        return next_budget(res.spec, allowed) if self.adaptive else allowed
+        """Let drafters start drafting the next step now (remote ones do, while the step's results
+        travel), for these requests at this step's budgets."""
+        for drafter, idx in self._groups(items).values():
+            live = [i for i in idx if items[i].request_id in self._resident]
+            drafter.prefetch_batch([(self._resident[items[i].request_id].draft_context(items[i].request_id),
+                                     items[i].budget) for i in live])
 
     def _resident_for(self, request_id: str) -> _Resident:
         try:

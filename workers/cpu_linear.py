@@ -7,39 +7,32 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   call, which for few rows costs more than the arithmetic.
 - `mkl`: copies pre-packed once per row bucket (4, 8, 16, 32) through `torch.ops.mkl._mkl_linear`,
   which only uses a copy for its exact row count, so inputs are zero-padded up to the next bucket.
-  Measured on a 2-core Intel Xeon (AVX-512/AMX), 30 layers' linears, fp32: plain 1-2 rows 16 ms,
-  4 rows 28 ms, 8 rows 37 ms, 16 rows 43 ms; packed 4/8/16 rows 20, 25, 29 ms. One or two rows use
-  the plain layout, which is as fast there. Price: one extra weight copy per bucket.
+  On a 2-core Intel Xeon (AVX-512/AMX) the packed copies beat the plain weight from 4 rows up;
+  one or two rows use the plain layout, which is as fast there. Price: one extra weight copy per
+  bucket.
 - `onednn`: one copy in oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`), used
-  for any row count. MKL picks slow code paths on non-Intel CPUs; measured on a 2-core AMD EPYC
-  (Zen 4, AVX-512), whole SmolLM2-135M forward, fp32, 400 tokens of context: plain 1 row 44 ms,
-  2 rows 74 ms, 16 rows 82 ms; oneDNN 25, 28 and 36 ms. It replaces the plain weight, so it costs
-  no extra memory. In bf16 (`F.linear` already runs on oneDNN there) the packed copy saves the
-  per-call reorder: 1 row 26 -> 18 ms, 16 rows 26 -> 23 ms. The layout is chosen for a batch-size
-  hint (`ONEDNN_ROWS_HINT`): a hint of 1 picks a matrix-vector layout that is slower at every row
-  count we run; 16 was best or within noise of best for 1-32 rows (SmolLM2's 120 distinct layer
-  weights, AMD EPYC, fp32: 1 row 13.7 -> 11.0 ms, 8 rows 18.1 -> 13.3, 16 rows 20.8 -> 15.5, 32 rows
-  29.6 -> 25.5; bf16: 1 row 7.1 -> 5.7, 16 rows 10.3 -> 9.7).
+  for any row count. MKL picks slow code paths on non-Intel CPUs: on a 2-core AMD EPYC (Zen 4,
+  AVX-512) the whole forward ran far faster through oneDNN at every row count. It replaces the
+  plain weight, so it costs no extra memory. In bf16 (`F.linear` already runs on oneDNN there)
+  the packed copy saves the per-call reorder. The layout is chosen for a batch-size hint
+  (`ONEDNN_ROWS_HINT`): a hint of 1 picks a matrix-vector layout that is slower at every row
+  count we run; 16 was best or within noise of best for 1-32 rows, in fp32 and bf16.
 
 - `small`: the weight packed in panels for few rows (workers/small_gemm.py, our own AVX-512
   kernel), streamed once a call; more rows (prefills) go to a second copy: the plain weight in
   float32 on Intel (MKL), oneDNN's blocked layout in bf16 (AMX there) and on other CPUs (where MKL
-  is slow: a 512-token fp32 prefill of SmolLM2 on a 2-core AMD EPYC Zen 5, 659 ms through MKL,
-  319 ms through oneDNN). Measured on the 2-core Intel Xeon,
-  the 120 layer weights, fp32 (this machine's memory gives 18-24 GB/s and every figure moves with
-  it, so these are runs side by side): 1 row 15.4 ms (F.linear 18.9), 8 rows 24.7 (MKL packed for
-  8: 23.1), 16 rows 25.1 (MKL packed: 30.1), 32 rows 40.4 (45.7); 64 rows 60.9 against F.linear's
-  79.4; past ~100 rows MKL and oneDNN win. In bf16 with AMX, its tile kernel streams the weights
-  at the memory's speed up to 16-32 rows (120 weights: 1 row 8.0 ms against oneDNN's 11.6, 16
-  rows 8.6 against 13.2, 32 rows 11.4 against 14.8; 64 rows mixed), so up to 32 rows go to it;
-  without AMX its AVX-512 BF16 dot products win only for a few rows (1 row 11.9 vs 19.9 ms, 8 rows
-  even, 16 rows 32 vs 18), so more than 6 go to oneDNN. Two copies of the weights, against MKL's
-  five (plain + four buckets). Whole SmolLM2 forward, 400 tokens of context, runs interleaved:
-  1 row 34.5 ms (MKL 36.2), 8 rows 56.1 (51.2), 16 rows 58.5 (66.3), 32 rows 76.5 (91.4).
-  On the 2-core AMD EPYC (Zen 5, 2026-12-02), whole SmolLM2 forward, 128 tokens of context, runs
-  interleaved, `small` against `onednn`: fp32 1 row 12.9 ms (16.4), 8 rows 16.7 (18.6), 16 rows
-  19.7 (22.5), 32 rows 28.2 (34.1), 64 rows 53.1 (57.1); bf16 1 row 7.5 (10.3), 8-64 rows within
-  noise (both run oneDNN there). So `small` is the choice wherever it builds.
+  is slow: an fp32 prefill through MKL took about twice as long as through oneDNN on a Zen 5).
+  On the Intel Xeon, fp32, `small` beat F.linear at every row count up to 64 and MKL's packed
+  copies at 1, 16 and 32 rows (MKL's copy for 8 rows was a little faster); past ~100 rows MKL
+  and oneDNN win. In bf16 with AMX, its tile kernel streams the weights at the memory's speed up to
+  16-32 rows, so up to 32 rows go to it; without AMX its AVX-512 BF16 dot products win only for a
+  few rows, so more than 6 go to oneDNN. Two copies of the weights, against MKL's five (plain +
+  four buckets). On the AMD EPYC (Zen 5) `small` beats `onednn` over the whole forward in fp32
+  from 1 to 64 rows, and in bf16 at 1 row (8-64 rows within noise: both run oneDNN there). So
+  `small` is the choice wherever it builds.
+
+Every comparison above was run side by side on one machine (these VMs' memory speed moves every
+figure); the figures, with machines and dates, are in README.md, "CPU kernels and weight layouts".
 
 `pick_backend` chooses per machine; `SPECGATE_CPU_GEMM=plain|mkl|onednn|small` overrides it (benchmarks
 compare them side by side). Results agree with `F.linear` to float32 rounding (~1e-5 relative),
@@ -71,8 +64,9 @@ def pick_backend(device: torch.device, dtype: torch.dtype, override: str | None 
         raise ValueError(f"SPECGATE_CPU_GEMM must be one of {', '.join(BACKENDS + ('auto',))}, not {choice!r}")
     usable = _usable_backends(device, dtype)
     if choice == "auto":
-        # Our few-row kernel was measured fastest on Intel and on AMD (above); without it, MKL's
-        # packed copies on Intel, oneDNN elsewhere (MKL is slow on AMD).
+        # Our few-row kernel was measured fastest on Intel and on AMD (above; README.md, "CPU
+        # kernels and weight layouts"); without it, MKL's packed copies on Intel, oneDNN elsewhere
+        # (MKL is slow on AMD).
         if "small" in usable:
             choice = "small"
         elif _cpu_vendor() == "GenuineIntel":

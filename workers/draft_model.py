@@ -9,7 +9,7 @@ sink + window slots, however long it runs: at large batch the draft's memory and
 flat. Any other causal LM directory works as a draft with full attention (window None).
 
 The rule is one pure function, `sparse_mask`, used both by training (a [T, T] mask over a whole
-sequence, `workers.distill`) and by inference (`SparseKV.past_mask`, over the cached slots), so the
+sequence, `tools.distill`) and by inference (`SparseKV.past_mask`, over the cached slots), so the
 draft sees at inference exactly what it was trained to see.
 """
 from __future__ import annotations

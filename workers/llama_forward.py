@@ -61,10 +61,10 @@ class LlamaForward:
         # (workers/csrc/attention.cpp), for the head sizes that kernel is built for.
         self.fused_attention = self.fused and self.head_dim in (64, 128)
         # KV in the weights' dtype, except bf16 weights on CPU without that kernel: torch's bf16
-        # flash attention there is slow for few query rows (SmolLM2, 1,000 tokens of context, 1
-        # row: whole forward 26-30 ms with bf16 attention, 16-18 ms with fp32). The kernel reads
-        # bf16 KV into float32 arithmetic: half the bytes of a float32 KV (bf16 forward, side by
-        # side: 8 requests x 4 rows 36.3 -> 31.0 ms, 1 request x 16 rows 21.9 -> 21.2 ms).
+        # flash attention there is slow for few query rows (the whole forward ran markedly faster
+        # with a float32 KV). The kernel reads bf16 KV into float32 arithmetic: half the bytes of
+        # a float32 KV, and faster for both many requests and one deep tree (README.md, "CPU
+        # kernels and weight layouts").
         self.kv_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
                          and not self.fused_attention else self.dtype)
         with torch.no_grad():
@@ -148,7 +148,7 @@ class LlamaForward:
             q = self._rope_store(li, w["wqkv"](h), cos, sin, plan)               # [T, Hq, D]
             if logit_rows is None and li == self.n_layers - 1:
                 # Nothing reads the last layer's output but logits: with none wanted (a
-                # prefill), its KV is all that is needed (~3% of a prefill).
+                # prefill), its KV is all that is needed (a few percent of a prefill).
                 return None
             att = self._attention(li, q, plan)                                   # [T, Hq*D]
             h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
@@ -163,8 +163,9 @@ class LlamaForward:
         """Each logits row's greedy token (the first index of its largest value)."""
         if self.fused:
             return small_gemm.argmax_rows(logits).tolist()
-        # float32 first: torch's CPU argmax over bf16 rows is ~4x slower than converting first
-        # (12 x 49,152 logits: 1.1 ms against 0.29 ms), the same index either way.
+        # float32 first: torch's CPU argmax over bf16 rows is several times slower than converting
+        # first (measured on a step's logits: README.md, "CPU kernels and weight layouts"), and
+        # the index is the same either way.
         return logits.float().argmax(-1).tolist()
 
     def _rope_store(self, li: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
@@ -231,8 +232,8 @@ class LlamaForward:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """RMSNorm of x after the residual add x += delta (in place: x is this pass's own tensor).
-        One fused call where the CPU kernels exist: F.rms_norm and the add are ~7 ops of ~10 us
-        dispatch each on these CPUs, more than their arithmetic for tree-sized inputs."""
+        One fused call where the CPU kernels exist: F.rms_norm and the add are ~7 ops, whose
+        dispatch on these CPUs costs more than their arithmetic for tree-sized inputs."""
         if self.fused:
             return small_gemm.rms_norm(x, weight, self.eps, delta)
         if delta is not None:
@@ -241,7 +242,7 @@ class LlamaForward:
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up output [T, 2I] -> [T, I]; one call where the CPU
-        kernels exist (16 rows: 17 against 44 us float32, 22 against 48 us bf16)."""
+        kernels exist (faster than torch's three ops for tree-sized inputs: small_gemm.py)."""
         if self.fused:
             return small_gemm.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -266,8 +267,8 @@ class LlamaForward:
         g = self.n_heads // nkv
         if chunked:
             # Rows never see later rows, so a block of rows needs only the keys up to its own
-            # last row: about half the work of one call over the whole square (prefill, 430
-            # rows: 3.0 -> 2.0 ms a layer), since torch's CPU kernel cannot skip masked blocks.
+            # last row: about half the work of one call over the whole square (and about that
+            # much faster on a prefill), since torch's CPU kernel cannot skip masked blocks.
             qt = q.transpose(0, 1)[None]                                                # [1, Hq, n, D]
             out = torch.empty(n, self.n_heads, d, dtype=q.dtype, device=q.device)      # [n, Hq, D]
             for s in range(0, n, _CHUNK_ROWS):
@@ -283,7 +284,7 @@ class LlamaForward:
             out = out[0].transpose(0, 1)                                           # [n, Hq, D]
         else:
             # The g query heads that share a KV head become g * n rows of that head (the mask
-            # repeated g times): ~10-15% less attention time for tree-sized n than enable_gqa.
+            # repeated g times): less attention time for tree-sized n than enable_gqa.
             qf = q.view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * n, d)   # [1, Hkv, g*n, D]
             out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)    # [1, Hkv, g*n, D]
             out = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nkv * g, d)     # [n, Hq, D]
@@ -333,18 +334,20 @@ class _AttentionPlan:
     full_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # torch's [rows, length + rows]
     chunked: dict[int, bool] = field(default_factory=dict)
 
-# Up to this many rows a segment's attention folds its query-head groups into rows (measured, 450
-# tokens of context, SmolLM2's 9/3 heads: 4 rows 66 -> 54 us, 16 rows 162 -> 143 us); longer runs
-# such as prefill are as fast or faster with enable_gqa (430 rows: 3.0 vs 3.3 ms).
+# Up to this many rows a segment's attention folds its query-head groups into rows (measured with
+# SmolLM2's 9/3 heads: faster than enable_gqa for tree-sized segments); longer runs such as
+# prefill are as fast or faster with enable_gqa. Figures: README.md, "CPU kernels and weight
+# layouts".
 _FOLD_MAX_ROWS = 32
 # Segments longer than this (prefills) attend in blocks of this many rows (see _attend); measured
-# on 300-512 rows: blocks of 64 beat 128 and 256.
+# on prefill-sized segments, blocks of 64 beat 128 and 256.
 _CHUNK_ROWS = 64
 # Segments of up to this many rows attend through the CPU kernel (tree steps, drafts' steps), and
 # longer ones (prefills) up to this many keys, by KV dtype: past that torch's blocked path (above)
-# is faster. SmolLM2 prefill, kernel against torch: float32 KV 250 rows 68.5 against 76.9 ms, 420
-# rows 121 against 134, 700 rows 225 against 232, 1,500 rows 811 against 671; bf16 KV (torch's
-# bf16 flash attention is fast for many rows) 250 rows 88.2 against 90.6, 420 rows 160 against 148.
+# is faster. Measured on SmolLM2 prefills of growing length, kernel against torch: over a float32
+# KV the kernel leads until somewhere between 700 and 1,500 rows, over a bf16 KV (torch's bf16
+# flash attention is fast for many rows) only for short prefills; figures: README.md, "CPU
+# kernels and weight layouts".
 _KERNEL_MAX_ROWS = 64
 _KERNEL_MAX_KEYS = {torch.float32: 768, torch.bfloat16: 256}
 

@@ -8,8 +8,8 @@ A model is named by one of:
 
 Built-ins and GGUF files are converted once into a plain Hugging Face directory (float32 safetensors,
 tokenizer with its chat template, generation config) under the cache (``SPECGATE_CACHE``, default
-``~/.cache/specgate``), because parsing a GGUF file is slow (~18 s for SmolLM2-135M) and reloading the
-converted copy is fast (~2 s):
+``~/.cache/specgate``), because parsing a GGUF file is slow and reloading the converted copy is
+several times faster (README.md, "Serving path and start-up times"):
 
 * built-in ``NAME`` → ``<cache>/models/NAME/``;
 * ``/path/to/x.gguf`` → ``<cache>/models/gguf/x-<size>-<mtime_ns>/``: a changed file (new size or
@@ -436,7 +436,7 @@ def _corrupt_hint(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# CLI helpers (`specgate model path [NAME]`; the CLI itself lives in gateway/cli.py)
+# CLI helpers (`specgate model path [NAME]`; the CLI itself lives in specgate/cli.py)
 
 
 def add_model_path_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 computes only what is new.
 
 Agentic and RAG traffic sends the same long preamble (tool schemas, instructions, documents) with
-every request: on the `agentic` workload 382 of ~400 prompt tokens are shared, and on this CPU a
-400-token prefill costs more than decoding the ~40-token answer. Every serving peer caches
+every request: on the `agentic` workload 382 of ~400 prompt tokens are shared, and on a CPU the
+prefill costs more than decoding the short answer (README.md, "Agentic traffic" in the measured
+section). Every serving peer caches
 prefixes (vLLM's automatic prefix caching, SGLang's radix cache); this is the same idea, kept
 small.
 

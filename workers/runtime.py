@@ -1,7 +1,7 @@
 """Assemble a runnable target: tokenizer, lean forward, verifier; and turn prompt records into ids."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -9,8 +9,7 @@ import torch
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
 from workers.prefix_cache import PrefixCache
-from workers.speculation import SpeculationConfig
-from workers.step_cost import measure_step_costs
+from workers.profiling import startup_profile
 from workers.verifier import Verifier
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -24,22 +23,23 @@ class Runtime:
     forward: LlamaForward
     hf_model: Any | None          # kept only when a caller needs the transformers reference
     stop_token_ids: frozenset[int]
-    _speculation: SpeculationConfig | None = None
+    _profiles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
-    def verifier(self, max_tree_nodes: int = 64,
+    def verifier(self, max_tree_tokens: int = 64,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Verifier:
         """`prefix_cache_mb`: KV of earlier prompts' prefixes kept per verifier (0: none)."""
         f = self.forward
         cache = PrefixCache.for_bytes(int(prefix_cache_mb * 2**20), f.n_layers, f.n_kv_heads,
                                       f.head_dim, f.kv_dtype)
-        return Verifier(f, max_tree_nodes=max_tree_nodes, prefix_cache=cache)
+        return Verifier(f, max_tree_tokens=max_tree_tokens, prefix_cache=cache)
 
-    def speculation_config(self) -> SpeculationConfig:
-        """Speculation sizing from this machine's measured step-cost curve (measured once)."""
-        if self._speculation is None:
-            table, plain_s = measure_step_costs(self.forward)
-            self._speculation = SpeculationConfig(step_cost=table, plain_s=plain_s)
-        return self._speculation
+    def step_profile(self, max_batch: int = 1, max_tree_tokens: int = 31) -> dict[str, Any]:
+        """This machine's step-cost profile (`workers.profiling.startup_profile`), measured once
+        per shape asked for: what tree sizing reads (`scheduler.profile.StepCostModel.from_doc`)."""
+        key = (max_batch, max_tree_tokens)
+        if key not in self._profiles:
+            self._profiles[key] = startup_profile(self, max_batch, max_tree_tokens)
+        return self._profiles[key]
 
 
 def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", keep_hf: bool = False,

@@ -2,9 +2,9 @@
 streamed once a call, and fused versions of the small ops between the linears.
 
 A tree step multiplies 1-32 rows by every weight of the model. The GEMM libraries torch calls are
-built for many rows: on the 2-core Intel Xeon (AVX-512, AMX) MKL runs 16 rows at ~70 GFLOPS of
-the 256 it reaches on big matrices, and reads the weights of one row at ~20 GB/s, about what the
-memory gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need one per row count.
+built for many rows: on the 2-core Intel Xeon (AVX-512, AMX) MKL runs 16 rows at a fraction of
+the GFLOPS it reaches on big matrices, and reads the weights of one row at about what the memory
+gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need one per row count.
 
 Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output features, each
 panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
@@ -17,35 +17,32 @@ rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the
 float32 accumulates in float32 in k order (not MKL's order: results agree to rounding); bf16
 accumulates in float32 and rounds once, as F.linear does. A lone block of 2-6 float32 rows
 prefetches its panel a few k rows ahead (the hardware prefetcher alone left it waiting on memory).
-Measured figures, and when it is used: workers/cpu_linear.py (`small`). Tried and dropped: one
-pass for up to 16 rows over 16-wide panels (one accumulator per row): slower at every row count
-(16 rows 41 against 36 ms, 1 row 23 against 19: a single accumulator chain per row is bound by
-the multiply-add latency).
+When it is used: workers/cpu_linear.py (`small`). Tried and dropped: one pass for up to 16 rows
+over 16-wide panels (one accumulator per row): slower at every row count, since a single
+accumulator chain per row is bound by the multiply-add latency.
 
-The rest of a layer is many small torch ops, each ~5-40 us of dispatch on these CPUs, more than
-its arithmetic for a tree's rows; fused here, each in one pass:
-- `rms_norm`: F.rms_norm's ~6 ops and the residual add before it (~5 us against ~18 us fp32 and
-  ~26 us bf16 for 16 rows, 61 times a forward);
-- `silu_mul`: SwiGLU's chunk, silu and multiply (16 rows: 17 against 44 us fp32, 22 against 48 bf16);
+The rest of a layer is many small torch ops, each costing more in dispatch on these CPUs than its
+arithmetic for a tree's rows; fused here, each in one pass, and each faster than the torch ops
+it replaces:
+- `rms_norm`: F.rms_norm's ~6 ops and the residual add before it (61 times a forward);
+- `silu_mul`: SwiGLU's chunk, silu and multiply;
 - `rope_store`: a step's rotary embedding and KV write, every request in one call (torch: ~10 ops a
   layer and two strided writes a request);
 - `tree_attention` (csrc/attention.cpp): every request's attention over its own KV in one call,
   tasks of one kv head and 16 query rows split between the threads; short prefills too (up to
   768 keys over a float32 KV, 256 over bf16: workers/llama_forward.py), marked causal: a block
-  of rows reads keys only up to its own last row. torch: a flash-attention call a request, ~80 us
-  at 1 row with 400 tokens of context. Side by side, whole SmolLM2 forward, 400 tokens of context,
-  against torch's rope and attention: 1 row 27.7 -> 23.8 ms fp32, 18.1 -> 14.4 bf16; 16 rows
-  55.8 -> 50.9 fp32, 22.2 -> 17.0 bf16;
+  of rows reads keys only up to its own last row. torch: a flash-attention call a request, each
+  with its own fixed cost. The whole forward is faster with it than with torch's rope and
+  attention, at 1 row and at 16, in fp32 and bf16;
 - `layer_stack` (csrc/decoder.cpp): all of a step's decoder layers in one call, the kernels above
-  without the ~10 Python calls a layer between them (1 row 16.3 -> 14.6 ms bf16, 27.3 -> 25.0 fp32;
-  16 rows 19.7 -> 18.1 bf16, 58.4 -> 55.2 fp32); `argmax_rows`, greedy acceptance's argmax.
-Together with the linears, whole SmolLM2 forward on the Intel Xeon: 1 row 38.2 -> 31.6 ms fp32, 27.2
--> 21.5 ms bf16; 16 rows 78.5 -> 68.4 ms fp32, 36.0 -> 29.0 ms bf16 (before the attention kernel
-and the layer stack, an earlier session). They round as torch's ops would (bf16 after each op of
+  without the ~10 Python calls a layer between them; `argmax_rows`, greedy acceptance's argmax.
+Each step above made the whole SmolLM2 forward on the Intel Xeon faster, side by side with the
+torch path it replaced, at 1 row and at 16, in fp32 and bf16; the figures are in README.md, "CPU
+kernels and weight layouts". They round as torch's ops would (bf16 after each op of
 the rope, as transformers does), except that float32 products may be fused into one multiply-add
 and attention sums in its own order (results agree to an ulp or two).
 
-The kernels are compiled on first use (torch.utils.cpp_extension, ~40 s, cached under
+The kernels are compiled on first use (torch.utils.cpp_extension, a one-off build, cached under
 ~/.cache/torch_extensions, one build at a time across processes, `_build_and_load`;
 scripts/setup.sh builds them) and only on x86-64 CPUs with
 AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
@@ -255,8 +252,8 @@ def no_past(past: torch.Tensor | None) -> torch.Tensor:
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """[R, V] float32 or bf16 -> [R] int64: each row's largest value's index, the first of equals
-    (torch.argmax's choice, except that NaN is never chosen). One pass over bf16 rows: torch
-    converts them to float32 first (16 x 49,152 logits: ~0.7 ms against ~0.05)."""
+    (torch.argmax's choice, except that NaN is never chosen). One pass over bf16 rows, where
+    torch converts them to float32 first (README.md, "CPU kernels and weight layouts")."""
     return _module().argmax_rows(x.contiguous())
 
 

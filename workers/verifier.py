@@ -19,7 +19,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workers.acceptance import Acceptance, SamplingParams, accept_greedy, accept_sampling, warp
+from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
+
+from workers.contract import ContextLengthError, SamplingParams, StepResult
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
@@ -29,23 +31,6 @@ from workers.prefix_cache import PrefixCache
 class VerifyItem:
     request_id: str
     tree: TokenTree
-
-
-@dataclass(frozen=True)
-class StepResult:
-    request_id: str
-    tokens: tuple[int, ...]   # committed by this step: accepted draft tokens, then the bonus
-    accepted: int             # draft tokens accepted
-    drafted: int              # tree nodes verified (after fitting the tree to the request's room)
-
-    @property
-    def tau(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def tree_tokens(self) -> int:
-        """Verifier work for this request in this step: the root row plus every tree node."""
-        return self.drafted + 1
 
 
 @dataclass
@@ -65,15 +50,11 @@ class StepTimings:
     steps: int = 0
 
 
-class ContextLengthError(ValueError):
-    pass
-
-
 class Verifier:
-    def __init__(self, target: LlamaForward, *, max_tree_nodes: int = 64,
+    def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
                  prefix_cache: PrefixCache | None = None):
         self.target = target
-        self.max_tree_nodes = max_tree_nodes
+        self.max_tree_tokens = max_tree_tokens
         self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant
         self.timings = StepTimings()
         self._slots: dict[str, _Slot] = {}
@@ -104,7 +85,7 @@ class Verifier:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens; the model's context is {self.context_limit} tokens")
         # Room for the whole output plus one tree beyond it, capped by the model's positions.
-        capacity = min(len(token_ids) + max_new_tokens + self.max_tree_nodes + 1, self.context_limit)
+        capacity = min(len(token_ids) + max_new_tokens + self.max_tree_tokens + 1, self.context_limit)
         cache = self.target.new_cache(capacity)
         # numpy seeds must be >= 0; an unseeded request draws its own seed once, at (re-)admission.
         seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
@@ -168,7 +149,7 @@ class Verifier:
     def _fit(self, slot: _Slot, tree: TokenTree) -> TokenTree:
         # The root takes one KV slot and one position; the tree gets what is left of both.
         room = min(slot.cache.capacity, slot.max_positions) - slot.cache.length - 1
-        max_nodes = min(self.max_tree_nodes, room)
+        max_nodes = min(self.max_tree_tokens, room)
         if len(tree) <= max_nodes and (len(tree) == 0 or max(depths(tree)) <= room):
             return tree
         return truncate(tree, max(max_nodes, 0), max(room, 0))

@@ -6,7 +6,8 @@ A policy is one number per request: `key(stats)`, lower served first. Everything
                         2. priority classes in order (0 first); inside a class, tenants' queues
                            merged by key under weighted fair sharing (fairness.py);
                         3. up to max_batch requests, one root token each within token_budget;
-                        4. each chosen request's tree budget from its α estimate (budget.py).
+                        4. each chosen request's tree budget (sizing.py: its α estimate, its
+                           drafting time and cap, the step's measured cost).
                         With `max_resident` set (the step loop's KV limit), a request that has
                         not started is started only while fewer than max_resident started
                         requests are live, so the loop never has to evict and re-prefill.
@@ -32,11 +33,12 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, NamedTuple
 
-from scheduler.budget import StepCost, TreeBudget, TreeBudgeter
 from scheduler.policies.aging import AgingIndex
 from scheduler.policies.fairness import TenantFairness
-from scheduler.request import RequestStats, Status, StepRecord, alpha_estimate
+from scheduler.request import RequestStats, Status, StepRecord
+from scheduler.sizing import SizingConfig, StepCost, TreeSizer
 from scheduler.state import SchedulerState
+from workers.contract import TreeBudget
 
 BAND = 1e12   # keys of the form band · BAND + value order by band first (levels, perceptible)
 
@@ -51,9 +53,7 @@ class PolicyConfig:
     aging_margin_steps: float = 2.0
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
-    max_nodes: int = 8                     # per request per step
-    max_depth: int = 8
-    min_gain: float = 0.1                  # a draft node must be worth ≥ this many tokens
+    sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
     step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
     max_resident: int | None = None        # requests that may hold KV at once (see `plan`)
@@ -97,8 +97,7 @@ class Policy:
             raise ValueError("max_resident must hold at least one full batch")
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
         self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps)
-        self.budgeter = TreeBudgeter(c.step_cost, max_nodes=c.max_nodes, max_depth=c.max_depth,
-                                     min_gain=c.min_gain)
+        self.sizer = TreeSizer(c.step_cost, c.sizing)
         self._nominal_cost = c.token_budget / c.max_batch
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
         self._reset()
@@ -150,8 +149,10 @@ class Policy:
                 if again != promoted:
                     promoted, chosen = again, self._choose(state, again, limit)
             aged = len(promoted)
-        budgets = self.budgeter([alpha_estimate(requests[r]) for r in chosen],
-                                c.token_budget - len(chosen))
+        stats = [requests[r] for r in chosen]
+        budgets = self.sizer([s.estimate.alpha for s in stats], c.token_budget - len(chosen),
+                             draft_s=[s.estimate.draft_s for s in stats],
+                             caps=[s.max_tree_tokens for s in stats])
         return Plan(chosen, budgets, aged)
 
     def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,

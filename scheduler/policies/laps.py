@@ -15,14 +15,14 @@ remaining time once it is stable (Li, Chen, Li, IJCAI 2025, arXiv 2505.17074).
   belief about the length, and the expected remaining length is taken beyond what the request has
   already committed, so a request that outruns its belief is expected to run on by as much as the
   tenant's record says, and never past its max_tokens (the expectation is of min(L, max_tokens):
-  on the loadtest mix below, taking the cap into the mean rather than only clipping it cut the
-  simulated mean latency from 16.2 to 15.5 s and p99 from 127 to 70 s). A request without a
+  taking the cap into the mean rather than only clipping it lowered both the simulated mean and
+  p99 on the loadtest mix). A request without a
   prediction uses its tenant's length distribution, and until its tenant has a record, its
   max_tokens as the prediction (length_model.py says why), so it becomes perceptible like any
   other. "predicted": predicted length −
   committed; past the prediction, `overrun_factor` × committed; no prediction, never perceptible.
 * A wait credit (`wait_weight`, `wait_credit`) keeps the tail near FCFS's: every full-batch step a
-  request has waited since it arrived counts as `wait_weight` (0.03) of a step less to serve, so a
+  request has waited since it arrived counts as `wait_weight` of a step less to serve, so a
   long request is not passed over until the aging bound while shorter ones keep arriving.
 
 Interleaving (`interleave`):
@@ -33,96 +33,80 @@ Interleaving (`interleave`):
 * "strict": level 0 first, then perceptible requests by predicted remaining time, then the lower
   levels (requests whose τ is still unstable, or that have no prediction).
 
-Why these defaults. `specgate sim`, default workload, load 0.85, 10,000 requests, seeds 1 and 2;
-mean latency relative to the defaults, first with one sequence per step (max_batch 1, where the
-order of service matters most), then at the engine's max_batch 8:
-* interleave "unified": "strict" +4.4% / +4.9% (batch 8: +0.5% / +0.6%). Under "strict" a request
-  that leaves level 0 before its τ is stable lands below every perceptible request, however long
-  they are, and cannot become perceptible without being served; "unified" has no such trap.
+Why these defaults. Each was compared in `specgate sim` on the default workload at load 0.85 with
+one sequence per step (max_batch 1, where the order of service matters most) and at the engine's
+max_batch 8, and where it matters on the `loadtest` workload (`specgate sim --workload loadtest`);
+the figures, with their dates and step-cost profiles, are in README.md, "Scheduling policies in
+the simulator".
+* interleave "unified": "strict" had the higher mean, clearly so at batch 1. Under "strict" a
+  request that leaves level 0 before its τ is stable lands below every perceptible request,
+  however long they are, and cannot become perceptible without being served; "unified" has no
+  such trap.
 * n_levels 6, growth 4, first_quantum 128 tree tokens: levels end at 128, 512, 2,048, 8,192 and
   32,768 tree tokens verified. Under "unified" a newcomer counts as the steps left to the end of
   its first quantum, plus its prompt's prefill in full-batch steps (`prefill_steps`: on a CPU a
-  300-token prefill costs as much as ~7 steps of 8), so a long first quantum lets a request whose
-  τ is known and that is nearly done finish before newcomers start, where a short one let every
-  newcomer in first (least attained service). The stability test still has its 3 steps well
-  inside the quantum. Against first_quantum 16 (the previous default; measured 2026-12-02, both
-  with the prefill term): default workload, batch 8, 17.34 → 17.30 s / 17.39 → 17.35 s; batch 1,
-  20.99 → 20.93 / 22.32 → 22.28 (no change); the `loadtest` workload (`specgate sim --workload
-  loadtest`, 2,000 requests, seeds 1 / 2), shipped profile, 4.01 → 3.80 s / 5.09 → 4.72 s against
-  FCFS's 3.92 / 5.26, and with the step costs of a 2-core Zen 1 EPYC (prefill ~59% of the busy
-  time) 12.95 → 12.21 s / 18.17 → 16.51 s against FCFS's 12.70 / 18.13; p99 1.00-1.16× FCFS's
-  (at 16: up to 1.63×). The prefill term alone: 12.65 → 12.19 s (seed 1, Zen 1 costs).
-  first_quantum 64 lies between, 256 equals 128. Earlier, at 16: 4 was +0.0% / +0.1% on the
-  default workload, 64 −0.3% / −0.2%, 3 levels with growth 2 +1.5% / +1.2%.
+  prompt's prefill costs as much as several full-batch steps), so a long first quantum lets a
+  request whose τ is known and that is nearly done finish before newcomers start, where a short
+  one let every newcomer in first (least attained service). The stability test still has its 3
+  steps well inside the quantum. Against the previous first_quantum of 16 it made no difference
+  on the default workload and brought the `loadtest` workload's mean below FCFS's on every seed,
+  under the shipped profile and under a prefill-heavy CPU's step costs alike, with its p99 back
+  near FCFS's; the prefill term helps on its own. 64 lies between, 256 equals 128; fewer levels
+  with slower growth were worse.
 * min_steps 3, max_rel_stderr 0.3: τ's step-to-step noise is about half its mean (geometric), so
   the standard error falls to 0.3 · mean after 3–4 steps for a steady request and holds back
-  erratic ones. Stricter (8 steps, 0.15): +0.1% / +0.6%; none (2 steps): ±0.0%. We keep the light
-  test as a guard for requests whose acceptance swings, at no measurable cost.
+  erratic ones. A stricter test cost a little, none was no different; we keep the light test as
+  a guard for requests whose acceptance swings, at no measurable cost.
 * tau_skip 3: E[τ] leaves out the first 3 steps once there are more than 6 (the workload's
-  opening acceptance fades over ~6 steps): +0.5% / −0.5% without it (noise).
-* lengths "calibrated": with the workload's predictor, within noise of "predicted" (−0.6% /
-  +0.3%; batch 8 +0.1% / −0.5%). Without any predictor (the gateway has none today; the sim's
-  `predictor_sigma=None`) it is what makes LAPS-SD more than LAS: batch 1, 41.4 s against 47.6 s
-  for LAS and 47.3 s for FCFS (−12%; SJF has nothing to rank by and is FCFS); batch 8 ±0%.
-  Again with max_tokens standing in before a tenant's record and the belief cut at max_tokens,
-  on the currently shipped profile: batch 1, 24.9 s against 29.1 s (LAS) and 28.4 s (FCFS).
-* Aging (PolicyConfig.aging_bound_s, 60 s in the simulator) costs LAPS ≤ 0.6% of mean latency.
-* wait_weight 0.03 (measured 2026-12-03). Without it, on the `loadtest` workload (2,000 requests,
-  seeds 1-8) laps' p99 was 1.14× FCFS's on average at load 0.85 (worst 1.27×) and 1.48× at 0.95
-  (worst 1.93×, 7 of 8 seeds over 1.2×): ranked by remaining steps alone, long requests waited
-  until the aging bound (max wait 57-58 s against FCFS's 10-43 s); a real `loadtest compare` run
-  showed the same (p99 1.61× FCFS's; two runs with the credit: 0.82× and 0.95×). With 0.03: 1.06×
-  (worst 1.19×) and 1.08× (worst 1.12×), for a mean of 94.3% and 90.4% of FCFS's instead of 93.4%
-  and 85.2%. 0.02: worst 1.27× and 1.20×; 0.05: mean 95.1% and 92.4%. Default workload, batch 8,
-  seeds 1 / 2: 17.30 → 17.33 s / 17.35 → 17.37 s, p99 unchanged (141.5 / 135.5 s); batch 1: 20.93 →
-  21.57 / 22.28 → 23.29 s (+3-5%), p99 233 → 220 / 247 s. A shorter aging bound is the blunter
-  tool: at 20 s (load 0.95, seeds 1 / 2) laps' mean was 5.47 / 15.96 s for p99 26.4 / 61.5 s; the
-  credit at 0.02 gives 5.37 / 13.20 s for 26.8 / 58.6 s.
+  opening acceptance fades over ~6 steps); without it the difference is within noise.
+* lengths "calibrated": with the workload's predictor, within noise of "predicted". Without any
+  predictor (the gateway has none today; the sim's `predictor_sigma=None`) it is what makes
+  LAPS-SD more than LAS: at batch 1 clearly below both LAS and FCFS (SJF has nothing to rank by
+  and is FCFS), at batch 8 no different; with max_tokens standing in before a tenant's record
+  and the belief cut at max_tokens it stays ahead of both.
+* Aging (PolicyConfig.aging_bound_s, 60 s in the simulator) costs LAPS under a percent of mean
+  latency.
+* wait_weight 0.03. Without a credit, near saturation on the `loadtest` workload, laps' p99 was
+  well above FCFS's, more so at load 0.95 than at 0.85: ranked by remaining steps alone, long
+  requests waited until the aging bound, and a real `loadtest compare` run showed the same. With
+  0.03 the p99 stays within 1.2× FCFS's (the issue's bound) for much of laps' gain in the mean;
+  0.02 left the worst seeds' p99 higher, 0.05 gave up more of the mean. On the default workload
+  at batch 8 it changes nothing, at batch 1 it costs a few percent of the mean.
+  A shorter aging bound is the blunter tool: for about the same p99 it gives a higher mean.
 * PolicyConfig.max_resident (the step loop's KV limit; base.py): without it, LAS and LAPS-SD can
-  start more requests than hold KV, and aging then thrashes the cache (see scheduler/sim.py).
+  start more requests than hold KV, and aging then thrashes the cache (see tools/sim.py).
 
 What the simulator says about the idea itself, and why the issue's targets (mean ≥ 40% below
-fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on this engine:
-* At max_batch 8 the CPU engine is close to processor sharing. A step of 8 costs 2.2× a step of 1
-  (FINDINGS.md), so load 0.85 of full-batch goodput keeps it busy ~98% of the time at a mean
-  batch of ~5, and a request spends ~79% of its latency *in* the batch, sharing the steps: no
-  order of service changes that part. `specgate sim` prints the split (mean waiting s, mean in
-  steps s); 10,000 requests, seed 1, shipped profile (2026-12-04): time in steps 14.16-14.19 s
-  under every policy, waiting FCFS 3.66 s of 17.85 s, SJF 3.07, LAPS-SD 3.16, clairvoyant SRPT
-  2.47. Even no waiting at all would be 20.5% below fcfs (the target is 40%), and 15% below sjf
-  (14.65 s) would need less waiting than srpt's: srpt is 6.8% below fcfs, the ceiling here.
-  Capping the batch lower to favour short requests costs more throughput than a 98%-busy engine
-  has (srpt under the same arrivals: 32.9 s at max_batch 6, 320 s at max_batch 4).
-* At max_batch 1 (the paper's setting) waiting dominates, and clairvoyant srpt is 41% below fcfs:
-  40% below fcfs needs clairvoyance. What a policy can know is the limit: with the true lengths,
-  knowing each request's true α as well is worth 0.5% (τ spans 2–3× between requests, lengths
-  span 100×, and both sort by tenant alike); with the workload's predictor (σ 0.9 in ln), the
-  Bayes-best use of prediction plus tenant record ranks at 34.0 s against srpt's 28.0 s and sjf's
-  35.3 s. LAPS-SD reaches 34.6 s: 27% below fcfs, 2% below sjf, 23% above srpt.
-* p99 ≤ 1.2 × fcfs p99 and max wait ≤ the aging bound do hold (batch 8: 1.11×; batch 1: 1.04×).
-* Where order matters more, LAPS-SD gains more, but so does SJF: batch 8 at load 0.95, fcfs 56.6 s,
-  sjf 43.7 s, laps 42.4 s (−25% against fcfs), srpt 37.1 s; bursty arrivals (Gamma gaps, CV 2),
-  fcfs 49.7 s, sjf 41.4 s, laps 41.5 s, srpt 37.4 s. A better predictor (σ 0.5) helps both too:
-  batch 1, sjf 32.9 s, laps 31.9 s (14% above srpt).
+fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on this engine
+(figures: README.md, "Scheduling policies in the simulator"):
+* At max_batch 8 the CPU engine is close to processor sharing. A step of 8 costs far less than
+  8 steps of 1, so load 0.85 of full-batch goodput keeps it busy nearly all the time at a
+  mean batch well below 8, and a request spends most of its latency *in* the batch, sharing the
+  steps: no order of service changes that part. `specgate sim` prints the split (mean waiting
+  s, mean in steps s): time in steps is the same under every policy, so even no waiting at all
+  is less than 40% below fcfs, and 15% below sjf would need less waiting than clairvoyant srpt
+  achieves: srpt is the ceiling here. Capping the batch lower to favour short requests costs more
+  throughput than a nearly always busy engine has.
+* At max_batch 1 (the paper's setting) waiting dominates, and clairvoyant srpt does reach 40%
+  below fcfs: 40% below fcfs needs clairvoyance. What a policy can know is the limit: with the
+  true lengths, knowing each request's true α as well is worth little (τ spans a few times
+  between requests, lengths span orders of magnitude, and both sort by tenant alike); with the
+  workload's predictor (σ 0.9 in ln), the Bayes-best use of prediction plus tenant record ranks
+  between srpt and sjf, and LAPS-SD comes close to it.
+* p99 ≤ 1.2 × fcfs p99 and max wait ≤ the aging bound do hold, at batch 8 and at batch 1.
+* Where order matters more (load 0.95, bursty arrivals, a better predictor), LAPS-SD gains more,
+  but so does SJF.
 * Bounded lengths and no predictor (the gateway today): `specgate sim --workload loadtest` (what
   `loadtest compare --max-tokens 8-256` sends: max_tokens log-uniform 8-256 per request, answers
-  mostly stopping there, ~300-token prompts; workload_gen.py), 2,000 requests at load 0.85, batch
-  8, seeds 1 / 2, shipped profile: fcfs 3.92 / 5.26 s, srpt 3.89 / 4.85, laps 3.80 / 4.83 (4.72
-  without the wait credit, 4.01 / 5.09 at first_quantum 16; srpt here ranks by output steps plus
-  the prefill still to come, and has no aging bound). The order of service is worth a few percent
-  on this mix, and the prefills of a CPU engine take much of its time whatever the order. On the
-  real gateway single runs near saturation scatter far more than that: on a 2-core Zen 1 (capacity
-  0.48 completions/s, rate 0.41/s, 106 requests a policy) fcfs measured 9.4 s and 27.2 s in two
-  runs of the same arrivals, and sjf (which, with no predictor, serves as fcfs does) 10.5 and 47.7
-  s; laps 15.6 s (first_quantum 16) and 14.3 s (128). Earlier, on the AMD Zen 5: fcfs 5.7, 5.8 and
-  7.0 s in three runs; on a Zen 5 on 2026-12-03 (`loadtest compare --rounds 2`, 1.6/s against a
-  measured capacity of 1.88, before the wait credit), round 1 fcfs 2.92, sjf 4.27, laps 3.66 s,
-  round 2 (order reversed, other arrivals) laps 15.23, sjf 7.04, fcfs 15.93 s. So the real runs
-  cannot tell the policies apart; the simulator can. The gateway measures the split as well
-  (`loadtest compare`'s wait and steps columns, from specgate_time_in_steps_seconds): on a 2-core
-  Xeon (2026-12-04, 1.53/s against a capacity of 1.80, 610 requests a policy) fcfs waited 0.83 s
-  of its 4.27 s and spent 3.44 s in steps; laps 0.95 of 4.49 s; no order can take off more than
-  the waiting, 19% here, against the 30% the load-testing issue asks.
+  mostly stopping there, ~300-token prompts; workload_gen.py). The order of service is worth a
+  few percent on this mix (srpt here ranks by output steps plus the prefill still to come, and
+  has no aging bound), and the prefills of a CPU engine take much of its time whatever the
+  order. On the real gateway single runs near saturation scatter far more than that, so the
+  real runs cannot tell the policies apart; the simulator can. The gateway measures the split as
+  well (`loadtest compare`'s wait and steps columns, from specgate_time_in_steps_seconds), and
+  there too no order can take off more than the waiting, less than the 30% the load-testing
+  issue asks (README.md: the paragraph "Scheduling policies side by side on real traffic", and
+  "Scheduling policies on the real gateway").
 """
 from __future__ import annotations
 

@@ -22,11 +22,12 @@ spread `prior_sigma`; a request with no prediction then has only its max_tokens 
 that bound is taken as the prediction. Why not "nothing known": the gateway has no length
 predictor, so for its first `min_samples` requests per tenant LAPS-SD would be plain least
 attained service, which is round robin on traffic of similar lengths, the worst order there is
-for mean latency (`specgate loadtest compare` measured it 27% behind FCFS on 66 requests a
-policy). max_tokens is what the client itself said about the length: requests asking for few
-tokens are short, and among requests asking for the same bound the one nearest to it is nearest
-to done. A request that hit its max_tokens counts with L = max_tokens (censored, a
-slight underestimate). The model is soft state: after a restart it is relearned from scratch.
+for mean latency (`specgate loadtest compare` measured it well behind FCFS: README.md,
+"Scheduling policies on the real gateway"). max_tokens is what the client itself said about the
+length: requests asking for few tokens are short, and among requests asking for the same bound
+the one nearest to it is nearest to done. A request that hit its max_tokens counts with L =
+max_tokens (censored, a slight underestimate). The model is soft state: after a restart it is
+relearned from scratch.
 
 >>> m = LengthModel(min_samples=2)
 >>> round(m.expected_remaining("t", 100, 0, 4096))          # the prior: face value, σ 0.9

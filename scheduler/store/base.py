@@ -13,11 +13,12 @@ the memory store has the same value semantics as Redis: a caller never holds the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from scheduler.request import Request, RequestStats, Status
-from workers.acceptance import SamplingParams
+from scheduler.sizing import AlphaEstimate
+from workers.contract import SamplingParams
 
 Account = tuple[int, str]      # (priority class, tenant): one fairness account
 
@@ -111,6 +112,7 @@ def stats_to_dict(s: RequestStats, *, tau_history: bool = True) -> dict[str, Any
     """
     d = {name: getattr(s, name) for name in _STATS_FIELDS}
     d["status"] = s.status.value
+    d["estimate"] = asdict(s.estimate)
     if tau_history:
         d["tau_history"] = [int(t) for t in s.tau_history]
     else:
@@ -130,6 +132,8 @@ def stats_from_dict(d: Mapping[str, Any]) -> RequestStats:
     kw = {name: d[name] for name in _STATS_FIELDS if name in d}
     kw["status"] = Status(kw.get("status", Status.QUEUED))
     kw["tau_history"] = [int(t) for t in kw.get("tau_history", ())]
+    if "estimate" in kw:
+        kw["estimate"] = AlphaEstimate(**kw["estimate"])
     s = RequestStats(**kw)
     if "last_served_s" in d:            # __post_init__ resets it to arrival_s
         s.last_served_s = d["last_served_s"]
@@ -149,8 +153,7 @@ def params_to_dict(req: Request) -> dict[str, Any]:
     return {"sampling": sampling_to_dict(req.sampling),
             "stop_token_ids": [int(t) for t in req.stop_token_ids],
             "stop": list(req.stop),
-            "drafter": req.drafter,
-            "max_tree_nodes": req.max_tree_nodes}
+            "drafter": req.drafter}
 
 
 def request_to_dict(req: Request) -> dict[str, Any]:
@@ -176,7 +179,6 @@ def request_from_dict(d: Mapping[str, Any]) -> Request:
                    stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
                    stop=tuple(d.get("stop", ())),
                    drafter=d.get("drafter"),
-                   max_tree_nodes=d.get("max_tree_nodes"),
                    output_ids=[int(t) for t in d.get("output_ids", ())])
 
 

@@ -19,7 +19,9 @@ import zlib
 import httpx
 import pytest
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
 
 MODEL = "smollm2-135m"

@@ -35,7 +35,9 @@ from hypothesis import HealthCheck, settings
 schemathesis = pytest.importorskip("schemathesis")    # a dev extra
 from schemathesis import GenerationMode  # noqa: E402
 
-from gateway.serve_cmd import background_server, build_embedded  # noqa: E402
+from gateway.http.server import background_server  # noqa: E402
+
+from gateway.builders.embedded import build_embedded  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 
 CASES = int(os.environ.get("SPECGATE_FUZZ_CASES", "150"))

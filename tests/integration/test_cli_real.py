@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 def specgate(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specgate.cli", *args], capture_output=True, text=True,
                           timeout=600, check=check)
 
 

@@ -5,10 +5,10 @@ import pytest
 
 from loadtest.workload import load_workload
 from tests.helpers import hf_greedy
-from workers.acceptance import SamplingParams
-from workers.drafters.base import TreeBudget
+from workers.contract import SamplingParams
+from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
-from workers.engine import Engine, GenerationRequest
+from scheduler.generation import Engine, GenerationRequest
 from workers.runtime import encode_record
 
 pytestmark = pytest.mark.slow

@@ -33,12 +33,14 @@ import httpx
 import pytest
 import redis
 
-from gateway.serve_cmd import background_server, build_embedded, scheduler_prefix
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded, scheduler_prefix
 from gateway.settings import Settings
-from gateway.tenants import Tenant
+from gateway.tenancy.records import Tenant
 from gateway.text import ToyTokenizer
 from redis_server import _wait_ready
-from scheduler.fake_worker import token_at
+from workers.fake_worker import token_at
 from scheduler.request import Status
 from scheduler.store.redis_store import RedisStore
 

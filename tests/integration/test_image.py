@@ -85,7 +85,7 @@ def test_pins_user_and_command_agree_with_the_project():
     chart = yaml.safe_load((ROOT / "deploy" / "helm" / "specgate" / "values.yaml").read_text())
     assert int(user) != 0 and int(user) == chart["podSecurityContext"]["runAsUser"]
 
-    from gateway.cli import build_parser
+    from specgate.cli import build_parser
     (cmd,) = values("CMD")
     argv = json.loads(cmd)
     assert argv[0] == "specgate"
@@ -115,12 +115,12 @@ def test_a_wheel_built_from_the_copied_context_carries_code_data_and_the_command
                     "-w", str(tmp_path / "dist"), str(ctx)], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("specgate-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("gateway/ray_app.py", "gateway/proto/specgate_pb2_grpc.py",
+    for needed in ("gateway/ray_serve/deployments.py", "gateway/grpc_api/proto/specgate_pb2_grpc.py",
                    "scheduler/profiles/default.json", "loadtest/workloads/chat.jsonl",
                    "workers/llama_forward.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "specgate = gateway.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+    assert "specgate = specgate.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 @pytest.mark.slow
@@ -150,12 +150,12 @@ def test_the_image_user_runs_from_a_read_only_prefetched_cache(tmp_path):
     # temp dir, as in CI) but write only what it owns: CAP_DAC_READ_SEARCH, not CAP_DAC_OVERRIDE
     as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
-    path = subprocess.run([*as_user, sys.executable, "-m", "gateway.cli", "model", "path", DEFAULT_MODEL],
+    path = subprocess.run([*as_user, sys.executable, "-m", "specgate.cli", "model", "path", DEFAULT_MODEL],
                           env=env, capture_output=True, text=True, timeout=120)
     assert path.returncode == 0, path.stderr
     assert path.stdout.strip() == str(cache / "models" / DEFAULT_MODEL)
     out = home / "out.json"
-    gen = subprocess.run([*as_user, sys.executable, "-m", "gateway.cli", "generate", "--prompts",
+    gen = subprocess.run([*as_user, sys.executable, "-m", "specgate.cli", "generate", "--prompts",
                           str(prompts), "--max-tokens", "12", "--json", str(out)],
                          env=env, capture_output=True, text=True, timeout=300)
     assert gen.returncode == 0, gen.stderr

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.serve_cmd import free_port
+from gateway.http.server import free_port
 from gateway.settings import Settings
 from redis_server import delete_prefix, unique_prefix
 from tests.helpers import serving, tiny_model_dir

@@ -18,12 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from gateway.ray_app import build  # noqa: E402
-from gateway.ray_config import RayAppConfig  # noqa: E402
-from gateway.ray_cmd import load_config, load_grpc_options  # noqa: E402
-from gateway.serve_cmd import free_port  # noqa: E402
+from gateway.builders.ray_app import build_ray_app as build  # noqa: E402
+from gateway.ray_serve.config import RayAppConfig  # noqa: E402
+from gateway.cli.serve_ray import load_config, load_grpc_options  # noqa: E402
+from gateway.http.server import free_port  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
-from gateway.tenants import Tenant, TenantRegistry  # noqa: E402
+from gateway.tenancy.records import Tenant  # noqa: E402
+from gateway.tenancy.tenants import TenantRegistry  # noqa: E402
 from redis_server import delete_prefix, unique_prefix  # noqa: E402
 from tests.helpers import serving, tiny_model_dir  # noqa: E402
 
@@ -100,8 +101,8 @@ def test_grpc_through_serves_proxy_answers_as_rest_does(ray_app, model_dir):
     GenerateStream, which authenticate and refuse as embedded mode's gRPC server does."""
     import grpc
 
-    from gateway.proto import specgate_pb2 as pb
-    from gateway.proto import specgate_pb2_grpc as pb_grpc
+    from gateway.grpc_api.proto import specgate_pb2 as pb
+    from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 
     url, cfg = ray_app
     model = str(model_dir)
@@ -193,7 +194,7 @@ def test_the_shipped_config_file_validates():
     assert isinstance(cfg, RayAppConfig) and http["port"] == 8000
     grpc = load_grpc_options(CONFIG, cfg)
     assert grpc["port"] == 9000 and grpc["grpc_servicer_functions"] == [
-        "gateway.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"]
+        "gateway.grpc_api.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"]
     assert cfg.verifier.num_replicas == 2 and cfg.ingress.autoscaling_config["min_replicas"] == 2
     with pytest.raises(ValueError, match="Redis URL"):
         RayAppConfig(settings={"redis_url": None}).gateway_settings()
@@ -238,7 +239,7 @@ def test_restarting_the_scheduler_replica_finishes_every_request_from_redis(ray_
     The dead replica's clients get an error, as in embedded mode: the requests are not lost."""
     from transformers import AutoModelForCausalLM
 
-    from gateway.serve_cmd import scheduler_prefix
+    from gateway.builders.embedded import scheduler_prefix
     from scheduler.request import Status
     from scheduler.store.redis_store import RedisStore
     from tests.helpers import hf_greedy

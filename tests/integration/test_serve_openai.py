@@ -6,7 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
 from tests.helpers import hf_greedy
 from workers.runtime import encode_record

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import workers.acceptance as acceptance
-from workers.acceptance import Acceptance, SamplingParams, accept_greedy, accept_sampling, warp
+from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
+from workers.contract import SamplingParams
 from workers.tree import TokenTree
 
 V = 100

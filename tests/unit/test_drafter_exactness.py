@@ -16,13 +16,14 @@ import workers.acceptance as acceptance
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts  # half repeat a motif: the request's own text matches
 from tests.unit.test_sampling_distribution import EXACT_FIRST, EXACT_PAIR, P, ROOT, TRIALS, V, _no_residual, check
-from workers.acceptance import SamplingParams, accept_sampling
-from workers.drafters.base import NO_SPECULATION, DraftContext, TreeBudget
+from workers.acceptance import accept_sampling
+from workers.contract import SamplingParams
+from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.registry import create_drafter
 from workers.drafters.suffix import SuffixDrafter
-from workers.engine import Engine, GenerationRequest
+from scheduler.generation import Engine, GenerationRequest
 from workers.llama_forward import LlamaForward
 from workers.verifier import Verifier
 
@@ -45,7 +46,7 @@ def references(tiny_model):
 def generate(forward, drafter, tag: str, tenant: str = "t"):
     reqs = [GenerationRequest(f"{tag}{i}", tuple(p), MAX_NEW, SamplingParams(), frozenset({EOS}), tenant)
             for i, p in enumerate(prompts(N_PROMPTS))]
-    return Engine(Verifier(forward, max_tree_nodes=16), drafter, BUDGET, adaptive=False).generate(reqs)
+    return Engine(Verifier(forward, max_tree_tokens=16), drafter, BUDGET, adaptive=False).generate(reqs)
 
 
 @pytest.mark.parametrize("name", ["suffix", "merge:ngram+suffix"])

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 
 from tests.helpers import OracleDrafter, hf_greedy
-from workers.acceptance import SamplingParams
-from workers.drafters.base import NoneDrafter, TreeBudget
+from workers.contract import SamplingParams
+from workers.drafters.base import NoneDrafter
+from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
-from workers.engine import Engine, GenerationRequest
+from scheduler.generation import Engine, GenerationRequest
 from workers.llama_forward import LlamaForward
 from workers.verifier import ContextLengthError, Verifier
 
@@ -42,7 +43,7 @@ def references(tiny_model):
 
 
 def run(forward, drafter, reqs, budget=TreeBudget(12, 6), adaptive=True):
-    return Engine(Verifier(forward, max_tree_nodes=16), drafter, budget, adaptive=adaptive).generate(reqs)
+    return Engine(Verifier(forward, max_tree_tokens=16), drafter, budget, adaptive=adaptive).generate(reqs)
 
 
 def greedy_requests(ps, max_new=MAX_NEW):
@@ -130,7 +131,7 @@ def test_bf16_speculation_equals_own_plain_bf16_decoding_except_near_ties():
     import torch
 
     from tests.conftest import tiny_llama
-    from workers.near_tie import classify
+    from tools.near_tie import classify
 
     fwd = LlamaForward(tiny_llama().to(torch.bfloat16))
     kv = torch.bfloat16 if fwd.fused_attention else torch.float32

@@ -11,7 +11,7 @@ import yaml
 
 helm = pytest.importorskip("helm_python")
 
-from gateway.ray_config import RayAppConfig  # noqa: E402
+from gateway.ray_serve.config import RayAppConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specgate"
@@ -90,7 +90,7 @@ def test_the_serve_config_is_a_valid_application_config(case):
     svc = by_kind(render(CASES[case]), "RayService")[0]
     serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
     (app,) = serve_cfg["applications"]
-    assert app["import_path"] == "gateway.ray_app:app_builder"
+    assert app["import_path"] == "gateway.builders.ray_app:app_builder"
     cfg = RayAppConfig(**app["args"])
     assert cfg.verifier.num_gpus == (1 if case == "gpu" else 0)
     assert cfg.verifier.num_replicas == (3 if case == "gpu" else 2)
@@ -99,7 +99,7 @@ def test_the_serve_config_is_a_valid_application_config(case):
 
 
 def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
-    from gateway.ray_app import GRPC_SERVICER
+    from gateway.ray_serve.deployments import GRPC_SERVICER
 
     for values, port in ((BASE, 9000), ({**BASE, "service": {"grpcPort": 50051}}, 50051),
                          ({**BASE, "service": {"grpcPort": None}}, None)):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import workers.drafters.merge
-from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, TreeBudget
+from workers.drafters.base import Drafter
+from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.merge import MergeDrafter, MergedTree, merge_proposals
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.registry import Registry, create_drafter, drafter_names, is_drafter_name
@@ -15,7 +16,7 @@ from workers.drafters.suffix import SuffixDrafter
 from workers.tree import TokenTree, depths, truncate
 
 
-class Fixed:
+class Fixed(Drafter):
     """Proposes the same tree every time (cut to the budget, as a drafter must); records calls."""
 
     def __init__(self, name, tree):

@@ -17,11 +17,12 @@ from tests.conftest import tiny_llama
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from tests.unit.test_sampling_distribution import g_test_pvalue
-from workers.acceptance import SamplingParams, accept_sampling, warp
+from workers.acceptance import accept_sampling, warp
+from workers.contract import SamplingParams
 from workers.draft_model import DraftSpec, sparse_mask
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import DraftContext, TreeBudget
 from workers.drafters.model import MAX_TREE_ROWS, PREFILL_CHUNK, ModelDrafter
-from workers.engine import Engine, GenerationRequest
+from scheduler.generation import Engine, GenerationRequest
 from workers.llama_forward import LlamaForward
 from workers.tree import depths
 from workers.verifier import Verifier
@@ -49,7 +50,7 @@ def references(tiny_model):
 def generate(forward, drafter, budget=TreeBudget(8, 4), sampling=SamplingParams()):
     reqs = [GenerationRequest(f"r{i}", tuple(p), MAX_NEW, sampling, frozenset({EOS}))
             for i, p in enumerate(prompts(N))]
-    return Engine(Verifier(forward, max_tree_nodes=16), drafter, budget, adaptive=False).generate(reqs)
+    return Engine(Verifier(forward, max_tree_tokens=16), drafter, budget, adaptive=False).generate(reqs)
 
 
 @pytest.mark.parametrize("options", [

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import workers.drafters.registry as registry
-from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, NoneDrafter, TreeBudget
+from workers.drafters.base import Drafter, NoneDrafter
+from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.ngram import NgramDrafter, _RequestIndex
 from workers.drafters.registry import Registry, create_drafter, drafter_names, register_drafter
 from workers.tree import TokenTree, depths

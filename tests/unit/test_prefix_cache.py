@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from tests.helpers import hf_greedy
-from workers.acceptance import SamplingParams
+from workers.contract import SamplingParams
 from workers.drafters.registry import create_drafter
-from workers.drafters.base import TreeBudget
-from workers.engine import Engine, GenerationRequest
+from workers.contract import TreeBudget
+from scheduler.generation import Engine, GenerationRequest
 from workers.kv_cache import KVCache
 from workers.llama_forward import LlamaForward
 from workers.prefix_cache import PrefixCache
@@ -118,7 +118,7 @@ def shared_prompts(n: int = 6, seed: int = 3) -> list[list[int]]:
 def test_greedy_output_with_prefix_hits_is_identical(tiny_model, drafter):
     forward = LlamaForward(tiny_model)
     pc = PrefixCache(64, block=16)
-    engine = Engine(Verifier(forward, max_tree_nodes=16, prefix_cache=pc), create_drafter(drafter),
+    engine = Engine(Verifier(forward, max_tree_tokens=16, prefix_cache=pc), create_drafter(drafter),
                     TreeBudget(8, 4))
     ps = shared_prompts()
     for i, p in enumerate(ps):        # one at a time: each later request finds the preamble
@@ -132,8 +132,8 @@ def test_cached_rows_equal_computed_rows(tiny_model):
     """Logits after a prefill that hit the cache equal those after a full prefill (1e-5)."""
     forward = LlamaForward(tiny_model)
     p1, p2 = shared_prompts(2)
-    plain = Verifier(forward, max_tree_nodes=4)
-    cached = Verifier(forward, max_tree_nodes=4, prefix_cache=PrefixCache(64, block=16))
+    plain = Verifier(forward, max_tree_tokens=4)
+    cached = Verifier(forward, max_tree_tokens=4, prefix_cache=PrefixCache(64, block=16))
     cached.prefill("warm", p1, SamplingParams(), 4)
     for v in (plain, cached):
         v.prefill("x", p2, SamplingParams(), 4)
@@ -147,7 +147,7 @@ def test_cached_rows_equal_computed_rows(tiny_model):
 def test_another_tenant_gets_no_hit_and_a_re_prefill_hits_its_own_prompt(tiny_model):
     forward = LlamaForward(tiny_model)
     pc = PrefixCache(64, block=16)
-    v = Verifier(forward, max_tree_nodes=4, prefix_cache=pc)
+    v = Verifier(forward, max_tree_tokens=4, prefix_cache=pc)
     p = shared_prompts(1)[0]
     v.prefill("a1", p, SamplingParams(), 8, tenant="a")
     v.prefill("b1", p, SamplingParams(), 8, tenant="b")

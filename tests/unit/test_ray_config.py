@@ -3,7 +3,7 @@ from pathlib import Path
 
 import yaml
 
-from gateway.ray_config import RayAppConfig
+from gateway.ray_serve.config import RayAppConfig
 
 SHIPPED = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
 

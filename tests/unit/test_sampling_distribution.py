@@ -23,7 +23,8 @@ import pytest
 from scipy.stats import power_divergence
 
 import workers.acceptance as acceptance
-from workers.acceptance import SamplingParams, accept_sampling, warp
+from workers.acceptance import accept_sampling, warp
+from workers.contract import SamplingParams
 from workers.tree import TokenTree
 
 V = 6

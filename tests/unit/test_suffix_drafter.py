@@ -6,7 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from workers.drafters.base import NO_SPECULATION, DraftContext, Drafter, TreeBudget
+from workers.drafters.base import Drafter
+
+from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.registry import create_drafter, drafter_names
 from workers.drafters.suffix import SuffixDrafter, _Stream
 from workers.tree import TokenTree, depths

@@ -1,80 +1,61 @@
 """The drafter protocol: anything that turns a request's context into a token tree.
 
 A drafter is chosen by name from the registry (``workers.drafters.registry``) and configured per
-deployment and per tenant; the engine only ever calls ``propose`` and ``release``.
+deployment and per tenant. Every drafter derives from ``Drafter``, which declares the whole
+protocol: ``propose`` (required) and the optional capabilities, each with a default that is
+right for a drafter without it, so callers never probe for methods:
+
+- ``propose_batch``: trees for several requests in one call (a draft model shares its forward
+  passes; a remote drafter makes one round trip); default, one ``propose`` each.
+- ``prefetch_batch``: start drafting the next step's trees now (a remote drafter, while the
+  step's results travel); default, nothing.
+- ``release``: the request finished or was cancelled; forget it (a drafter that learns from
+  finished outputs may learn from it now); default, nothing kept, nothing to do.
+- ``evict``: the request's KV was evicted and it will be prefilled again; forget it without
+  learning from it yet; default, ``release``.
+
+``batched`` says whether ``propose_batch`` drafts its requests together (one call's cost for the
+whole step: a draft model, a remote drafter) rather than one ``propose`` each (the default).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
+from workers.contract import DraftContext, TreeBudget
 from workers.tree import TokenTree
 
-__all__ = ["TreeBudget", "NO_SPECULATION", "DraftContext", "Drafter", "NoneDrafter"]
+__all__ = ["Drafter", "NoneDrafter"]
+
+DraftItem = tuple[DraftContext, TreeBudget]
 
 
-@dataclass(frozen=True)
-class TreeBudget:
-    """How big a tree the planner allows this step: at most ``max_nodes`` nodes, depth ≤ ``max_depth``.
-
-    ``max_nodes == 0`` means no speculation (the step is plain decoding: the bonus token only).
-    """
-
-    max_nodes: int
-    max_depth: int
-
-    def __post_init__(self) -> None:
-        if self.max_nodes < 0:
-            raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
-        if self.max_depth < 0:
-            raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
-
-    @property
-    def speculates(self) -> bool:
-        return self.max_nodes > 0 and self.max_depth > 0
-
-
-NO_SPECULATION = TreeBudget(0, 0)
-
-
-@dataclass
-class DraftContext:
-    """What a drafter sees of one request. ``tokens`` = prompt + committed output; the last is the root.
-
-    For one ``request_id``, ``tokens`` only grows between calls, so drafters may keep incremental
-    per-request state (and must drop it in ``release``).
-    """
-
-    request_id: str
-    tenant: str
-    tokens: Sequence[int]
-    prompt_len: int
-
-
-@runtime_checkable
-class Drafter(Protocol):
+class Drafter:
     """Proposes a token tree under a budget. ``propose`` must respect the budget."""
 
-    name: str
+    name: str = "drafter"
+    batched: bool = False          # propose_batch shares one call's work among its requests
 
-    def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree: ...
+    def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
+        raise NotImplementedError
+
+    def propose_batch(self, items: Sequence[DraftItem]) -> list[TokenTree]:
+        return [self.propose(ctx, budget) for ctx, budget in items]
+
+    def prefetch_batch(self, items: Sequence[DraftItem]) -> None:
+        return None
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state: the request finished (or was cancelled). A drafter that learns
-        from finished outputs may learn from it now. A drafter may also offer ``evict(request_id)``:
-        forget the state of a request that is *not* finished (its KV was evicted; it will be
-        prefilled again), learning nothing from it yet; without one, ``release`` is called."""
-        ...
+        return None
+
+    def evict(self, request_id: str) -> None:
+        self.release(request_id)
 
 
-class NoneDrafter:
+class NoneDrafter(Drafter):
     """Never speculates: every step is plain decoding. The baseline, and a tenant-level off switch."""
 
     name = "none"
 
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
         return TokenTree.empty()
-
-    def release(self, request_id: str) -> None:
-        pass

@@ -26,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from workers.drafters.base import DraftContext, Drafter, TreeBudget
+from workers.drafters.base import Drafter
+
+from workers.contract import DraftContext, TreeBudget
 from workers.tree import TokenTree, merge, truncate
 
 __all__ = ["MergedTree", "MergeDrafter", "merge_proposals"]
@@ -102,7 +104,7 @@ def _proposers(merged: TokenTree, names: Sequence[str], trees: Sequence[TokenTre
     return tuple(tuple(f) for f in found)
 
 
-class MergeDrafter:
+class MergeDrafter(Drafter):
     """Runs several drafters and merges their trees (see the module docstring for the budget rule)."""
 
     def __init__(self, drafters: Sequence[Drafter], name: str | None = None) -> None:
@@ -128,4 +130,4 @@ class MergeDrafter:
 
     def evict(self, request_id: str) -> None:
         for d in self.drafters:
-            getattr(d, "evict", d.release)(request_id)
+            d.evict(request_id)

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import DraftContext, TreeBudget
+from workers.drafters.base import Drafter
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree
 
@@ -70,7 +71,9 @@ class _Node:
     slot: int = -1        # its KV row among the tree rows once expanded, -1 = not expanded
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
+    batched = True                 # propose_batch: one forward pass per tree level for all requests
+
     def __init__(self, forward: LlamaForward, spec: DraftSpec | None = None, *, name: str = "model",
                  mode: str = "dynamic", top_k: int = 4, width: int = 4,
                  widths: Sequence[int] = (4, 2, 1, 1), sample: bool = False, seed: int = 0):

@@ -15,7 +15,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import DraftContext, TreeBudget
+from workers.drafters.base import Drafter
 from workers.tree import TokenTree
 
 __all__ = ["NgramDrafter"]
@@ -52,13 +53,13 @@ class _RequestIndex:
                 starts.setdefault(tuple(tokens[e - n : e]), []).append(e)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt-lookup drafter proposing a tree of the continuations of earlier suffix matches.
 
     Options: ``max_ngram`` / ``min_ngram`` bound the suffix length tried (longest first). The registry's
     ``ngram`` uses ``min_ngram=1`` (why: workers/drafters/registry.py): one-token matches are often
     wrong on free text, but a small tree costs little and the controller shrinks it where it fails
-    (workers/speculation.py);
+    (scheduler/sizing.py);
     ``max_matches`` bounds how many earlier occurrences become branches.
 
     Worked example: context ``a b c d a b e a b`` (the root is the last ``b``), max_depth 2. No

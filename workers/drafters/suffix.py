@@ -51,7 +51,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import DraftContext, TreeBudget
+from workers.drafters.base import Drafter
 from workers.tree import TokenTree
 
 __all__ = ["SuffixDrafter"]
@@ -267,7 +268,7 @@ class _RequestState:
     source: Sequence[int]  # the caller's ctx.tokens at the last propose (see release)
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Frequency-scored continuation trees from the tenant's finished outputs and the request's own text.
 
     Options: ``max_match`` / ``min_match`` bound the suffix length matched; ``min_prob`` prunes

@@ -6,8 +6,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from gateway.errors import install_handlers
-from gateway.routers.admin import router
-from gateway.tenants import Tenant, TenantRegistry
+from gateway.http.routers.admin import router
+from gateway.tenancy.records import Tenant
+from gateway.tenancy.tenants import TenantRegistry
 
 ADMIN = "sk-admin-test"
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 
-from gateway.draft_pool import DraftService, RemoteDrafter
-from gateway.releases import Evicted
+from gateway.ray_serve.draft_pool import DraftService, RemoteDrafter
+from gateway.ray_serve.releases import Evicted
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
-from workers.acceptance import SamplingParams
-from workers.batch_worker import BatchWorker, WorkItem
-from workers.drafters.base import DraftContext, TreeBudget
+from workers.contract import SamplingParams
+from workers.batch_worker import BatchWorker
+from workers.contract import WorkItem
+from workers.contract import DraftContext, TreeBudget
 from workers.llama_forward import LlamaForward
 from workers.tree import TokenTree
 from workers.verifier import Verifier
@@ -108,11 +108,10 @@ def test_an_eviction_travels_marked_and_the_suffix_cache_learns_only_finished_ou
     assert len(handle.service.drafters["suffix"]._tenants["t"].lengths) == 1   # b's, not a's
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_the_worker_prefetches_each_next_step_and_output_stays_greedy(tiny_model, adaptive):
+def test_the_worker_prefetches_each_next_step_and_output_stays_greedy(tiny_model):
     handle = FakeDraftHandle()
     remote = RemoteDrafter(handle, "ngram", affinity="v1")
-    worker = BatchWorker(Verifier(LlamaForward(tiny_model), max_tree_nodes=8), adaptive=adaptive,
+    worker = BatchWorker(Verifier(LlamaForward(tiny_model), max_tree_tokens=8),
                          drafters={"ngram": remote})
     ps = [p for p in prompts(6) if len(p) > 3][:3]
     for i, p in enumerate(ps):

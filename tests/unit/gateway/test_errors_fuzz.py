@@ -10,7 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
 
 MODEL = "smollm2-135m"

@@ -23,11 +23,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.errors import ApiError
-from gateway.grpc_server import INTERNAL_MESSAGE, SERVICE_NAME, start_grpc_server
-from gateway.proto import specgate_pb2 as pb
-from gateway.proto import specgate_pb2_grpc as pb_grpc
+from gateway.grpc_api.server import INTERNAL_MESSAGE, SERVICE_NAME, start_grpc_server
+from gateway.grpc_api.proto import specgate_pb2 as pb
+from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.service import GenerateInput, GenerateOutput, SpecStats, StreamChunk
-from gateway.tenants import Tenant, TenantRegistry
+from gateway.tenancy.records import Tenant
+from gateway.tenancy.tenants import TenantRegistry
 
 KEY = "sk-test-alpha"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -334,7 +335,7 @@ def test_reflection_lists_and_describes_the_service(env):
 
 def test_committed_generated_code_matches_the_proto(tmp_path):
     pytest.importorskip("grpc_tools")
-    from gateway.proto.generate import generate
+    from gateway.grpc_api.proto.generate import generate
 
     assert generate(tmp_path, f"--descriptor_set_out={tmp_path / 'specgate.pb'}") == 0
     fresh = descriptor_pb2.FileDescriptorSet.FromString((tmp_path / "specgate.pb").read_bytes()).file[0]
@@ -342,7 +343,7 @@ def test_committed_generated_code_matches_the_proto(tmp_path):
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(pb.DESCRIPTOR.serialized_pb)
-    assert fresh == committed, "specgate.proto changed: run `python -m gateway.proto.generate`"
+    assert fresh == committed, "specgate.proto changed: run `python -m gateway.grpc_api.proto.generate`"
 
 
 # ---- over the real embedded gateway, on the fake worker -----------------------------------------------
@@ -350,7 +351,7 @@ def test_committed_generated_code_matches_the_proto(tmp_path):
 def gateway_env():
     """What `specgate serve --fake-worker` builds (service, step loop, tenants, limiter), served
     over gRPC; the dev tenant's key, and a tenant limited to one request a minute."""
-    from gateway.serve_cmd import build_embedded
+    from gateway.builders.embedded import build_embedded
     from gateway.settings import Settings
 
     emb = build_embedded(Settings(fake_worker=True, fake_step_ms=2, fake_context=100_000, policy="fcfs"),

@@ -7,9 +7,9 @@ import threading
 import pytest
 import redis
 
-from gateway.limits import (CONCURRENCY_RETRY_S, WINDOW_S, Grant, LimitExceeded, Limiter, Usage,
+from gateway.tenancy.limits import (CONCURRENCY_RETRY_S, WINDOW_S, Grant, LimitExceeded, Limiter, Usage,
                             check, gcra_adjust, gcra_take)
-from gateway.tenants import Tenant
+from gateway.tenancy.records import Tenant
 
 T0 = 1_000_000.0
 

@@ -10,10 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+from gateway.builders.embedded import build_embedded
 from gateway.service import GenerateInput
 from gateway.settings import Settings
-from gateway.tenants import Tenant
+from gateway.tenancy.records import Tenant
 
 MODEL = "smollm2-135m"
 ADMIN = "sk-admin-metrics"

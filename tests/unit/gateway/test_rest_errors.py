@@ -9,9 +9,11 @@ import time
 import httpx
 import pytest
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
-from gateway.tenants import Tenant
+from gateway.tenancy.records import Tenant
 
 MODEL = "smollm2-135m"
 ADMIN = "sk-admin-test"

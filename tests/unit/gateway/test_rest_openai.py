@@ -7,10 +7,12 @@ import httpx
 import openai
 import pytest
 
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.http.server import background_server
+
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
 from gateway.text import ToyTokenizer
-from scheduler.fake_worker import token_at
+from workers.fake_worker import token_at
 
 MODEL = "smollm2-135m"
 TOK = ToyTokenizer()

@@ -13,11 +13,12 @@ import time
 import httpx
 import pytest
 
-from gateway import serve_cmd
-from gateway.serve_cmd import background_server, build_embedded
+from gateway.cli import serve as serve_cmd
+from gateway.http.server import background_server
+from gateway.builders.embedded import build_embedded
 from gateway.service import GenerateInput
 from gateway.settings import Settings
-from gateway.tenants import Tenant
+from gateway.tenancy.records import Tenant
 from scheduler.request import Status
 
 
@@ -143,7 +144,7 @@ def test_two_gateways_over_one_redis_enforce_one_rate_limit_and_one_concurrency_
 
 
 def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_profile(tmp_path):
-    from gateway.serve_cmd import _target
+    from gateway.builders.embedded import _target
     from tests.helpers import tiny_model_dir
     from workers.runtime import load_runtime
 

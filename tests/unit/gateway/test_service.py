@@ -9,13 +9,13 @@ import time
 import pytest
 
 from gateway.errors import ApiError
-from gateway.limits import Limiter
-from gateway.serve_cmd import PacedFakeWorker
+from gateway.tenancy.limits import Limiter
+from workers.fake_worker import PacedFakeWorker
 from gateway.service import GenerateInput, GenerateOutput, GenerationService, StreamChunk
-from gateway.tenants import SpeculationPolicy, Tenant
+from gateway.tenancy.records import SpeculationPolicy, Tenant
 from gateway.text import ToyTokenizer
 from scheduler.admission import AdmissionControl, AdmissionLimits
-from scheduler.fake_worker import token_at
+from workers.fake_worker import token_at
 from scheduler.loop import StepLoop
 from scheduler.policies import make_policy
 

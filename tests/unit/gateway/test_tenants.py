@@ -8,8 +8,9 @@ import textwrap
 import pytest
 import redis
 
-from gateway.tenant_config import TenantsConfigError, load_tenants_file, parse_tenant, parse_tenants
-from gateway.tenants import SpeculationPolicy, Tenant, TenantRegistry, hash_key
+from gateway.tenancy.config import TenantsConfigError, load_tenants_file, parse_tenant, parse_tenants
+from gateway.tenancy.records import SpeculationPolicy, Tenant, hash_key
+from gateway.tenancy.tenants import TenantRegistry
 
 EXAMPLE = {
     "tenants": [

@@ -12,12 +12,13 @@ from collections import Counter
 
 import pytest
 
-from gateway.ray_routing import rank_replicas
-from gateway.releases import Evicted, apply_releases
-from gateway.verifier_pool import CACHE_REPORT_TTL_S, VerifierPool
-from workers.acceptance import SamplingParams
-from workers.batch_worker import BatchWorker, WorkItem
-from workers.drafters.base import TreeBudget
+from gateway.ray_serve.routing import rank_replicas
+from gateway.ray_serve.releases import Evicted, apply_releases
+from gateway.ray_serve.verifier_pool import CACHE_REPORT_TTL_S, VerifierPool
+from workers.contract import SamplingParams
+from workers.batch_worker import BatchWorker
+from workers.contract import WorkItem
+from workers.contract import TreeBudget
 from workers.llama_forward import LlamaForward
 from workers.prefix_cache import PrefixCache
 from workers.verifier import Verifier

@@ -3,8 +3,8 @@ import pytest
 from scheduler.admission import (ADMITTED, AdmissionControl, AdmissionLimits, Refused, decide)
 from scheduler.policies import make_policy
 from scheduler.profile import StepCostModel
-from scheduler.sim import simulate
-from scheduler.workload_gen import WorkloadSpec, generate, with_arrivals
+from tools.sim import simulate
+from tools.workload_gen import WorkloadSpec, generate, with_arrivals
 
 LIMITS = AdmissionLimits(max_live=10, max_live_per_tenant=4, per_tenant={"vip": 8},
                          min_retry_after_s=1, max_retry_after_s=30)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scheduler.sizing import SizingConfig
 from scheduler.loop import Delta, StepLoop
 from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats
 from tests.helpers import OracleDrafter, hf_greedy
-from workers.acceptance import SamplingParams
+from workers.contract import SamplingParams
 from workers.batch_worker import BatchWorker
 from workers.drafters.registry import create_drafter
 from workers.llama_forward import LlamaForward
@@ -45,10 +46,10 @@ def references(tiny_model):
 
 def serve(forward, policy, max_batch, drafters, *, max_resident, sampling=SamplingParams(),
           drafter_of=lambda i: None, only=None):
-    worker = BatchWorker(Verifier(forward, max_tree_nodes=16), default_drafter=next(iter(drafters)),
+    worker = BatchWorker(Verifier(forward, max_tree_tokens=16), default_drafter=next(iter(drafters)),
                          drafters=drafters)
-    pol = make_policy(policy, max_batch=max_batch, token_budget=48, max_nodes=12, max_depth=6,
-                      aging_bound_s=None)
+    pol = make_policy(policy, max_batch=max_batch, token_budget=48,
+                      sizing=SizingConfig(max_tree_tokens=12, max_depth=6), aging_bound_s=None)
     loop = StepLoop(pol, worker, max_resident=max_resident)
     out: dict[str, list[int]] = {}
 

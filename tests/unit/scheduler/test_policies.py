@@ -4,6 +4,7 @@ import random
 import pytest
 
 from sched_helpers import build, stats, step
+from scheduler.sizing import SizingConfig
 from scheduler.state import SchedulerState
 
 
@@ -169,7 +170,7 @@ def test_plan_respects_batch_and_token_budget():
         name = rng.choice(["fcfs", "sjf", "las", "laps"])
         budget, batch = rng.randint(1, 80), rng.randint(1, 16)
         policy = make_policy(name, max_batch=batch, token_budget=budget,
-                             max_nodes=rng.randint(0, 16), **NO_AGING)
+                             sizing=SizingConfig(max_tree_tokens=rng.randint(0, 16)), **NO_AGING)
         reqs = [stats(f"r{i}", tenant=rng.choice("abc"), arrival=rng.random(),
                       predicted=rng.randint(1, 500),
                       taus=tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 6))))

@@ -36,8 +36,10 @@ def test_terminal_states():
 def test_record_step_accounts_tau_service_and_wait():
     s = RequestStats("r", "t", arrival_s=1.0, prompt_len=5, max_tokens=100)
     assert s.last_served_s == 1.0 and s.mean_tau is None and math.isinf(s.tau_stderr)
-    s.record_step(StepRecord("r", verified=5, committed=3, tried=3), start_s=4.0, end_s=4.5)
-    s.record_step(StepRecord("r", verified=5, committed=1, tried=1), start_s=5.0, end_s=5.5)
+    s.record_step(StepRecord("r", verified=5, committed=3, tried=3, drafted=4, accepted=2,
+                             draft_s=0.008, draft_depth=4), start_s=4.0, end_s=4.5)
+    s.record_step(StepRecord("r", verified=5, committed=1, tried=1, drafted=4, accepted=0),
+                  start_s=5.0, end_s=5.5)
     assert (s.committed, s.attained, s.n_steps, s.tau_history) == (4, 10, 2, [3, 1])
     assert s.mean_tau == 2.0
     assert s.tau_stderr == pytest.approx(1.0)          # sd √2 over √2 steps
@@ -45,8 +47,12 @@ def test_record_step_accounts_tau_service_and_wait():
     assert s.first_served_s == 4.0 and s.last_served_s == 5.5
     assert s.in_steps_s == pytest.approx(1.0)          # two steps of 0.5 s; 3.5 s waiting
     assert s.status is Status.RUNNING
-    # α = accepted ÷ tried = (2 + 0) ÷ (3 + 1), shrunk by the prior 1/2
-    assert s.alpha_estimate() == pytest.approx((2 + 1) / (4 + 2))
+    assert (s.accepted_sum, s.tried_sum) == (2, 4)
+    # the sizing estimate (scheduler/sizing.py): 2 accepted then a failure, 0 then a failure,
+    # decayed 0.85 a step over the prior 3 : 1; drafting 2 ms a level
+    accepted, rejected = 2 * 0.85, 1 * 0.85 + 1
+    assert s.estimate.alpha == pytest.approx((accepted + 3) / (accepted + rejected + 4))
+    assert s.estimate.draft_s == pytest.approx(0.002) and s.estimate.misses == 1
 
 
 def test_end_requires_a_terminal_state():

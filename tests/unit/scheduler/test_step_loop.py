@@ -8,7 +8,7 @@ import time
 import pytest
 
 from scheduler.admission import AdmissionControl, AdmissionLimits, Refused
-from scheduler.fake_worker import FakeClock, FakeWorker, token_at
+from workers.fake_worker import FakeClock, FakeWorker, token_at
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats, Status
@@ -17,10 +17,11 @@ from scheduler.store import MemoryStore, open_store
 
 def request(rid: str, *, tenant: str = "t", max_tokens: int = 20, prompt_len: int = 5,
             stop_token_ids: tuple[int, ...] = (), drafter: str | None = None,
-            max_tree_nodes: int | None = None, arrival: float = 0.0) -> Request:
-    stats = RequestStats(rid, tenant, arrival, prompt_len=prompt_len, max_tokens=max_tokens)
+            max_tree_tokens: int | None = None, arrival: float = 0.0) -> Request:
+    stats = RequestStats(rid, tenant, arrival, prompt_len=prompt_len, max_tokens=max_tokens,
+                         max_tree_tokens=max_tree_tokens)
     return Request(stats, prompt_ids=list(range(10, 10 + prompt_len)), stop_token_ids=stop_token_ids,
-                   drafter=drafter, max_tree_nodes=max_tree_nodes)
+                   drafter=drafter)
 
 
 def truth(rid: str, n: int) -> list[int]:
@@ -98,7 +99,7 @@ def test_speculation_switch_and_tenant_tree_cap_bound_every_budget():
     worker.step = spy
     loop = make_loop(worker=worker)
     loop.submit(request("off", drafter="none", max_tokens=30))
-    loop.submit(request("capped", max_tree_nodes=2, max_tokens=30))
+    loop.submit(request("capped", max_tree_tokens=2, max_tokens=30))
     run_to_end(loop)
     assert all(not i.budget.speculates for i in seen if i.request_id == "off")
     assert all(i.budget.max_nodes <= 2 for i in seen if i.request_id == "capped")

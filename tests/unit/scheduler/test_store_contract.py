@@ -21,7 +21,7 @@ from scheduler.store import MemoryStore, StateStore, StepWrite, open_store
 from scheduler.store.base import (account_from_str, account_to_str, request_from_dict,
                                   request_to_dict, stats_from_dict)
 from scheduler.store.redis_store import RedisStore
-from workers.acceptance import SamplingParams
+from workers.contract import SamplingParams
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def rich_request(rid: str = "rich") -> Request:
     return Request(s, [101, 7, 0, 65535, 9], SamplingParams(temperature=0.7, top_k=40, top_p=0.9,
                                                             seed=1234),
                    stop_token_ids=(2, 7), stop=("\n\n", "END", "ü"), drafter="ngram",
-                   max_tree_nodes=16, output_ids=[5, 6])
+                   output_ids=[5, 6])
 
 
 def as_fields(obj) -> dict:

@@ -7,8 +7,8 @@ from sched_helpers import build, stats
 from scheduler.policies import make_policy
 from scheduler.profile import StepCostModel
 from scheduler.request import StepRecord
-from scheduler.sim import simulate
-from scheduler.workload_gen import TenantMix, WorkloadSpec, generate, with_arrivals
+from tools.sim import simulate
+from tools.workload_gen import TenantMix, WorkloadSpec, generate, with_arrivals
 
 
 def run_steps(policy, state, n_steps, cost_of=lambda rid: (5, 2)):

@@ -1,0 +1,151 @@
+"""The embedded builder: everything one embedded gateway is made of, assembled in one place.
+
+Start-up, in order: the target model (or the fake worker) and its step-cost profile → policy,
+state store, step loop → recovery of the requests the store still holds → tenants, limiter,
+service, app. `build_embedded` does everything but listen (`gateway.cli.serve` listens), so tests
+and benchmarks assemble the same app; Ray mode's scheduler replica builds the same thing over
+its verifier replicas (`gateway.builders.ray_app`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gateway.http.app import build_app
+from gateway.metrics import GatewayMetrics
+from gateway.service import GenerationService
+from gateway.settings import Settings
+from gateway.text import ToyTokenizer
+from scheduler.admission import AdmissionControl, AdmissionLimits
+from scheduler.loop import StepLoop
+from scheduler.policies import make_policy
+from scheduler.sizing import SizingConfig
+from scheduler.store import open_store
+from workers.fake_worker import PacedFakeWorker
+
+
+@dataclass
+class Embedded:
+    """Everything one embedded gateway is made of (`start`/`stop` run the step loop's thread)."""
+    settings: Settings
+    app: Any
+    service: GenerationService
+    step_loop: StepLoop
+    tenants: Any
+    limiter: Any
+    metrics: GatewayMetrics
+    dev_key: str | None = None          # the dev tenant's key, when one was created now
+    admin_key: str | None = None        # an admin key generated now (dev set-up only)
+    recovered: list[str] = field(default_factory=list)
+    thread: Any = None
+
+    def start(self) -> None:
+        self.thread = self.step_loop.start()
+
+    def stop(self) -> None:
+        self.step_loop.stop()
+        self.thread = None
+        self.step_loop.store.close()
+
+    def loop_alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+def scheduler_prefix(settings: Settings) -> str:
+    """Where this replica's scheduler keeps its requests (tenants and limits are shared)."""
+    return f"{settings.store_prefix}sched:{settings.replica_id}:"
+
+
+def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None,
+                   target: tuple | None = None, recover: bool = True) -> Embedded:
+    """Everything but the listening: `runtime` (a `workers.runtime.Runtime` already loaded, e.g.
+    by a test or a benchmark) is used instead of loading `settings.model`; `target` (tokenizer,
+    worker, stop token ids, step-cost model) replaces the model altogether (Ray mode's scheduler
+    drives verifier replicas through `gateway.ray_serve.verifier_pool.VerifierPool`). `recover=False` leaves
+    recovery from the store to the caller (Ray mode recovers once it holds the scheduler lease)."""
+    from gateway.tenancy.limits import Limiter
+    from gateway.tenancy.records import new_api_key
+    from gateway.tenancy.tenants import TenantRegistry
+
+    tokenizer, worker, stop_ids, step_cost = target or _target(settings, progress, runtime)
+    metrics = GatewayMetrics()
+    max_resident = max(settings.max_resident, settings.max_batch)
+    # The policy starts a new request only while KV room is left, so the loop never has to evict
+    # (evict, re-prefill, fall further behind: the simulator's meltdown under bursts).
+    policy = make_policy(settings.policy, max_batch=settings.max_batch,
+                         token_budget=settings.token_budget,
+                         sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
+                         step_cost=step_cost, max_resident=max_resident)
+    admission = AdmissionControl(AdmissionLimits(
+        max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
+        per_tenant={}))                               # filled per tenant by the service
+    store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s)
+    step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
+                         max_resident=max_resident)
+    recovered = step_loop.recover() if recover else []
+    if settings.tenants_file is not None:
+        tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
+                                           settings.store_prefix)
+    else:
+        tenants = TenantRegistry(settings.redis_url, settings.store_prefix)
+    dev_key = tenants.ensure_dev_tenant()
+    admin_key = None
+    if settings.admin_key is not None:
+        tenants.add_admin_key(settings.admin_key.get_secret_value())
+    elif dev_key is not None:                         # a fresh dev set-up: an admin key too
+        admin_key = new_api_key()
+        tenants.add_admin_key(admin_key)
+    limiter = Limiter(settings.redis_url, settings.store_prefix)
+    emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
+                   recovered)
+    checks: list[Callable[[], bool]] = [emb.loop_alive]
+    components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
+    if settings.redis_url:
+        from gateway.tenancy.tenants import connect_store
+        checks.append(connect_store(settings.redis_url).ping)     # the store answers
+        components["state_store"] = checks[-1]
+    metrics.watch(step_loop, components)
+    emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
+                                    limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,
+                                    drafters=settings.drafter_names, ready_checks=checks)
+    emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
+    return emb
+
+
+def _target(settings: Settings, progress: bool, runtime: Any = None):
+    """(tokenizer, worker, stop token ids, policy step-cost model) for the settings."""
+    from workers.drafters.registry import drafter_names, is_drafter_name
+
+    unknown = [d for d in settings.drafter_names if not is_drafter_name(d)]
+    if unknown:
+        raise ValueError(f"unknown drafter {unknown[0]!r}; available: {', '.join(drafter_names())}")
+    if settings.fake_worker:
+        tok = ToyTokenizer()
+        worker = PacedFakeWorker(settings.fake_step_ms / 1000, context_limit=settings.fake_context)
+        return tok, worker, {tok.eos_token_id}, None
+    from workers.runtime import load_runtime
+
+    rt = runtime or load_runtime(settings.model, dtype=settings.dtype, progress=progress)
+    return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt)
+
+
+def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None) -> Any:
+    """The step costs the planner sizes tree budgets by: `settings.step_profile` when set, else
+    `measured` (a verifier replica's start-up profile, Ray mode), else measured now on `rt`."""
+    from scheduler.profile import StepCostModel
+
+    if settings.step_profile is not None:
+        return StepCostModel.from_json(settings.step_profile)
+    if measured is None:
+        measured = rt.step_profile(settings.max_batch, settings.max_tree_tokens)
+    return StepCostModel.from_doc(measured)
+
+
+def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> Any:
+    """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray,
+    where `drafters` are the draft workers' remote drafters by name)."""
+    from workers.batch_worker import BatchWorker
+
+    return BatchWorker(rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
+                                   prefix_cache_mb=settings.prefix_cache_mb),
+                       default_drafter=settings.drafter_names[0], drafters=drafters)

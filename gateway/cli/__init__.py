@@ -1,0 +1,1 @@
+"""`specgate serve` and `specgate serve --ray`: flags, then a builder, then listening."""

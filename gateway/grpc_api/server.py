@@ -1,0 +1,283 @@
+"""The gRPC front: `specgate.v1.Generation` (gateway/grpc_api/proto/specgate.proto) over the same
+`GenerationService` as REST, plus the standard health service and server reflection.
+
+A `grpc.aio` server on the event loop that runs the service (and uvicorn), so a handler awaits
+the service directly, and a client that cancels (or whose deadline passes) cancels the request
+as a disconnect does in REST. Everything else is REST's, by construction: the API key is read
+from metadata (`authorization: Bearer <key>`, or `x-api-key: <key>`) and checked by the same
+tenant registry; a request is validated by REST's request models (`gateway.schemas`), so sizes,
+defaults and error messages match; the service applies the model checks and the tenant's limits
+and raises `ApiError`, whose HTTP status becomes a gRPC code (`STATUS_CODES`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+import grpc
+import pydantic
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway import errors, schemas
+from gateway.http.deps import field_names
+from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
+from gateway.grpc_api.proto import specgate_pb2 as pb
+from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
+from gateway.service import EventStream, GenerateInput, GenerateOutput, GenerationService
+from gateway.tenancy.records import Tenant
+from gateway.tenancy.tenants import TenantRegistry
+
+if TYPE_CHECKING:
+    from gateway.tenancy.limits import Limiter
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name   # "specgate.v1.Generation"
+
+# REST status → gRPC code; a status not listed becomes INTERNAL.
+# NOTE: 413 (the prompt does not fit the context) maps to INVALID_ARGUMENT, not RESOURCE_EXHAUSTED:
+# the same request can never succeed, while clients read RESOURCE_EXHAUSTED as "back off and
+# retry", which is what 429, and only 429, means here.
+STATUS_CODES: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+INTERNAL_MESSAGE = "internal server error"      # what REST answers an unexpected exception with
+HEALTH_POLL_S = 1.0
+_FIELDS = {m: field_names(m) for m in (schemas.CompletionRequest, schemas.ChatRequest)}
+
+
+@dataclass
+class GrpcServer:
+    """A started server. `port` is the bound port (useful with port 0). `stop` first reports
+    NOT_SERVING to health checks, then lets calls in flight finish for `grace` seconds."""
+    server: grpc.aio.Server
+    port: int
+    health: "_Health"
+    _health_task: asyncio.Task
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        self._health_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._health_task
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
+                            limiter: Limiter | None, port: int, host: str = "127.0.0.1", *,
+                            max_message_bytes: int | None = None) -> GrpcServer:
+    """Serve on `host:port` (0: a free port) on the running event loop, the service's.
+
+    `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
+    both fronts are built from the same parts, but the service applies the limits itself (it alone
+    knows a request's token count), so gRPC and REST share one limiter through it.
+    `max_message_bytes` caps a request message (gRPC's default: 4 MiB); a larger one is refused
+    by gRPC itself with RESOURCE_EXHAUSTED."""
+    options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service, tenants), server)
+    health_servicer = _Health(service.ready)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"gRPC: cannot listen on {host}:{port}")
+    await health_servicer.refresh()
+    await server.start()
+    follow = asyncio.get_running_loop().create_task(health_servicer.follow(), name="grpc-health")
+    log.info("gRPC: serving %s on %s:%d", SERVICE_NAME, host, bound)
+    return GrpcServer(server, bound, health_servicer, follow)
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, service: GenerationService, tenants: TenantRegistry):
+        self.service = service
+        self.tenants = tenants
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            out = await self.service.generate(grpc_input(self.tenants, request, context.invocation_metadata()))
+            return response_message(out)
+        except Exception as exc:            # every failure becomes a status (see `status_of`)
+            await abort_with(context, exc)
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        # NOTE: context.write rather than an async-generator handler: a client's cancellation
+        # arrives as CancelledError at whichever await is pending (the service's next event, or a
+        # write), and either way passes the finally below, which closes the service's stream and
+        # so cancels the request. A suspended generator would be closed only when collected.
+        stream = None
+        try:
+            stream = await self.service.open_stream(
+                grpc_input(self.tenants, request, context.invocation_metadata()))   # admits, or raises
+            await context.send_initial_metadata((("request-id", stream.request_id),))
+            async for message in stream_messages(stream):
+                await context.write(message)
+        except Exception as exc:
+            await abort_with(context, exc)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+
+def grpc_input(tenants: TenantRegistry, request: pb.GenerateRequest, metadata: Any) -> GenerateInput:
+    """The request of an authenticated tenant (401 without a known key)."""
+    tenant = tenants.authenticate(api_key(metadata))
+    if tenant is None:
+        raise errors.unauthorized()
+    return generate_input(request, tenant)
+
+
+async def stream_messages(stream: EventStream) -> AsyncIterator[pb.GenerateStreamResponse]:
+    """A service stream's events as GenerateStream messages: deltas, then the final response (and,
+    as REST does, an error after the final of a request the engine failed)."""
+    async for item in stream:
+        if isinstance(item, GenerateOutput):
+            yield pb.GenerateStreamResponse(final=response_message(item))
+            if item.finish_reason == "error":
+                raise generation_failed()
+        else:
+            yield pb.GenerateStreamResponse(delta=pb.GenerateDelta(text=item.text, token_ids=item.token_ids))
+
+
+def api_key(metadata: Any) -> str | None:
+    """The key from `authorization: Bearer <key>`, else from `x-api-key: <key>`."""
+    pairs = {k.lower(): v for k, v in (metadata or ()) if isinstance(v, str)}
+    scheme, _, key = pairs.get("authorization", "").strip().partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return pairs.get("x-api-key", "").strip() or None
+
+
+def generate_input(request: pb.GenerateRequest, tenant: Tenant) -> GenerateInput:
+    """Proto → the REST body it stands for → REST's request model → `GenerateInput`: the same
+    size limits, defaults and validation errors as /v1/completions and /v1/chat/completions.
+    Fields left unset are left out, so REST's defaults apply."""
+    body: dict[str, Any] = {"model": request.model}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        if request.HasField(name):
+            body[name] = getattr(request, name)
+    if request.stop:
+        body["stop"] = list(request.stop)
+    if request.user:
+        body["user"] = request.user
+    speculation = {rest: getattr(request, name) for rest, name in
+                   (("enabled", "speculation"), ("max_tree_tokens", "max_tree_tokens"))
+                   if request.HasField(name)}
+    if speculation:
+        body["speculation"] = speculation
+    which = request.WhichOneof("input")
+    model: type[schemas.CompletionRequest] | type[schemas.ChatRequest] = schemas.CompletionRequest
+    if which == "prompt":
+        body["prompt"] = request.prompt
+    elif which == "prompt_ids":
+        body["prompt"] = list(request.prompt_ids.ids)
+    elif which == "messages":
+        model = schemas.ChatRequest
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+    else:
+        raise ApiError(400, "send one of 'prompt', 'messages' or 'prompt_ids'", param="prompt",
+                       code="missing_required_parameter")
+    try:
+        return model.model_validate(body).to_input(tenant)
+    except pydantic.ValidationError as exc:
+        raise errors.from_validation_errors(exc.errors(include_url=False), _FIELDS[model]) from None
+
+
+def response_message(out: GenerateOutput) -> pb.GenerateResponse:
+    s = out.speculation
+    return pb.GenerateResponse(
+        id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+        usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                       total_tokens=out.prompt_tokens + out.completion_tokens),
+        speculation=pb.SpeculationStats(drafted=s.drafted, accepted=s.accepted, steps=s.steps, tau=s.tau))
+
+
+def generation_failed() -> ApiError:
+    """What `GenerationService.generate` raises for a request the engine failed."""
+    return ApiError(500, "generation failed; retry the request", code="generation_failed")
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(code, details, trailing metadata) for a failure.
+
+    An `ApiError` is a refusal written for clients: it keeps its message (REST's `error.message`),
+    its type, param and code go in trailing metadata, and REST's `Retry-After` (whole seconds, on
+    429 and 503) as `retry-after`. Any other exception is INTERNAL with REST's generic message:
+    no exception text, no stack trace. A state-store outage is REST's 503: UNAVAILABLE.
+    """
+    if isinstance(exc, STORE_ERRORS):
+        exc = store_unavailable()
+    if not isinstance(exc, ApiError):
+        return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, ()
+    trailers = [("error-type", exc.type)]
+    if exc.param:
+        trailers.append(("error-param", exc.param))
+    if exc.code:
+        trailers.append(("error-code", exc.code))
+    retry_after = exc.headers().get("Retry-After")
+    if retry_after is not None:
+        trailers.append(("retry-after", retry_after))
+    return STATUS_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message, tuple(trailers)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):       # the call is already aborted
+        raise exc
+    if not isinstance(exc, (ApiError, *STORE_ERRORS)):
+        log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
+    code, details, trailers = status_of(exc)
+    await context.abort(code, details, trailing_metadata=trailers)
+
+
+class _Health(health.aio.HealthServicer):
+    """The standard health service: SERVING, for "" and for specgate.v1.Generation, exactly when
+    `service.ready()`. `Check` asks afresh; `Watch` callers hear of changes through `follow`."""
+
+    def __init__(self, ready: Callable[[], bool]):
+        super().__init__()
+        self._ready = ready
+        self._status: int | None = None
+
+    async def refresh(self) -> None:
+        # ready() may ping Redis: ask on a worker thread, never on the event loop.
+        ready = await asyncio.to_thread(_ready_or_false, self._ready)
+        status = (health_pb2.HealthCheckResponse.SERVING if ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if status != self._status:
+            self._status = status
+            for name in ("", SERVICE_NAME):
+                await self.set(name, status)
+
+    async def follow(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            await self.refresh()
+
+    async def Check(self, request, context):
+        await self.refresh()
+        return await super().Check(request, context)
+
+
+def _ready_or_false(ready: Callable[[], bool]) -> bool:
+    try:
+        return bool(ready())
+    except Exception:
+        log.warning("gRPC health: ready() raised", exc_info=True)
+        return False

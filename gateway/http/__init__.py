@@ -1,0 +1,1 @@
+"""The HTTP front: the FastAPI app, its routers and dependencies, and the uvicorn server."""

@@ -1,0 +1,111 @@
+"""The app builder: `build_app(settings, service, tenants, limiter, metrics)` → a FastAPI app.
+
+The one place the HTTP front is assembled: routers, error handlers, the body-size limit. Every
+part comes in as an argument and lives on `app.state` (no module-level state), so tests build as
+many independent apps as they like, over the fake worker or a real model.
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from gateway import errors
+from gateway.http.deps import ClientDisconnected
+from gateway.metrics import GatewayMetrics
+from gateway.http.routers import admin, chat, completions, health, models
+from gateway.http.routers import metrics as metrics_router
+from gateway.service import GenerationService
+from gateway.settings import Settings
+
+if TYPE_CHECKING:
+    from gateway.tenancy.limits import Limiter
+    from gateway.tenancy.tenants import TenantRegistry
+
+
+def build_app(settings: Settings, service: GenerationService, tenants: TenantRegistry, limiter: Limiter,
+              metrics: GatewayMetrics) -> FastAPI:
+    app = FastAPI(title="specgate", version="0.1.0",
+                  description="OpenAI-compatible gateway with tree speculative decoding")
+    app.state.settings = settings
+    app.state.service = service
+    app.state.tenants = tenants
+    app.state.limiter = limiter
+    app.state.metrics = metrics
+    errors.install_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_gone)
+    for r in (completions.router, chat.router, models.router, health.router, metrics_router.router,
+              admin.router):
+        app.include_router(r)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.openapi = _hoisting_body_schemas(app.openapi)
+    return app
+
+
+def _hoisting_body_schemas(openapi: Any) -> Any:
+    """Bodies are read by a dependency (see gateway.http.deps), so their schemas are given as
+    `openapi_extra`; move their nested models ($defs) into components, where their $refs point."""
+    def schema() -> dict:
+        doc = openapi()
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path in doc.get("paths", {}).values():
+            for op in path.values():
+                body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+                components.update(body.get("schema", {}).pop("$defs", {}))
+        return doc
+    return schema
+
+
+async def _client_gone(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=499)       # nginx's "client closed request": nobody reads it
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with 413 before the app reads it: by its
+    Content-Length when declared, else while it arrives (chunked). The body is buffered (it is
+    small by construction) and replayed; later `receive()` calls reach the server, so the app
+    still hears a disconnect."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            return await self._refuse(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break                                  # disconnected while sending
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Any) -> None:
+        err = errors.too_large(f"the request body is larger than {self.max_bytes} bytes")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,245 @@
+"""What routes depend on, as `Annotated` aliases, and the request plumbing the routers share.
+
+The app's parts live on `app.state` (set once by `build_app`); routes receive them through
+`ServiceDep`, `TenantsDep`, `MetricsDep`, `SettingsDep`. `TenantDep` authenticates the caller
+(401 otherwise), `AdminDep` requires an admin key (401 without a valid key, 403 for a tenant's
+key). Bodies are read by `json_body(Model)`, a dependency rather than a FastAPI body parameter, so
+authentication runs first and every way a body can be wrong (not UTF-8, not JSON, too deep, a
+number too long, a wrong type) becomes an OpenAI error naming the field.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from gateway import errors
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.service import EventStream, GenerateOutput, GenerationService
+from gateway.settings import Settings
+from gateway.tenancy.records import Tenant
+from gateway.tenancy.tenants import TenantRegistry
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+# NOTE: `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency on a worker
+# thread, and those hops (thread pool, capacity limiter, GIL hand-offs) took a sizeable share of
+# the event loop's time per request (`specgate bench gateway`, profiled: README.md, "Serving path
+# and start-up times").
+async def get_service(request: Request) -> GenerationService:
+    return request.app.state.service
+
+
+async def get_tenants(request: Request) -> TenantRegistry:
+    return request.app.state.tenants
+
+
+async def get_metrics(request: Request) -> GatewayMetrics:
+    return request.app.state.metrics
+
+
+async def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+ServiceDep = Annotated[GenerationService, Depends(get_service)]
+TenantsDep = Annotated[TenantRegistry, Depends(get_tenants)]
+MetricsDep = Annotated[GatewayMetrics, Depends(get_metrics)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def bearer_key(request: Request) -> str | None:
+    scheme, _, key = request.headers.get("authorization", "").strip().partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
+    tenant = tenants.authenticate(bearer_key(request))
+    if tenant is None:
+        raise errors.unauthorized()
+    return tenant
+
+
+async def require_admin(request: Request, tenants: TenantsDep) -> None:
+    key = bearer_key(request)
+    if key is None:
+        raise errors.unauthorized("missing admin key: send 'Authorization: Bearer <admin key>'")
+    if tenants.is_admin(key):
+        return
+    if tenants.authenticate(key) is not None:
+        raise ApiError(403, "this API key is a tenant's key; an admin key is needed here",
+                       code="admin_only")
+    raise errors.unauthorized("invalid admin key")
+
+
+TenantDep = Annotated[Tenant, Depends(current_tenant)]
+AdminDep = Annotated[None, Depends(require_admin)]
+
+
+# ---- bodies -----------------------------------------------------------------------------------------
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json(body: bytes) -> Any:
+    """Request bytes → a JSON value, or ApiError 400 saying what is wrong with them."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise errors.invalid("the request body is not valid UTF-8", code="invalid_body") from None
+    if not text.strip():
+        raise errors.invalid("the request body is empty; send a JSON object", code="invalid_body")
+    try:
+        obj = json.loads(text, parse_constant=_no_constants)
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")    # only pairs make characters
+        return obj
+    except UnicodeEncodeError:
+        raise errors.invalid("the request body is not valid JSON text: a \\u escape is an "
+                             "unpaired surrogate (\\ud800-\\udfff)", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise errors.invalid(f"the request body is not valid JSON: {exc.msg} at line "
+                             f"{exc.lineno} column {exc.colno}", code="invalid_json") from None
+    except RecursionError:
+        raise errors.invalid("the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:                   # NaN/Infinity, or an integer of > 4300 digits
+        raise errors.invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def field_names(*models: type[BaseModel]) -> frozenset[str]:
+    """Every field name of these models and the models they contain (for error `param`s)."""
+    names: set[str] = set()
+    seen: set[type] = set()
+    todo = list(models)
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        for name, f in m.model_fields.items():
+            names.add(name)
+            for t in _types_in(f.annotation):
+                if isinstance(t, type) and issubclass(t, BaseModel):
+                    todo.append(t)
+    return frozenset(names)
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    out, todo = [], [annotation]
+    while todo:
+        a = todo.pop()
+        out.append(a)
+        todo.extend(getattr(a, "__args__", ()) or ())
+        origin = getattr(a, "__origin__", None)
+        if origin is not None:
+            todo.append(origin)
+    return out
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """A dependency that reads the body and validates it as `model` (400 naming the field)."""
+    fields = field_names(model)
+
+    async def read(request: Request) -> M:
+        obj = parse_json(await request.body())
+        if not isinstance(obj, dict):
+            raise errors.invalid(f"the request body must be a JSON object, not "
+                                 f"{type(obj).__name__}", code="invalid_body")
+        try:
+            return model.model_validate(obj)
+        except ValidationError as exc:
+            raise errors.from_validation_errors(exc.errors(include_url=False), fields) from None
+        except RecursionError:
+            raise errors.invalid("the request body is nested too deeply", code="invalid_body") from None
+
+    return read
+
+
+# ---- streaming and disconnects ------------------------------------------------------------------------
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class ClientDisconnected(Exception):
+    """The client left before its (non-streaming) answer was ready; nobody reads the response."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client disconnects first (a non-streaming request whose
+    client left must not keep its place in the batch): raises ClientDisconnected then. The body
+    has been read already, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+                task.cancel()
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if gone.is_set() and not asyncio.current_task().cancelling():
+            raise ClientDisconnected() from None
+        raise
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def sse_events(stream: EventStream, *, chunk: Callable[[str], dict],
+                     final: Callable[[GenerateOutput], dict],
+                     usage: Callable[[GenerateOutput], dict] | None = None,
+                     opening: dict | None = None) -> AsyncIterator[str]:
+    """A generation as server-sent events: `opening`, one `chunk(text)` per piece of text, the
+    `final(output)` chunk (finish_reason, specgate stats), `usage(output)` when asked for, then
+    `data: [DONE]`. Once the 200 has gone out an error can only be an event: a failed generation
+    or an unexpected exception ends the stream with an OpenAI error object. The stream is closed
+    however this ends; a client that disconnects cancels its request that way."""
+    try:
+        if opening is not None:
+            yield sse(opening)
+        async for item in stream:
+            if isinstance(item, GenerateOutput):
+                yield sse(final(item))
+                if item.finish_reason == "error":
+                    yield sse(ApiError(500, "generation failed; retry the request",
+                                       code="generation_failed").body())
+                if usage is not None:
+                    yield sse(usage(item))
+            elif item.text:
+                yield sse(chunk(item.text))
+        yield SSE_DONE
+    except Exception:
+        log.exception("stream %s failed", stream.request_id)
+        yield sse(ApiError(500, "internal server error", code="internal_error").body())
+        yield SSE_DONE
+    finally:
+        await stream.aclose()

@@ -1,1 +1,0 @@
-"""specgate.proto and the Python code generated from it (regenerate: `python -m gateway.proto.generate`)."""

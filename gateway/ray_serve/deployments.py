@@ -1,0 +1,381 @@
+"""Ray Serve mode's deployment classes: the same gateway, scheduler and workers as the embedded
+mode, each wrapped in a plain class that adds no logic of its own. The ingress builds the app with
+`gateway.http.app.build_app` over a `RemoteService`; the scheduler builds the embedded service with
+`gateway.builders.embedded.build_embedded`, its worker being a `VerifierPool`; a verifier replica
+runs `gateway.builders.embedded.batch_worker`. Which of them run, how many and where is decided
+by the Ray builder alone (`gateway.builders.ray_app`).
+
+Draft workers (a CPU deployment, scaled on its own) propose the trees: a verifier replica asks
+once per step for all its requests (`gateway.ray_serve.draft_pool.RemoteDrafter`); losing them
+costs only speculation. With `draft: null` each verifier replica drafts for its own requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections import Counter, defaultdict
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from gateway.metrics import GatewayMetrics
+from gateway.ray_serve.releases import apply_releases
+from gateway.settings import Settings
+from workers.contract import SamplingParams
+
+if TYPE_CHECKING:
+    from gateway.builders.embedded import Embedded
+    from gateway.service import GenerateInput
+    from scheduler.lease import Lease
+
+log = logging.getLogger(__name__)
+
+__all__ = ["VerifierServer", "DraftServer", "SchedulerServer", "IngressServer"]
+
+SCHEDULER, VERIFIER, INGRESS, DRAFT = "scheduler", "verifier", "ingress", "draft"
+SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
+LEASE_TTL_S = 10.0            # the scheduler lease: a crashed holder's is free after this
+
+
+# ---- the deployments' classes (plain classes; `build` turns them into deployments) ---------------
+class VerifierServer:
+    """One verifier replica: the embedded mode's BatchWorker (drafter, lean forward, KV caches)."""
+
+    def __init__(self, settings: dict[str, Any], torch_threads: int | None = None,
+                 drafts: Any = None) -> None:
+        """`drafts`: a handle to the draft deployment (None: the replica drafts itself)."""
+        import torch
+        from ray import serve
+
+        from gateway.ray_serve.draft_pool import RemoteDrafter
+        from gateway.builders.embedded import batch_worker
+        from workers.runtime import load_runtime
+
+        if torch_threads:              # and OMP_NUM_THREADS, see _deployment
+            torch.set_num_threads(torch_threads)
+        s = Settings(**settings)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.runtime = load_runtime(s.model, dtype=s.dtype, progress=False)
+        remote = {} if drafts is None else {
+            name: RemoteDrafter(drafts, name, affinity=self.replica_id)
+            for name in s.drafter_names if name != "none"}
+        self.worker = batch_worker(s, self.runtime, drafters=remote)
+        # this replica's step costs, for the scheduler's planner (gateway/cli/serve.py planner_step_cost)
+        self.step_profile = None
+        if s.step_profile is None:
+            self.step_profile = self.runtime.step_profile(s.max_batch, s.max_tree_tokens)
+        self._lock = threading.Lock()          # one call at a time touches the KV caches
+        self._reniced: set[int] = set()
+        # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)
+        self.served: dict[str, Counter] = defaultdict(Counter)
+
+    def describe(self, *, replica: str | None = None) -> dict[str, Any]:
+        import torch
+        return {"context_limit": self.worker.context_limit,
+                "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id,
+                "step_profile": self.step_profile,
+                "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+    def _on_critical_path(self) -> None:
+        """Run this thread (and the OpenMP team it starts) at normal priority. Ray starts worker
+        processes at nice 15, so on a small machine every other Ray process (controller, proxy,
+        ingress) preempts a verifier thread, and one preempted OpenMP thread stalls its whole
+        team (measured on 2 cores: a step is slower at nice 15 than at nice 0, and slower still
+        than embedded; README.md, "Serving path and start-up times"). Best effort: lowering a
+        nice value needs privileges."""
+        tid = threading.get_native_id()
+        if tid in self._reniced:
+            return
+        self._reniced.add(tid)
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)    # Linux: a thread id sets that thread
+        except (OSError, AttributeError):
+            pass
+
+    def prefill(self, request_id: str, token_ids: list[int], *, prompt_len: int,
+                sampling: SamplingParams, max_new_tokens: int, tenant: str, drafter: str | None,
+                replica: str | None, loads: Mapping[str, int] | None = None,
+                assigned: Mapping[str, int] | None = None, avoid: Sequence[str] | None = None,
+                release: dict | None = None) -> dict[str, Any]:
+        self._on_critical_path()
+        with self._lock:
+            t0 = time.perf_counter()
+            self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
+            self.worker.release(request_id)     # a stale copy (a restarted scheduler's request)
+            self._note(request_id, "prefill")
+            cached = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
+                                         max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
+            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0, "cached": cached,
+                    "prefix_cache": self.worker.prefix_cache_usage()}
+
+    def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:
+        """{"results": StepResults, "missing": request ids not held here, "busy_s": time spent}.
+        A batch naming a request this replica does not hold (it was routed here because its home
+        died) is not run at all: the pool re-prefills those requests and sends the batch again."""
+        self._on_critical_path()
+        t0 = time.perf_counter()
+        with self._lock:
+            self._release(release)
+            held = set(self.worker.resident())
+            missing = [item.request_id for item in items if item.request_id not in held]
+            if missing:
+                return {"results": [], "missing": missing, "busy_s": 0.0}
+            for item in items:
+                self._note(item.request_id, "step")
+            d0 = self.worker.draft_s
+            results = self.worker.step(items)
+            draft_s = self.worker.draft_s - d0
+            cache = self.worker.prefix_cache_usage()
+        return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s,
+                "prefix_cache": cache}
+
+    def release(self, entries: list, *, replica: str) -> None:
+        with self._lock:
+            self._release(entries)
+
+    def resident(self, *, replica: str | None = None) -> list[str]:
+        with self._lock:
+            return self.worker.resident()
+
+    def served_requests(self, *, replica: str | None = None) -> dict[str, dict[str, int]]:
+        """What this replica has served, per request (call with `replica=` to ask a given one)."""
+        with self._lock:
+            return {rid: dict(c) for rid, c in self.served.items()}
+
+    def _note(self, request_id: str, call: str) -> None:
+        if request_id not in self.served and len(self.served) >= SERVED_KEPT:
+            del self.served[next(iter(self.served))]            # the oldest: bounded memory
+        self.served[request_id][call] += 1
+
+    def _release(self, entries) -> None:
+        apply_releases(self.worker, entries)
+
+
+class DraftServer:
+    """One draft replica (CPU): the drafters, for the verifier replicas' steps."""
+
+    def __init__(self) -> None:
+        from gateway.ray_serve.draft_pool import DraftService
+
+        self.service = DraftService()
+        self._lock = threading.Lock()
+
+    def propose(self, items: list, *, drafter: str, affinity: str | None = None,
+                release: list = ()) -> list:
+        with self._lock:
+            return self.service.propose(items, drafter, release)
+
+    def forget(self, entries: list, *, drafter: str, affinity: str | None = None) -> None:
+        with self._lock:
+            self.service.forget(entries, drafter)
+
+    def proposed(self) -> int:
+        return self.service.proposed
+
+
+class SchedulerServer:
+    """The one scheduler replica: the embedded service and step loop, over the verifier replicas."""
+
+    # Set by __init__; declared here so that __del__ knows what a failed __init__ left unset.
+    embedded: Embedded | None = None
+    lease: Lease | None = None
+    lease_lost = False
+    _stopping: threading.Event | None = None
+
+    async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
+        from gateway.ray_serve.remote import SchedulerEndpoint
+        from gateway.builders.embedded import build_embedded, planner_step_cost
+        from gateway.ray_serve.verifier_pool import VerifierPool
+        from workers.loader import load_tokenizer, resolve_model
+
+        s = Settings(**settings)
+        info = await verifier.describe.remote()
+        tokenizer = await asyncio.to_thread(load_tokenizer, str(resolve_model(s.model, progress=False)),
+                                            progress=False)
+        self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
+        target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]),
+                  planner_step_cost(s, None, info["step_profile"]))
+        self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target,
+                                                recover=False)
+        self.endpoint = SchedulerEndpoint(self.embedded.service)
+        # Step only while holding the scheduler lease: during a rolling update or an unnoticed
+        # crash Serve may run two scheduler replicas at once (scheduler/lease.py).
+        from ray import serve
+
+        from scheduler.lease import Lease
+
+        holder = serve.get_replica_context().replica_id.unique_id
+        self._redis = _redis_client(s.redis_url)
+        self.lease = Lease(self._redis, f"{s.store_prefix}sched:{s.replica_id}:lease", holder, LEASE_TTL_S)
+        self.lease_lost = False
+        self._stopping = threading.Event()
+        threading.Thread(target=self._hold_lease, name="specgate-lease", daemon=True).start()
+
+    def _hold_lease(self) -> None:
+        """Wait for the lease, take over the stored requests, run the loop; stop if it is lost."""
+        while not self._stopping.is_set() and not self._try(self.lease.try_acquire):
+            self._stopping.wait(LEASE_TTL_S / 10)
+        if self._stopping.is_set():
+            return
+        self.embedded.recovered = self.embedded.step_loop.recover()
+        self.embedded.start()
+        while not self._stopping.wait(LEASE_TTL_S / 3):
+            if not self._try(self.lease.renew):
+                log.error("scheduler lease lost: stopping this replica's step loop")
+                self.lease_lost = True
+                self.embedded.step_loop.stop()
+                return
+
+    @staticmethod
+    def _try(call) -> bool:
+        try:
+            return bool(call())
+        except Exception:                          # Redis away: not ours (yet)
+            return False
+
+    async def generate(self, inp: GenerateInput) -> tuple:
+        return await self.endpoint.generate(inp)
+
+    async def stream(self, inp: GenerateInput):
+        async for message in self.endpoint.stream(inp):
+            yield message
+
+    def ready(self) -> bool:
+        return self.embedded.service.ready()
+
+    def homes(self) -> dict[str, str]:
+        """Request id -> verifier replica for the requests resident now (a diagnostic)."""
+        return dict(self.pool.home)
+
+    def calls(self) -> dict[str, int]:
+        return dict(self.pool.calls)
+
+    def timing(self) -> dict[str, float]:
+        """Where the scheduler's time went: `loop_s` (iterations that verified something, whole),
+        `compute_s` (inside the verifier replicas' prefills and steps), `draft_s` (of that, drafting,
+        draft workers' round trips included), `steps`."""
+        return {"loop_s": self.embedded.step_loop.busy_s, "compute_s": self.pool.busy_s,
+                "draft_s": self.pool.draft_s, "steps": self.embedded.step_loop.steps}
+
+    def metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition of the service and step loop (the ingress serves it)."""
+        return self.embedded.metrics.render()
+
+    def replaced(self) -> int:
+        """Requests prefilled again after their verifier replica was lost."""
+        return self.pool.replaced
+
+    def check_health(self) -> None:
+        if self.lease_lost:
+            raise RuntimeError("lost the scheduler lease to another replica")
+        if self.embedded.thread is not None and not self.embedded.loop_alive():
+            raise RuntimeError("the step loop has stopped")
+
+    def __del__(self) -> None:
+        """Serve's shutdown: stop stepping, then hand the lease over at once."""
+        if self._stopping is not None:
+            self._stopping.set()
+        if self.embedded is not None and self.embedded.thread is not None:
+            self.embedded.stop()
+        if self.lease is not None and not self.lease_lost:
+            try:
+                self.lease.release()
+            except Exception:
+                pass
+
+
+class IngressServer:
+    """An ingress replica: the embedded mode's FastAPI app, its service remote; and the gRPC
+    service's methods, which Serve's gRPC proxy calls by name (`Generate`, `GenerateStream`, with
+    the call's metadata in `grpc_context`) when the Serve config's `grpc_options` names
+    gateway/proto's servicer (`GRPC_SERVICER`)."""
+
+    def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
+        from gateway.tenancy.limits import Limiter
+        from gateway.ray_serve.remote import RemoteService
+        from gateway.tenancy.tenants import TenantRegistry
+
+        self.settings = s = Settings(**settings)
+        self.scheduler = scheduler
+        self.service = RemoteService(scheduler, models=[self.settings.model_id])
+        # One registry and limiter per replica, shared by REST and gRPC.
+        if s.tenants_file is not None:
+            self.tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
+        else:
+            self.tenants = TenantRegistry(s.redis_url, s.store_prefix)
+        self.limiter = Limiter(s.redis_url, s.store_prefix)
+        self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.service.refresh()
+            await asyncio.sleep(1.0 if self.service.ready() else 0.2)
+
+    def __serve_build_asgi_app__(self):
+        from gateway.http.app import build_app
+
+        return build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
+
+    # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
+
+    async def Generate(self, request, grpc_context):
+        from gateway.grpc_api.server import grpc_input, response_message
+
+        try:
+            return response_message(await self.service.generate(
+                grpc_input(self.tenants, request, grpc_context.invocation_metadata())))
+        except Exception as exc:
+            _fail_grpc(grpc_context, exc)
+
+    async def GenerateStream(self, request, grpc_context):
+        from gateway.grpc_api.server import grpc_input, stream_messages
+
+        stream = None
+        try:
+            stream = await self.service.open_stream(
+                grpc_input(self.tenants, request, grpc_context.invocation_metadata()))
+            async for message in stream_messages(stream):
+                yield message
+        except Exception as exc:
+            _fail_grpc(grpc_context, exc)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+
+GRPC_SERVICER = "gateway.grpc_api.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"
+
+
+def _fail_grpc(grpc_context, exc: Exception):
+    """End a gRPC call with the status embedded mode gives the same failure (`status_of`): Serve's
+    proxy answers with the code and details set on the context when the method raises."""
+    from gateway.grpc_api.server import status_of
+
+    code, details, trailers = status_of(exc)
+    if code.name == "INTERNAL":
+        log.error("gRPC: request failed", exc_info=exc)
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    grpc_context.set_trailing_metadata(trailers)
+    raise RuntimeError(details) from None
+
+
+class SchedulerMetrics(GatewayMetrics):
+    """An ingress replica's metrics: GET /metrics serves the scheduler replica's, where requests,
+    tokens, latencies and steps are counted (one scheduler: one consistent view, whichever
+    ingress replica Prometheus reaches)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    async def exposition(self) -> tuple[bytes, str]:
+        return await self.scheduler.metrics.remote()
+
+
+def _redis_client(url: str) -> Any:
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)

@@ -1,0 +1,138 @@
+"""The generation service across a process boundary (Ray mode): ingress replicas ↔ the scheduler.
+
+`SchedulerEndpoint` runs next to the one `GenerationService` (in the scheduler replica) and turns
+its results into plain tagged tuples; `RemoteService` runs in each ingress replica and offers the
+routers the service's interface (`models`, `ready`, `generate`, `open_stream`) over a Ray Serve
+deployment handle to that endpoint.
+
+Wire format, one tuple per message:
+
+    ("admitted", request_id)          first message of a stream
+    ("chunk", StreamChunk)            new text and tokens
+    ("output", GenerateOutput)        last message of a stream, or a `generate` answer
+    ("error", {status, message, type, param, code, retry_after_s})   a refusal (ApiError)
+
+Why tagged tuples rather than raising: an exception crossing Ray arrives wrapped in Ray's own
+error type, and `ApiError` carries a status, OpenAI fields and a Retry-After that the client must
+get unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Sequence
+
+from gateway.errors import ApiError
+from gateway.service import GenerateInput, GenerateOutput, GenerationService, StreamChunk
+
+
+def error_message(e: ApiError) -> tuple[str, dict]:
+    return ("error", {"status": e.status, "message": e.message, "type": e.type, "param": e.param,
+                      "code": e.code, "retry_after_s": e.retry_after_s})
+
+
+def raise_error(fields: dict) -> None:
+    f = dict(fields)
+    raise ApiError(f.pop("status"), f.pop("message"), **f)
+
+
+class SchedulerEndpoint:
+    """The scheduler replica's side: the local service's calls as wire messages."""
+
+    def __init__(self, service: GenerationService) -> None:
+        self.service = service
+
+    async def generate(self, inp: GenerateInput) -> tuple:
+        try:
+            return ("output", await self.service.generate(inp))
+        except ApiError as e:
+            return error_message(e)
+
+    async def stream(self, inp: GenerateInput) -> AsyncIterator[tuple]:
+        """Every message of one request. Closing this generator early (the ingress cancels the
+        call when its client leaves) closes the service's stream, which cancels the request."""
+        try:
+            stream = await self.service.open_stream(inp)
+        except ApiError as e:
+            yield error_message(e)
+            return
+        try:
+            yield ("admitted", stream.request_id)
+            async for item in stream:
+                yield ("output", item) if isinstance(item, GenerateOutput) else ("chunk", item)
+        finally:
+            await stream.aclose()
+
+
+class RemoteService:
+    """The ingress replica's side: `GenerationService`'s interface over a handle to the endpoint.
+
+    `handle` is a Ray Serve `DeploymentHandle` of the scheduler deployment (methods `generate`,
+    `stream`, `ready`); `models` are the served model ids, known from the settings."""
+
+    def __init__(self, handle: Any, *, models: Sequence[str], started_s: int = 0) -> None:
+        self.handle = handle
+        self.models = list(models)
+        self.started_s = started_s
+        self._ready = False
+
+    def ready(self) -> bool:
+        # Readiness is the scheduler's (model loaded, store reachable), asked for in `refresh`
+        # so that /ready itself never blocks the ingress's event loop on a remote call.
+        return self._ready
+
+    async def refresh(self) -> None:
+        try:
+            self._ready = bool(await self.handle.ready.remote())
+        except Exception:
+            self._ready = False
+
+    async def generate(self, inp: GenerateInput) -> GenerateOutput:
+        kind, value = await self.handle.generate.remote(inp)
+        if kind == "error":
+            raise_error(value)
+        return value
+
+    async def open_stream(self, inp: GenerateInput) -> "RemoteStream":
+        """Admit the request at the scheduler (raises ApiError as the local service would)."""
+        gen = self.handle.options(stream=True).stream.remote(inp)
+        try:
+            kind, value = await gen.__anext__()
+        except BaseException:
+            gen.cancel()
+            raise
+        if kind == "error":
+            raise_error(value)
+        return RemoteStream(value, gen)
+
+
+class RemoteStream:
+    """`RequestStream`'s interface over the endpoint's message stream."""
+
+    def __init__(self, request_id: str, gen: Any) -> None:
+        self.request_id = request_id
+        self._gen = gen
+        self._done = False
+
+    def __aiter__(self) -> "RemoteStream":
+        return self
+
+    async def __anext__(self) -> StreamChunk | GenerateOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            kind, value = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            raise
+        if kind == "output":
+            self._done = True
+        elif kind == "error":                      # not sent after admission; be safe anyway
+            self._done = True
+            raise_error(value)
+        return value
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._gen.cancel()                     # the endpoint's generator closes: request cancelled
+            await asyncio.sleep(0)

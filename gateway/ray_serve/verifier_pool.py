@@ -1,0 +1,231 @@
+"""The step loop's worker in Ray mode: verifier replicas behind one deployment handle, with KV
+affinity.
+
+The scheduler's `StepLoop` drives this exactly as it drives an in-process `BatchWorker` (same
+`prefill`/`step`/`release` calls, same results). Underneath:
+
+- `prefill` goes to the replica holding the fewest of this scheduler's requests (the call carries
+  the counts; `gateway.ray_serve.routing.KVAffinityRouter` picks); the replica answers with its id,
+  which becomes the request's **home**.
+- `step` splits the batch by home and sends each replica *one* call with all its requests' work
+  items, all replicas at once; a step costs one round trip, however many requests it verifies.
+- `release` and `evict` cost no call of their own: they ride along with the home's next step call,
+  or, for a home with no work in a step, go out in one call that nobody waits for
+  (`gateway.ray_serve.releases`: an evicted request is marked, so drafters do not learn from it yet).
+
+Every call after the prefill names the home (`replica=`), and the router sends it there.
+
+Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity);
+the pool keeps the latest per live replica, and `prefix_cache_usage` sums them for the scheduler's
+/metrics, as an in-process `BatchWorker` reports its own. A replica Serve retires (scale-down, a
+rolling update) just stops answering, so a report older than `CACHE_REPORT_TTL_S` is left out.
+
+A replica that dies takes its requests' KV with it, never their tokens: the pool keeps each
+request's committed context (prompt + every token a step returned), so a request whose home is
+gone (the call fails, or a replacement answers that it does not hold the request) is prefilled
+again on another replica from exactly what was committed, and its step is redone there. Clients
+see no missing or repeated token: only results a replica returned were ever committed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any, Container, Sequence
+
+from gateway.ray_serve.releases import Evicted, Release
+from workers.contract import SamplingParams, StepResult, WorkItem
+
+log = logging.getLogger(__name__)
+
+MAX_REPLACEMENTS = 3      # re-prefill rounds within one step before the step fails
+CACHE_REPORT_TTL_S = 300.0   # a replica silent this long no longer counts in the cache gauges
+
+
+@dataclass
+class _Placed:
+    """What a prefill needs to rebuild a request anywhere: its committed context and settings."""
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    max_new_tokens: int           # as first asked: the KV room is sized on prompt + this
+    tenant: str
+    drafter: str | None
+    committed: int = 0            # tokens committed since the first prefill
+
+
+class VerifierPool:
+    def __init__(self, handle: Any, *, context_limit: int,
+                 lost_errors: tuple[type[BaseException], ...] | None = None) -> None:
+        """`handle`: a Ray Serve DeploymentHandle of the verifier deployment (see
+        `gateway.ray_serve.deployments.VerifierServer`); `lost_errors`: the exceptions that mean a replica is
+        gone (default: Ray's actor-died and actor-unavailable errors)."""
+        self.handle = handle
+        self.context_limit = context_limit
+        self.home: dict[str, str] = {}                 # request id -> replica id holding its KV
+        self.calls: Counter = Counter()                # replica id -> calls sent (a metric; tests)
+        self.assigned: Counter = Counter()             # replica id -> requests ever prefilled there
+        self.replaced = 0                              # requests re-prefilled after losing a home
+        # replicas' time inside prefills and steps (a step's slowest replica): compute, the rest of
+        # a step's wall time is orchestration (RPC, planning, persisting)
+        self.busy_s = 0.0
+        self.draft_s = 0.0                             # of which drafting (the slowest replica's)
+        self.dead: set[str] = set()                    # replicas seen to die: never routed to again
+        # replica id -> (when, (bytes held, capacity)): its latest prefix-cache report
+        self._cache_usage: dict[str, tuple[float, tuple[int, int]]] = {}
+        self._placed: dict[str, _Placed] = {}
+        self._releases: dict[str, list[Release]] = defaultdict(list)
+        self._lock = threading.Lock()
+        self._lost_errors = lost_errors if lost_errors is not None else _ray_lost_errors()
+
+    # ---- the worker interface -----------------------------------------------------------------
+    def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: SamplingParams,
+                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> int:
+        """Returns the tokens whose KV the chosen replica's prefix cache held."""
+        self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
+                                           tenant, drafter)
+        return self._place(request_id)
+
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
+        by_id: dict[str, StepResult] = {}
+        todo = list(items)
+        for _ in range(MAX_REPLACEMENTS + 1):
+            lost = self._step_once(todo, by_id)
+            if not lost:
+                break
+            for rid in lost:                   # rebuilt elsewhere, then stepped again
+                self._place(rid)
+                self.replaced += 1
+            todo = [item for item in todo if item.request_id in set(lost)]
+        else:
+            raise RuntimeError(f"verifier replicas kept failing for {len(todo)} request(s)")
+        for r in by_id.values():
+            placed = self._placed[r.request_id]
+            placed.token_ids.extend(r.tokens)
+            placed.committed += len(r.tokens)
+        return [by_id[item.request_id] for item in items]
+
+    def release(self, request_id: str) -> None:
+        self._drop(request_id, request_id)
+
+    def evict(self, request_id: str) -> None:
+        """Free the KV of a request that is not finished (the step loop prefills it again later):
+        its home drops it without its drafters learning from it (`BatchWorker.evict`)."""
+        self._drop(request_id, Evicted(request_id))
+
+    def _drop(self, request_id: str, entry: Release) -> None:
+        self._placed.pop(request_id, None)
+        home = self.home.pop(request_id, None)
+        if home is not None:
+            self._queue_release(home, entry)
+
+    def resident(self) -> list[str]:
+        return list(self.home)
+
+    def prefix_cache_usage(self, now: float | None = None) -> tuple[int, int] | None:
+        """(bytes held, capacity) of the live replicas' prefix caches, from their latest answers
+        within CACHE_REPORT_TTL_S of `now` (monotonic seconds); None when there is none."""
+        now = time.monotonic() if now is None else now
+        reports = [u for replica, (t, u) in list(self._cache_usage.items())
+                   if replica not in self.dead and now - t <= CACHE_REPORT_TTL_S]
+        if not reports:
+            return None
+        return sum(u[0] for u in reports), sum(u[1] for u in reports)
+
+    def _note_cache(self, replica: str, answer: dict) -> None:
+        usage = answer.get("prefix_cache")
+        if usage is not None:
+            self._cache_usage[replica] = (time.monotonic(), (int(usage[0]), int(usage[1])))
+
+    # ---- calls ----------------------------------------------------------------------------------
+    def _place(self, request_id: str) -> int:
+        """Prefill `request_id` from its committed context on the least-loaded live replica."""
+        p = self._placed[request_id]
+        old = self.home.pop(request_id, None)
+        if old is not None and old not in self.dead:   # moving, not finished: free the old KV
+            self._queue_release(old, Evicted(request_id))
+        # Which replica the router picks is known only from the answer, so the call carries every
+        # replica's pending releases and the chosen one applies its own (a re-prefill may land
+        # where the request's old KV still is).
+        with self._lock:
+            pending = {home: list(ids) for home, ids in self._releases.items()}
+        answer = self.handle.prefill.remote(
+            request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
+            max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
+            replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
+            avoid=sorted(self.dead), release=pending).result()
+        replica = answer["replica"]
+        self.busy_s += answer["busy_s"]
+        self._note_cache(replica, answer)
+        with self._lock:
+            done = set(pending.get(replica, ()))
+            left = [r for r in self._releases.pop(replica, []) if r not in done]
+            if left:
+                self._releases[replica] = left
+        self.home[request_id] = replica
+        self.assigned[replica] += 1
+        self.calls[replica] += 1
+        return int(answer.get("cached") or 0)
+
+    def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
+        """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""
+        by_home: dict[str, list[WorkItem]] = defaultdict(list)
+        for item in items:
+            by_home[self.home[item.request_id]].append(item)
+        pending = {home: self.handle.step.remote(batch, replica=home, release=self._take_releases(home))
+                   for home, batch in by_home.items()}
+        for home in by_home:
+            self.calls[home] += 1
+        self._flush_releases(skip=by_home)
+        lost: list[str] = []
+        busy = draft = 0.0
+        for home, response in pending.items():
+            try:
+                answer = response.result()
+            except self._lost_errors:
+                log.warning("verifier replica %s is gone; re-prefilling its %d request(s)",
+                            home, len(by_home[home]))
+                self.dead.add(home)
+                lost += [item.request_id for item in by_home[home]]
+                continue
+            if answer["missing"]:              # a replacement, or a router that could not pin
+                lost += answer["missing"]
+                continue
+            self._note_cache(home, answer)
+            if answer["busy_s"] >= busy:
+                busy, draft = answer["busy_s"], answer.get("draft_s", 0.0)
+            for r in answer["results"]:
+                by_id[r.request_id] = r
+        self.busy_s += busy
+        self.draft_s += draft
+        for rid in lost:
+            self.home.pop(rid, None)
+        return lost
+
+    def _queue_release(self, home: str, entry: Release) -> None:
+        with self._lock:
+            self._releases[home].append(entry)
+
+    def _flush_releases(self, skip: Container[str]) -> None:
+        with self._lock:
+            idle = {home: ids for home, ids in self._releases.items() if home not in skip}
+            for home in idle:
+                del self._releases[home]
+        for home, ids in idle.items():
+            if home not in self.dead:
+                self.handle.release.remote(ids, replica=home)      # not awaited: off the step's path
+
+    def _take_releases(self, home: str) -> list[Release]:
+        """Releases to piggyback on a call to `home`."""
+        with self._lock:
+            return self._releases.pop(home, [])
+
+
+def _ray_lost_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from ray.exceptions import ActorUnavailableError, RayActorError
+    except ImportError:                                # no Ray: nothing can be lost that way
+        return ()
+    return (RayActorError, ActorUnavailableError)

@@ -1,0 +1,1 @@
+"""Tenants: records and key digests, the tenants file, the registry, rate limits and quotas."""

@@ -1,0 +1,78 @@
+"""Tenant records and key digests: plain data and pure functions, shared by the tenants file's
+parser (`gateway.tenancy.config`) and the registry that stores them (`gateway.tenancy.tenants`)."""
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+KEY_PREFIX = "sk-"            # generated keys look like OpenAI's; never like a digest
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+_DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}\Z")
+
+
+# ---- the records ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    enabled: bool = True
+    drafters: tuple[str, ...] = ("ngram",)
+    max_tree_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    weight: float = 1.0                 # share of verifier work within its priority class
+    priority: int = 0                   # 0 = most urgent class
+    rpm: int | None = None              # None = unlimited
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    max_queued: int | None = None
+    models: tuple[str, ...] = ("*",)
+    speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+
+    def allows_model(self, model: str) -> bool:
+        """fnmatch patterns, case-sensitive: "*" allows every model, "llama-*" a family."""
+        # "*" short-cut: fnmatch on every request was a measurable share of the event loop in
+        # `bench gateway` (README.md, "Serving path and start-up times").
+        return "*" in self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
+
+
+def tenant_to_dict(t: Tenant) -> dict[str, Any]:
+    """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show)."""
+    s = t.speculation
+    return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
+            "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
+            "models": list(t.models),
+            "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
+                            "max_tree_tokens": s.max_tree_tokens}}
+
+
+# ---- keys -------------------------------------------------------------------------------------------
+def hash_key(api_key: str) -> str:
+    """A key as configured -> "sha256:<hex>". A "sha256:<hex>" digest passes through (lowercased),
+    so a tenants file need not hold plaintext keys.
+
+    >>> hash_key("sk-acme-1")[:15]
+    'sha256:81968561'
+    """
+    if not isinstance(api_key, str) or not api_key:
+        raise ValueError("an API key must be a non-empty string")
+    if api_key.startswith("sha256:"):
+        if not _DIGEST_RE.match(api_key):
+            raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
+        return api_key.lower()
+    return presented_digest(api_key)
+
+
+def presented_digest(presented: str) -> str:
+    # NOTE: a key presented by a client is always hashed, even if it looks like a digest: otherwise
+    # anyone who saw a digest (the tenants file, the store) could send it as a key.
+    return "sha256:" + hashlib.sha256(presented.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)

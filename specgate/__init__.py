@@ -1,0 +1,1 @@
+"""The `specgate` command line (`cli.py`), above every other package."""

@@ -1,0 +1,45 @@
+"""bench drafters: prompt split and merge ratios (pure), then a run on the tiny model."""
+from __future__ import annotations
+
+import pytest
+
+from tools.bench_drafters import bench_drafters, merge_ratios, split_prompts
+from tests.unit.test_engine import prompts
+from workers.contract import TreeBudget
+from workers.llama_forward import LlamaForward
+from workers.runtime import Runtime
+
+
+def test_split_interleaves_workloads_and_keeps_warmup_apart():
+    measured, warm = split_prompts({"a": list("abcde"), "b": list("vwxyz")}, 2, 2)
+    assert measured == [("a", "a"), ("b", "v"), ("a", "b"), ("b", "w")]
+    assert warm == [("a", "c"), ("b", "x"), ("a", "d"), ("b", "y")]
+    with pytest.raises(ValueError, match="fewer than"):
+        split_prompts({"a": [1, 2]}, 2, 1)
+
+
+def test_merge_ratios_against_the_best_single_drafter():
+    r = merge_ratios({"ngram": 2.5, "suffix": 2.0, "merge:ngram+suffix": 2.0, "merge:a+b": 3.0})
+    assert r == {"best_single": "ngram",
+                 "tau_vs_best_single": {"merge:ngram+suffix": 0.8, "merge:a+b": 1.2}}
+    assert merge_ratios({"merge:a+b": 2.0}) == {"best_single": None, "tau_vs_best_single": {}}
+
+
+def test_a_run_on_the_tiny_model(tiny_model):
+    rt = Runtime(tokenizer=None, forward=LlamaForward(tiny_model), hf_model=None,
+                 stop_token_ids=frozenset({2}))
+    ps = [p for p in prompts(8) if len(p) > 4]
+    measured = [("x" if i % 2 else "y", p) for i, p in enumerate(ps[:4])]
+    warm = [("y", p) for p in ps[4:]]
+    rep = bench_drafters(rt, ["none", "ngram", "suffix", "merge:ngram+suffix"], measured, warm,
+                         TreeBudget(8, 4), max_tokens=16)
+    assert rep["identical"] is True and rep["prompts"] == 4
+    assert rep["drafters"]["none"]["tau"] == 1.0 and rep["drafters"]["none"]["alpha"] == 0.0
+    for name in ("ngram", "suffix", "merge:ngram+suffix"):
+        d = rep["drafters"][name]
+        assert d["tau"] >= 1.0 and set(d["tau_by_workload"]) == {"x", "y"}
+        assert d["tokens"] == rep["drafters"]["none"]["tokens"]
+    best = rep["best_single"]
+    assert rep["drafters"][best]["tau"] == max(rep["drafters"][n]["tau"] for n in ("none", "ngram", "suffix"))
+    assert rep["tau_vs_best_single"]["merge:ngram+suffix"] == pytest.approx(
+        rep["drafters"]["merge:ngram+suffix"]["tau"] / rep["drafters"][best]["tau"], abs=2e-3)

@@ -1,0 +1,99 @@
+"""`specgate bench profile`: measure the step-cost profile the scheduler and the simulator read
+(scheduler/profile.py) on the real verifier, by batch size and tree tokens, and write it to a file.
+
+The measurement itself is `workers.profiling.measure_profile` (the grid, the medians, the monotone
+curves). Here the requests are re-prefilled before each tree size, so the context stays near
+`prompt_len` (a step commits at least one token). A prefill curve (prompt tokens → seconds of one
+request's `Verifier.prefill`, a pass of its own) is measured too: the simulator charges a new or
+evicted request's prefill from it.
+
+`contexts` (`--contexts 512,1536`): the same grid again with the requests prefilled to each of
+these lengths instead of `prompt_len`, written as `"contexts": [{"context": c, "curves": [...]}]`
+beside the top-level curves (which stay those at `prompt_len`); the step-cost model interpolates
+between contexts. Off by default: each context costs as much as the default grid.
+
+Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
+is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
+README, "Tree budgets".
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from workers.profiling import (DEFAULT_BATCHES, DEFAULT_NODES, DEFAULT_PREFILL, describe_device,
+                               measure_profile, profile_document)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def table(doc: dict[str, Any]) -> str:
+    rows = ["| context | batch | nodes | tokens | step ms | ms per request |",
+            "|---|---|---|---|---|---|"]
+    grids = [(doc.get("prompt_len", "?"), doc["curves"])]
+    grids += [(g["context"], g["curves"]) for g in doc.get("contexts", ())]
+    for context, curves in grids:
+        for c in curves:
+            for n, t, s in zip(c["nodes"], c["tokens"], c["step_s"]):
+                rows.append(f"| {context} | {c['batch']} | {n} | {t} | {1000 * s:.1f} | "
+                            f"{1000 * s / c['batch']:.1f} |")
+    pre = doc.get("prefill")
+    if pre:
+        rows.append("")
+        rows.append("prefill: " + ", ".join(f"{t} tokens {1000 * s:.0f} ms"
+                                            for t, s in zip(pre["tokens"], pre["step_s"])))
+    return "\n".join(rows)
+
+
+# ---- CLI (wired as `specgate bench profile` by specgate/cli.py) ---------------------------------
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="target model, as `specgate serve` takes it (default: its default)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)),
+                        help="comma-separated batch sizes")
+    parser.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),
+                        help="comma-separated draft nodes per request (chain trees)")
+    parser.add_argument("--prefill-tokens", default=",".join(map(str, DEFAULT_PREFILL)),
+                        help="comma-separated prompt lengths to time prefill at ('' to skip)")
+    parser.add_argument("--prompt-len", type=int, default=200,
+                        help="context each request holds while steps are timed")
+    parser.add_argument("--contexts", default="",
+                        help="comma-separated further context lengths to measure the same grid at "
+                             "(default: none, only --prompt-len)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per point (median)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's choice)")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the profile here")
+
+
+def _load_verifier(model: str, dtype: str, max_tree_tokens: int):
+    from workers.runtime import load_runtime
+
+    return load_runtime(model, dtype=dtype).verifier(max_tree_tokens=max_tree_tokens)
+
+
+def run(args) -> int:
+    from workers.loader import DEFAULT_MODEL
+
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    model = args.model or DEFAULT_MODEL
+    nodes = _ints(args.nodes)
+    verifier = _load_verifier(model, args.dtype, max(64, max(nodes)))
+    measured = measure_profile(verifier, batches=_ints(args.batches), nodes=nodes,
+                               prompt_len=args.prompt_len, repeats=args.repeats,
+                               prefill_tokens=_ints(args.prefill_tokens),
+                               contexts=_ints(args.contexts))
+    doc = profile_document(measured, model=os.path.basename(str(model)), dtype=args.dtype,
+                           device=describe_device(verifier.target), prompt_len=args.prompt_len,
+                           repeats=args.repeats)
+    print(table(doc))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0

@@ -1,0 +1,113 @@
+"""The scheduler↔worker contract: plain data that crosses between the step loop and the workers.
+
+No torch, no numpy: the scheduler, its policies and the gateway import these without loading any
+device code (a test checks `sys.modules`), and in Ray mode they travel between processes as they
+are. One step, as the types carry it:
+
+    the planner hands each chosen request a `TreeBudget` (at most `max_nodes` draft nodes, no
+    deeper than `max_depth`; the planner alone sizes trees, scheduler/sizing.py) as a `WorkItem`;
+    the worker drafts within it (a drafter sees a `DraftContext`), verifies every tree in one
+    pass and answers one `StepResult` per item: what it committed, how many draft nodes it
+    verified and accepted, and how long drafting took, which is what the planner learns from.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["SamplingParams", "TreeBudget", "NO_SPECULATION", "DraftContext", "WorkItem", "StepResult",
+           "ContextLengthError"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target samples. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off.
+
+    ``seed`` seeds the request's own RNG, so one request's output does not depend on its batch.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """How big a tree the planner allows this step: at most ``max_nodes`` nodes, depth ≤ ``max_depth``.
+
+    ``max_nodes == 0`` means no speculation (the step is plain decoding: the bonus token only).
+    """
+
+    max_nodes: int
+    max_depth: int
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0:
+            raise ValueError(f"max_nodes must be >= 0, got {self.max_nodes}")
+        if self.max_depth < 0:
+            raise ValueError(f"max_depth must be >= 0, got {self.max_depth}")
+
+    @property
+    def speculates(self) -> bool:
+        return self.max_nodes > 0 and self.max_depth > 0
+
+
+NO_SPECULATION = TreeBudget(0, 0)
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees of one request. ``tokens`` = prompt + committed output; the last is the root.
+
+    For one ``request_id``, ``tokens`` only grows between calls, so drafters may keep incremental
+    per-request state (and must drop it in ``release``).
+    """
+
+    request_id: str
+    tenant: str
+    tokens: Sequence[int]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One request of a step, as the planner hands it to the worker."""
+    request_id: str
+    budget: TreeBudget        # the tree to draft for it this step (NO_SPECULATION: none)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did for one request, as the worker reports it."""
+    request_id: str
+    tokens: tuple[int, ...]   # committed by this step: accepted draft tokens, then the bonus
+    accepted: int             # draft tokens accepted
+    drafted: int              # tree nodes verified (after fitting the tree to the request's room)
+    draft_s: float = 0.0      # this request's share of the step's drafting time
+    draft_depth: int = 0      # depth of the tree its drafter proposed (levels drafted)
+
+    @property
+    def tau(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tree_tokens(self) -> int:
+        """Verifier work for this request in this step: the root row plus every tree node."""
+        return self.drafted + 1
+
+
+class ContextLengthError(ValueError):
+    """A prompt (with what it has committed) that leaves no room in the model's context."""
