@@ -54,7 +54,10 @@ SPLIT_SERIES = {"e2e": "specgate_e2e_request_latency_seconds",
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="fcfs,sjf,laps",
                    help=f"comma-separated, from: {', '.join(POLICIES)}")
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (with --load: "
+                   "the rate of the capacity pass, which must saturate the gateway)")
+    p.add_argument("--load", type=float, help="first measure capacity (one fcfs pass at --rate: "
+                   "its completions per second), then offer LOAD x capacity to every policy")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per policy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workloads", default="chat",
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     report = compare(policies, gateway_settings(args), tenants=args.tenants, rate=args.rate,
                      duration=args.duration, seed=args.seed, workloads=args.workloads.split(","),
                      max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
-                     rounds=args.rounds)
+                     rounds=args.rounds, load=args.load)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:
@@ -256,31 +259,47 @@ def tenant_keys(n: int) -> list[tuple[str, str]]:
 def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: float,
             duration: float, seed: int = 0, workloads: list[str] = ("chat",),
             max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0,
-            rounds: int = 1) -> dict:
-    """Run the same load against one fresh gateway per policy (per round); the comparison."""
-    from loadtest.loadgen import loadtest
-
+            rounds: int = 1, load: float | None = None) -> dict:
+    """Run the same load against one fresh gateway per policy (per round); the comparison.
+    `load`: first measure capacity with one fcfs pass at `rate` (its completions per second, a
+    seed of its own), then offer `load` × capacity instead of `rate`."""
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ValueError(f"unknown policy {bad[0] if bad else ''!r}; from: {', '.join(POLICIES)}")
     if rounds < 1:
         raise ValueError("--rounds must be at least 1")
+    if load is not None and not load > 0:
+        raise ValueError(f"--load must be > 0, got {load}")
     keys = tenant_keys(tenants)
+
+    def one(policy: str, at: float, run_seed: int) -> dict:
+        return _one_gateway(settings, policy, keys, rate=at, duration=duration, seed=run_seed,
+                            workloads=workloads, max_tokens=max_tokens, bursty=bursty,
+                            timeout=timeout)
+
+    capacity = None
+    if load is not None:
+        print(f"compare: capacity pass, fcfs at {rate}/s", file=sys.stderr, flush=True)
+        probe = one("fcfs", rate, seed + 10_007)["overall"]
+        # a saturated gateway is busy until its backlog drains: completions ÷ elapsed is its rate
+        done_per_s = probe["completed_per_s"]
+        capacity = {"probe_rate": rate, "completed_per_s": done_per_s, "load": load,
+                    "probe_errors": probe["requests"] - probe["completed"]}
+        if not done_per_s:
+            raise RuntimeError("the capacity pass completed nothing; raise --duration")
+        rate = load * done_per_s
+        print(f"compare: capacity {done_per_s:.3f}/s; offering {rate:.3f}/s",
+              file=sys.stderr, flush=True)
     by_round: list[tuple[list[str], dict[str, dict]]] = []
     for r in range(rounds):
         order, reports = round_order(policies, r), {}
         for policy in order:
             print(f"compare: round {r + 1}/{rounds}, policy {policy}: starting a gateway",
                   file=sys.stderr, flush=True)
-            with gateway_process({**settings, "policy": policy, "admin_key": ADMIN_KEY},
-                                 keys) as gw:
-                reports[policy] = asyncio.run(loadtest(
-                    gw.url, keys, rate=rate, duration=duration, seed=seed + r,
-                    workloads=list(workloads), max_tokens=max_tokens, bursty=bursty,
-                    timeout=timeout))
-                reports[policy]["server"] = read_server_sums(gw.url)
+            reports[policy] = one(policy, rate, seed + r)
         by_round.append((order, reports))
     run_settings = {"policies": list(policies), "rate": rate, "duration": duration, "seed": seed,
+                    "capacity": capacity,
                     "rounds": rounds,
                     "workloads": list(workloads), "max_tokens": max_tokens_label(max_tokens),
                     "tenants": tenants,
@@ -289,6 +308,20 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
     out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in policies}, run_settings)
     out["rounds"] = [round_summary(order, reps) for order, reps in by_round]
     return out
+
+
+def _one_gateway(settings: dict, policy: str, keys: list[tuple[str, str]], *, rate: float,
+                 duration: float, seed: int, workloads, max_tokens: MaxTokens, bursty: bool,
+                 timeout: float) -> dict:
+    """One policy's load against a fresh gateway: the loadgen report, with the server's sums."""
+    from loadtest.loadgen import loadtest
+
+    with gateway_process({**settings, "policy": policy, "admin_key": ADMIN_KEY}, keys) as gw:
+        report = asyncio.run(loadtest(gw.url, keys, rate=rate, duration=duration, seed=seed,
+                                      workloads=list(workloads), max_tokens=max_tokens,
+                                      bursty=bursty, timeout=timeout))
+        report["server"] = read_server_sums(gw.url)
+    return report
 
 
 @dataclass
@@ -374,6 +407,10 @@ def table(report: dict) -> str:
             means = ", ".join(f"{p} {ms(x)}" for p, x in r["mean_latency_s"].items())
             vs = ", ".join(f"{p} {pct(x)}" for p, x in r.get("laps_reduction_vs", {}).items())
             lines.append(f"round {i}: mean ms {means}" + (f"; laps vs {vs}" if vs else ""))
+    cap = report.get("settings", {}).get("capacity")
+    if cap:
+        lines.append(f"capacity {cap['completed_per_s']:.3f}/s (fcfs at {cap['probe_rate']}/s); "
+                     f"offered {cap['load']} x capacity = {report['settings']['rate']:.3f}/s")
     return "\n".join(lines)
 
 

@@ -145,6 +145,31 @@ def test_fake_worker_compare_writes_json_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_load_measures_capacity_first_and_offers_that_share_of_it(tmp_path):
+    """`--load F`: one fcfs pass at --rate (saturating the paced fake worker) measures capacity,
+    then every policy gets F x capacity."""
+    from loadtest.compare import add_arguments, run, table
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "cmp.json"
+    args = p.parse_args(["--policies", "fcfs", "--fake-worker", "--fake-step-ms", "20",
+                         "--rate", "60", "--duration", "2", "--max-tokens", "16",
+                         "--load", "0.5", "--json", str(out)])
+    assert run(args) == 0
+    rep = json.loads(out.read_text())
+    cap = rep["settings"]["capacity"]
+    assert cap["probe_rate"] == 60 and cap["load"] == 0.5
+    assert 0 < cap["completed_per_s"] < 60                  # saturated: fewer done than offered
+    assert rep["settings"]["rate"] == pytest.approx(0.5 * cap["completed_per_s"])
+    row = rep["policies"]["fcfs"]
+    assert row["errors"] == 0 and row["completed"] == row["requests"]
+    assert "offered 0.5 x capacity" in table(rep)
+    with pytest.raises(ValueError, match="load"):
+        from loadtest.compare import compare
+        compare(["fcfs"], {}, rate=1, duration=1, load=0)
+
+
 def test_unknown_policy_is_refused():
     from loadtest.compare import compare
 
