@@ -98,6 +98,10 @@ class StepResult:
     drafted: int              # tree nodes verified (after fitting the tree to the request's room)
     draft_s: float = 0.0      # this request's share of the step's drafting time
     draft_depth: int = 0      # depth of the tree its drafter proposed (levels drafted)
+    # The target's final-normed hidden state where it read the last committed token before the
+    # bonus (the first step: the prompt's last token), when the verifier is asked for features:
+    # what a length predictor reads, at no extra pass. None otherwise.
+    features: Optional[tuple[float, ...]] = None
 
     @property
     def tau(self) -> int:

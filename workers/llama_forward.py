@@ -129,6 +129,15 @@ class LlamaForward:
 
         input_ids: [T]; positions: [T]; T = sum of segment rows.
         """
+        return self.forward_hidden(input_ids, positions, segments, logit_rows)[0]
+
+    @torch.inference_mode()
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       segments: list[Segment], logit_rows: torch.Tensor | None
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """`forward`, also returning the final-normed hidden states of `logit_rows` ([R, H]: what
+        the LM head reads, transformers' `last_hidden_state`), at no extra cost: features of the
+        text so far for predictors that read the target's own state (a length predictor)."""
         for seg in segments:
             if seg.cache.length + seg.rows > seg.cache.capacity:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
@@ -141,7 +150,7 @@ class LlamaForward:
             delta = self._stack.forward(x, cos, sin, plan.k_caches, plan.v_caches, plan.starts, plan.rows,
                                         plan.lengths, plan.short_masks, [small_gemm.no_past(p) for p in plan.short_pasts],
                                         plan.short_causal, logit_rows is not None)
-            return None if logit_rows is None else self._logits(x, delta, logit_rows)
+            return (None, None) if logit_rows is None else self._logits(x, delta, logit_rows)
         delta = None                    # the MLP output not yet added to x (added by the next norm)
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["ln1"], delta)                                   # x += delta first
@@ -149,15 +158,17 @@ class LlamaForward:
             if logit_rows is None and li == self.n_layers - 1:
                 # Nothing reads the last layer's output but logits: with none wanted (a
                 # prefill), its KV is all that is needed (a few percent of a prefill).
-                return None
+                return None, None
             att = self._attention(li, q, plan)                                   # [T, Hq*D]
             h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
         return self._logits(x, delta, logit_rows)
 
-    def _logits(self, x: torch.Tensor, delta: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        """The final norm of rows x + delta and the LM head: [R, V]."""
-        return self.lm_head(self._norm(x[logit_rows], self.final_norm, delta[logit_rows]))
+    def _logits(self, x: torch.Tensor, delta: torch.Tensor,
+                logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final norm of rows x + delta ([R, H]) and the LM head over it ([R, V])."""
+        hidden = self._norm(x[logit_rows], self.final_norm, delta[logit_rows])
+        return self.lm_head(hidden), hidden
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Each logits row's greedy token (the first index of its largest value)."""

@@ -52,8 +52,11 @@ class StepTimings:
 
 class Verifier:
     def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, features: bool = False):
+        """`features`: report each request's hidden state with its step result
+        (`StepResult.features`)."""
         self.target = target
+        self.features = features
         self.max_tree_tokens = max_tree_tokens
         self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant
         self.timings = StepTimings()
@@ -125,7 +128,7 @@ class Verifier:
             start += rows
         ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
         t1 = time.perf_counter()
-        logits = self.target.forward(ids_t, pos_t, segments, torch.arange(start))  # [T, V]
+        logits, hidden = self.target.forward_hidden(ids_t, pos_t, segments, torch.arange(start))  # [T, V], [T, H]
         t2 = time.perf_counter()
         results = []
         greedy_rows = self.target.argmax(logits) if any(s.sampling.greedy for s in slots) else None
@@ -133,12 +136,21 @@ class Verifier:
             acc = self._accept(slot, tree, seg, logits, greedy_rows)
             slot.cache.commit(1, list(acc.path))
             slot.root = acc.tokens[-1]
-            results.append(StepResult(item.request_id, acc.tokens, acc.accepted, len(tree)))
+            results.append(StepResult(item.request_id, acc.tokens, acc.accepted, len(tree),
+                                      features=self._features(hidden, seg, acc)))
         t3 = time.perf_counter()
         self.timings.forward_s += t2 - t1
         self.timings.other_s += (t1 - t0) + (t3 - t2)
         self.timings.steps += 1
         return results
+
+    def _features(self, hidden: torch.Tensor, seg: Segment, acc: Acceptance) -> tuple[float, ...] | None:
+        """The hidden state of the row whose logits gave the bonus token: row 0 (the root) when
+        nothing was accepted, else the deepest accepted node's row."""
+        if not self.features:
+            return None
+        row = seg.start + (acc.path[-1] + 1 if acc.path else 0)
+        return tuple(hidden[row].float().tolist())
 
     def _slot(self, request_id: str) -> _Slot:
         try:

@@ -1,0 +1,51 @@
+"""The verifier's features (`StepResult.features`): the target's own final-normed hidden state
+where it read the last committed token, the same numbers transformers reports, at no extra pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import hf_greedy
+from workers.contract import SamplingParams
+from workers.llama_forward import LlamaForward
+from workers.tree import TokenTree
+from workers.verifier import Verifier, VerifyItem
+
+
+def hf_hidden(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.model(torch.tensor([ids])).last_hidden_state[0]      # [T, H], after the norm
+
+
+def test_features_are_the_hidden_state_of_the_last_committed_token(tiny_model):
+    prompt = [5, 9, 13, 17, 21]
+    truth = hf_greedy(tiny_model, prompt, 8)
+    v = Verifier(LlamaForward(tiny_model), max_tree_tokens=8, features=True)
+    v.prefill("r", prompt, SamplingParams(), 20)
+    (first,) = v.verify([VerifyItem("r", TokenTree.empty())])           # plain step: the root
+    want = hf_hidden(tiny_model, prompt)[-1]
+    assert first.tokens == (truth[0],)
+    assert torch.allclose(torch.tensor(first.features), want, atol=1e-4)
+    # a chain: two right drafts, then a wrong one; the bonus comes from the second draft's row
+    chain = TokenTree.chain([truth[1], truth[2], 0 if truth[3] else 1])
+    (second,) = v.verify([VerifyItem("r", chain)])
+    assert second.accepted == 2 and second.tokens == tuple(truth[1:4])
+    want = hf_hidden(tiny_model, prompt + truth[:3])[-1]
+    assert torch.allclose(torch.tensor(second.features), want, atol=1e-4)
+
+
+def test_no_features_unless_asked(tiny_model):
+    v = Verifier(LlamaForward(tiny_model), max_tree_tokens=8)
+    v.prefill("r", [5, 9, 13], SamplingParams(), 4)
+    assert v.verify([VerifyItem("r", TokenTree.empty())])[0].features is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_features_do_not_depend_on_the_batch(tiny_model, batch):
+    prompts = [[5, 9, 13, 17], [7, 11], [3, 4, 5, 6, 7, 8]][:batch]
+    v = Verifier(LlamaForward(tiny_model), max_tree_tokens=8, features=True)
+    for i, p in enumerate(prompts):
+        v.prefill(f"r{i}", p, SamplingParams(), 4)
+    got = v.verify([VerifyItem(f"r{i}", TokenTree.empty()) for i in range(batch)])
+    for p, res in zip(prompts, got):
+        assert torch.allclose(torch.tensor(res.features), hf_hidden(tiny_model, p)[-1], atol=1e-4)
