@@ -76,7 +76,27 @@ class StateStore(Protocol):
     def get(self, request_id: str) -> Request | None:
         """A live or recently ended request; None if unknown or expired."""
 
+    def save_model(self, name: str, doc: dict[str, Any]) -> bool:
+        """Keep a learned model's weights (plain JSON data with an integer "version") under
+        `name`, unless the store already holds a version at least as new: replicas that train
+        the same model keep the newest, and a restart finds it. True if it was kept."""
+
+    def load_model(self, name: str) -> dict[str, Any] | None:
+        """The weights last kept under `name`; None if none."""
+
     def close(self) -> None: ...
+
+
+def model_version(doc: Any) -> int:
+    """A model document's version (ValueError unless it is a mapping with an integer version).
+
+    >>> model_version({"version": 3, "w": [0.5]})
+    3
+    """
+    version = doc.get("version") if isinstance(doc, Mapping) else None
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError("a model document needs an integer 'version'")
+    return version
 
 
 def check_step(step: StepWrite, live: Iterable[str] | Mapping[str, Any]) -> None:

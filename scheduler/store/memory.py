@@ -7,6 +7,8 @@ does for Redis: in the embedded app a gateway thread may `get` while the step lo
 """
 from __future__ import annotations
 
+import copy
+
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 from scheduler.request import Request
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, Account, StepWrite, StoredState, check_step,
-                                  params_to_dict, request_from_dict, stats_to_dict)
+                                  model_version, params_to_dict, request_from_dict, stats_to_dict)
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class MemoryStore:
         self._live: dict[str, _Record] = {}     # insertion order = admission order
         self._ended: dict[str, _Record] = {}    # insertion order = expiry order (one TTL for all)
         self._vt: dict[Account, float] = {}
+        self._models: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     def add(self, req: Request) -> None:
@@ -86,6 +89,20 @@ class MemoryStore:
             self._expire()
             rec = self._live.get(request_id) or self._ended.get(request_id)
             return rec.request() if rec is not None else None
+
+    def save_model(self, name: str, doc: dict[str, Any]) -> bool:
+        version = model_version(doc)
+        with self._lock:
+            held = self._models.get(name)
+            if held is not None and held["version"] >= version:
+                return False
+            self._models[name] = copy.deepcopy(doc)
+            return True
+
+    def load_model(self, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            held = self._models.get(name)
+            return None if held is None else copy.deepcopy(held)
 
     def close(self) -> None:
         pass

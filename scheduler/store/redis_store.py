@@ -13,6 +13,7 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
                               stats   JSON: RequestStats without tau_history (rewritten per step)
     P out:ID     list         committed output tokens                        (RPUSH per step)
     P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)
+    P model:NAME string       a learned model's weights, JSON with a "version" (the newest kept)
 
 The kind comes before the id (`rec:ID`, not `ID:rec`), so no id can make one request's key equal
 another's. A step therefore writes O(what it did): a few tokens, one small JSON and a τ per served
@@ -38,7 +39,7 @@ import redis
 from scheduler.request import Request
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
                                   StoredState, account_from_str, account_to_str, check_step,
-                                  params_to_dict, request_from_dict, stats_to_dict)
+                                  model_version, params_to_dict, request_from_dict, stats_to_dict)
 
 FORMAT_VERSION = 1
 _LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
@@ -62,6 +63,17 @@ push(KEYS[3], 6 + n_out, #ARGV)
 redis.call('ZADD', KEYS[4], seq, ARGV[1])
 return seq
 """ % FORMAT_VERSION
+
+# KEYS: model key.  ARGV: document (JSON), its version. Keeps the newer; 1 if it was kept.
+_SAVE_MODEL_LUA = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local v = cjson.decode(held)['version']
+  if v and tonumber(v) >= tonumber(ARGV[2]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 def _dumps(obj: Any) -> str:
@@ -91,6 +103,7 @@ class RedisStore:
         self._r = client
         self._owns_client = owns_client
         self._add_script = client.register_script(_ADD_LUA)
+        self._save_model_script = client.register_script(_SAVE_MODEL_LUA)
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
         # The writer's view: live id -> τ entries already stored (what the next step appends after).
         self._taus: dict[str, int] = {}
@@ -201,6 +214,15 @@ class RedisStore:
         pipe = self._r.pipeline(transaction=True)   # one consistent snapshot of the three keys
         self._queue_read(pipe, request_id)
         return self._decode(pipe.execute())
+
+    def save_model(self, name: str, doc: dict[str, Any]) -> bool:
+        version = model_version(doc)
+        return bool(self._save_model_script(keys=[self.prefix + "model:" + name],
+                                            args=[_dumps(doc), version]))
+
+    def load_model(self, name: str) -> dict[str, Any] | None:
+        held = self._r.get(self.prefix + "model:" + name)
+        return None if held is None else json.loads(held)
 
     def close(self) -> None:
         if self._owns_client:

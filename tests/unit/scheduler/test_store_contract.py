@@ -426,3 +426,35 @@ def test_codec_tolerates_records_from_neighbouring_versions():
 @pytest.mark.parametrize("account", [(0, "acme"), (3, "a:b:c"), (-1, ""), (1, "ü")])
 def test_account_codec(account):
     assert account_from_str(account_to_str(account)) == account
+
+
+def test_model_weights_round_trip_and_the_newest_version_is_kept(store):
+    """A learned model's weights (the length predictor's) are shared through the store: what one
+    writer keeps, a new store over the same data reads back; an older version never overwrites a
+    newer one, whichever replica sends it."""
+    from scheduler.length_predictor import LengthPredictor, PredictorWeights
+
+    assert store.load_model("lengths") is None
+    p = LengthPredictor(dim=3, min_samples=1)
+    p.observe([0.5, -1.0, 2.0], 0, 40)
+    p.observe([1.5, 0.0, -2.0], 7, 9)
+    old, new = p.fit(), p.fit()
+    assert store.save_model("lengths", new.to_dict())
+    assert not store.save_model("lengths", old.to_dict())             # older: not kept
+    assert not store.save_model("lengths", new.to_dict())             # same version: not kept
+    back = PredictorWeights.from_dict(store.load_model("lengths"))
+    assert back == new and back.predict([0.5, -1.0, 2.0], 0) == new.predict([0.5, -1.0, 2.0], 0)
+    assert store.load_model("other") is None
+    with pytest.raises(ValueError, match="version"):
+        store.save_model("lengths", {"w": [1.0]})
+
+
+def test_model_weights_survive_a_restart_on_redis(redis_url, redis_prefix):
+    first = RedisStore.from_url(redis_url, redis_prefix)
+    assert first.save_model("lengths", {"version": 2, "w": [0.25, 1.0], "format": 1})
+    first.close()
+    again = RedisStore.from_url(redis_url, redis_prefix)
+    try:
+        assert again.load_model("lengths") == {"version": 2, "w": [0.25, 1.0], "format": 1}
+    finally:
+        again.close()
