@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from scheduler.sizing import AlphaEstimate, SizingConfig, StepCost, observe, observe_draft_time, size_trees
+from scheduler.sizing import AlphaEstimate, SizingConfig, StepCost, learn, size_trees
 from workers.batch_worker import BatchWorker
-from workers.contract import ContextLengthError, SamplingParams, StepResult, TreeBudget, WorkItem
+from workers.contract import ContextLengthError, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.stopping import cut
 from workers.verifier import Verifier
@@ -97,7 +97,8 @@ class Engine:
             while live:
                 items = self._plan([r.request_id for r in live], estimates)
                 for step in worker.step(items):
-                    estimates[step.request_id] = _learn(estimates[step.request_id], step)
+                    estimates[step.request_id] = learn(estimates[step.request_id], step.drafted,
+                                                       step.accepted, step.draft_s, step.draft_depth)
                     res = results[step.request_id]
                     res.steps += 1
                     res.drafted += step.drafted
@@ -127,7 +128,3 @@ class Engine:
         if cause is not None:
             res.finish_reason = "stop" if cause == "stop_token" else cause
 
-
-def _learn(est: AlphaEstimate, step: StepResult) -> AlphaEstimate:
-    est = observe(est, step.drafted, step.accepted)
-    return observe_draft_time(est, step.draft_s, step.draft_depth) if step.draft_s > 0 else est

@@ -40,6 +40,13 @@ import numpy as np
 FORMAT = 1        # the dict layout of PredictorWeights
 
 
+def _row(features: Sequence[float], committed: int, dim: int) -> np.ndarray:
+    """x = [1, ln(1 + committed), features]: what the regression reads."""
+    if len(features) != dim:
+        raise ValueError(f"{len(features)} features; this predictor reads {dim}")
+    return np.concatenate(([1.0, math.log1p(committed)], np.asarray(features, dtype=np.float64)))
+
+
 @dataclass(frozen=True)
 class PredictorWeights:
     """A fitted predictor: w over [1, ln(1 + committed), features], σ, and what it was fitted on."""
@@ -54,10 +61,7 @@ class PredictorWeights:
 
     def log_mean(self, features: Sequence[float], committed: int) -> float:
         """E[ln R]: the median remaining length's log."""
-        if len(features) != self.dim:
-            raise ValueError(f"{len(features)} features; this predictor reads {self.dim}")
-        x = np.concatenate(([1.0, math.log1p(committed)], np.asarray(features, dtype=np.float64)))
-        return float(np.dot(self.w, x))
+        return float(np.dot(self.w, _row(features, committed, self.dim)))
 
     def predict(self, features: Sequence[float], committed: int) -> float:
         """E[R], remaining output tokens (the log-normal's mean)."""
@@ -99,11 +103,9 @@ class LengthPredictor:
     def observe(self, features: Sequence[float], committed: int, remaining: int) -> None:
         """One sample: at a point where the request had committed `committed` tokens, it still
         had `remaining` to produce (known once it finished)."""
-        if len(features) != self.dim:
-            raise ValueError(f"{len(features)} features; this predictor reads {self.dim}")
         if remaining < 1 or committed < 0:
             raise ValueError("need remaining >= 1 and committed >= 0")
-        x = np.concatenate(([1.0, math.log1p(committed)], np.asarray(features, dtype=np.float64)))
+        x = _row(features, committed, self.dim)
         y = math.log(remaining)
         with self._lock:
             self._xx += np.outer(x, x)

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler.sizing import AlphaEstimate, observe, observe_draft_time
+from scheduler.sizing import AlphaEstimate, learn
 from workers.contract import SamplingParams
 
 
@@ -164,9 +164,7 @@ class RequestStats:
         if rec.tried is not None:
             self.accepted_sum += tau - 1 if tau > 1 else 0
             self.tried_sum += rec.tried
-        self.estimate = observe(self.estimate, rec.drafted, rec.accepted)
-        if rec.draft_s > 0:
-            self.estimate = observe_draft_time(self.estimate, rec.draft_s, rec.draft_depth)
+        self.estimate = learn(self.estimate, rec.drafted, rec.accepted, rec.draft_s, rec.draft_depth)
         self.last_served_s = end_s
         self.in_steps_s += end_s - start_s
         self.status = Status.RUNNING

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from workers.contract import NO_SPECULATION, TreeBudget
 
 __all__ = ["StepCost", "AlphaEstimate", "SizingConfig", "expected_tau", "observe",
-           "observe_draft_time", "size_trees", "TreeSizer"]
+           "observe_draft_time", "learn", "size_trees", "TreeSizer"]
 
 StepCost = Callable[[int, int], float]   # (batch size, total tree tokens) -> seconds
 
@@ -119,6 +119,18 @@ def observe_draft_time(est: AlphaEstimate, seconds: float, levels: int) -> Alpha
     # The first measurement replaces the prior of 0; later ones blend in at the evidence decay.
     per_level = measured if est.draft_s == 0.0 else DECAY * est.draft_s + (1 - DECAY) * measured
     return replace(est, draft_s=per_level)
+
+
+def learn(est: AlphaEstimate, drafted: int, accepted: int, draft_s: float,
+          draft_depth: int) -> AlphaEstimate:
+    """The estimate after one step, from what the worker reported for the request: its
+    acceptance, and its drafting time when drafting was timed.
+
+    >>> learn(AlphaEstimate(), 8, 3, 0.012, 3) == observe_draft_time(observe(AlphaEstimate(), 8, 3), 0.012, 3)
+    True
+    """
+    est = observe(est, drafted, accepted)
+    return observe_draft_time(est, draft_s, draft_depth) if draft_s > 0 else est
 
 
 @dataclass(frozen=True)
@@ -200,11 +212,8 @@ def _pays(alphas: Sequence[float], draft_s: Sequence[float], depths: Sequence[in
     """Whether the step as sized beats plain decoding's goodput by `min_goodput_gain`."""
     if cost is None or not any(depths):
         return True
-    n = len(alphas)
-    step_s = cost(n, n + sum(depths)) + sum(d * s for d, s in zip(depths, draft_s))
-    plain_s = cost(n, n)
-    tokens = sum(expected_tau(a, d) for a, d in zip(alphas, depths))
-    return tokens * plain_s >= min_goodput_gain * n * step_s
+    plain = _goodput(alphas, draft_s, [0] * len(alphas), cost)
+    return _goodput(alphas, draft_s, depths, cost) >= min_goodput_gain * plain
 
 
 def _caps(n: int, caps: Sequence[int | None] | None, config: SizingConfig, spare: int) -> list[int]:

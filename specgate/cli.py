@@ -66,14 +66,15 @@ def _module(cmd: Command) -> ModuleType:
     return importlib.import_module(cmd.module)
 
 
+def _under_a_command(cmd: Command) -> bool:
+    """Whether the row's first word is itself a command (`loadtest compare` beside `loadtest`,
+    which takes --url): such a row gets a parser of its own."""
+    return len(cmd.words) > 1 and any(c.words == cmd.words[:1] for c in COMMANDS)
+
+
 def _standalone(argv: list[str]) -> Command | None:
-    """A command whose first word is itself a command (`loadtest compare` beside `loadtest`,
-    which takes --url): it gets a parser of its own."""
-    for cmd in COMMANDS:
-        if len(cmd.words) > 1 and argv[:len(cmd.words)] == list(cmd.words) and \
-                any(c.words == cmd.words[:1] for c in COMMANDS):
-            return cmd
-    return None
+    return next((c for c in COMMANDS
+                 if _under_a_command(c) and argv[:len(c.words)] == list(c.words)), None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     for i, cmd in enumerate(COMMANDS):
         if len(cmd.words) == 1:
             p = sub.add_parser(cmd.words[0], help=cmd.help)
-        elif any(c.words == cmd.words[:1] for c in COMMANDS):
-            continue                                  # standalone (see `_standalone`)
+        elif _under_a_command(cmd):
+            continue                                  # parsed on its own (`_standalone`)
         else:
             group = cmd.words[0]
             if group not in groups:

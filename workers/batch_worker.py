@@ -16,13 +16,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from workers.contract import DraftContext, SamplingParams, StepResult, WorkItem
+from workers.contract import DraftContext, SamplingParams, StepResult, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.drafters.registry import create_drafter
 from workers.tree import TokenTree, depths, truncate
 from workers.verifier import Verifier, VerifyItem
 
 _EMPTY = TokenTree.empty()
+# one drafter's requests of a step: (item index, what the drafter sees, budget) each
+_Group = tuple[Drafter, list[tuple[int, DraftContext, TreeBudget]]]
 
 
 @dataclass
@@ -97,50 +99,45 @@ class BatchWorker:
         """Draft every item's tree within its budget, verify all trees in one pass, commit.
         Results in item order."""
         t0 = time.perf_counter()
-        trees, shares = self._draft(items)
+        groups = self._groups(items)
+        trees, shares = self._draft(items, groups)
         self.draft_s += time.perf_counter() - t0
         results = self.verifier.verify([VerifyItem(it.request_id, tree) for it, tree in zip(items, trees)])
         out = []
         for step, tree, share in zip(results, trees, shares):
             self._resident[step.request_id].context.extend(step.tokens)
             out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0)))
-        self._prefetch(items)
+        # Let drafters start drafting the next step now (remote ones do, while the step's results
+        # travel), for these requests at this step's budgets. The contexts are the ones just
+        # drafted from: each one's tokens is its request's context list, which has just grown.
+        for drafter, group in groups:
+            drafter.prefetch_batch([(ctx, budget) for _, ctx, budget in group])
         return out
 
-    def _groups(self, items: Sequence[WorkItem]) -> dict[int, tuple[Drafter, list[int]]]:
-        """Item indices that speculate this step, by drafter instance."""
-        groups: dict[int, tuple[Drafter, list[int]]] = {}
+    def _groups(self, items: Sequence[WorkItem]) -> list[_Group]:
+        """The items that speculate this step, by drafter instance."""
+        groups: dict[int, _Group] = {}
         for i, item in enumerate(items):
             if item.budget.speculates:
                 res = self._resident_for(item.request_id)
-                groups.setdefault(id(res.drafter), (res.drafter, []))[1].append(i)
-        return groups
+                groups.setdefault(id(res.drafter), (res.drafter, []))[1].append(
+                    (i, res.draft_context(item.request_id), item.budget))
+        return list(groups.values())
 
-    def _draft(self, items: Sequence[WorkItem]) -> tuple[list[TokenTree], list[float]]:
+    def _draft(self, items: Sequence[WorkItem], groups: list[_Group]) -> tuple[list[TokenTree], list[float]]:
         """One tree per item (empty where the budget drafts nothing), and each item's share of the
         drafting time. Each drafter gets all its requests of the step in one call (a draft model
         shares its passes, a remote drafter makes one round trip)."""
         trees: list[TokenTree] = [_EMPTY] * len(items)
         shares = [0.0] * len(items)
-        for drafter, idx in self._groups(items).values():
-            group = [(self._resident[items[i].request_id].draft_context(items[i].request_id),
-                      items[i].budget) for i in idx]
+        for drafter, group in groups:
             t0 = time.perf_counter()
-            proposed = drafter.propose_batch(group)
-            share = (time.perf_counter() - t0) / len(idx)
-            for i, tree in zip(idx, proposed):
-                b = items[i].budget
+            proposed = drafter.propose_batch([(ctx, budget) for _, ctx, budget in group])
+            share = (time.perf_counter() - t0) / len(group)
+            for (i, _, b), tree in zip(group, proposed):
                 # held to the budget here: a remote drafter's tree may have been prefetched
                 trees[i], shares[i] = truncate(tree, b.max_nodes, b.max_depth), share
         return trees, shares
-
-    def _prefetch(self, items: Sequence[WorkItem]) -> None:
-        """Let drafters start drafting the next step now (remote ones do, while the step's results
-        travel), for these requests at this step's budgets."""
-        for drafter, idx in self._groups(items).values():
-            live = [i for i in idx if items[i].request_id in self._resident]
-            drafter.prefetch_batch([(self._resident[items[i].request_id].draft_context(items[i].request_id),
-                                     items[i].budget) for i in live])
 
     def _resident_for(self, request_id: str) -> _Resident:
         try:
