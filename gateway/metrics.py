@@ -201,13 +201,14 @@ class InstrumentedWorker:
             self.metrics.verified_tokens.labels(tenant).inc(n)
         return results
 
-    def prefill(self, request_id: str, token_ids: Sequence[int], **kwargs: Any) -> int:
-        cached = self.worker.prefill(request_id, token_ids, **kwargs) or 0
+    def prefill(self, request_id: str, token_ids: Sequence[int], **kwargs: Any) -> Any:
+        done = self.worker.prefill(request_id, token_ids, **kwargs)
+        cached = getattr(done, "cached", 0)
         tenant = kwargs.get("tenant", "default")
         self.metrics.prefill_tokens.labels(tenant).inc(max(0, len(token_ids) - 1))   # the root: no KV
         if cached:
             self.metrics.prefix_cache_hits.labels(tenant).inc(cached)
-        return cached
+        return done
 
     def prefix_cache_usage(self) -> tuple[int, int] | None:
         return self.worker.prefix_cache_usage()

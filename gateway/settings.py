@@ -44,6 +44,7 @@ class Settings(BaseSettings):
     max_tree_tokens: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
+    length_predictor: bool = True      # predict output lengths from the target's hidden states
     # the planner's step costs: a profile JSON (`specgate bench profile --json`); default: measured
     # on this machine at start-up, a few seconds (tools/bench_profile.py startup_profile)
     step_profile: Path | None = None

@@ -100,6 +100,12 @@ class LengthPredictor:
     def samples(self) -> int:
         return self._n
 
+    def version_from(self, version: int) -> None:
+        """Number the next fit after `version` (weights loaded from a store: a restart, or another
+        replica's), so that newest-wins keeps the fits made here."""
+        with self._lock:
+            self._version = max(self._version, version)
+
     def observe(self, features: Sequence[float], committed: int, remaining: int) -> None:
         """One sample: at a point where the request had committed `committed` tokens, it still
         had `remaining` to produce (known once it finished)."""

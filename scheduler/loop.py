@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
+from scheduler.length_learner import LengthLearner
 from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
@@ -79,9 +81,14 @@ Sink = Callable[[Event], None]
 class StepLoop:
     def __init__(self, policy: Policy, worker: Worker, store: StateStore | None = None, *,
                  admission: AdmissionControl | None = None, max_resident: int = 32,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, lengths: LengthLearner | None = None):
         """`clock` must be wall time (not monotonic) when the store outlives the process: arrival
-        and service times are persisted and compared after a restart."""
+        and service times are persisted and compared after a restart.
+
+        `lengths`: predict each request's length from the worker's features (the worker must make
+        them) and learn from finished ones. A request is then prefilled when it arrives if fewer
+        than `max_resident − max_batch` requests hold KV, so that it is ranked with a prediction
+        while it waits (the prefill is work its first step needs anyway)."""
         if max_resident < policy.config.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
@@ -90,6 +97,7 @@ class StepLoop:
         self.admission = admission or AdmissionControl()
         self.max_resident = max_resident
         self.clock = clock
+        self.lengths = lengths
         self.state = SchedulerState()
         self.steps = 0
         self.busy_s = 0.0              # wall time of the iterations that verified something
@@ -170,6 +178,8 @@ class StepLoop:
     def start(self) -> threading.Thread:
         """Run the loop on a daemon thread until `stop()`."""
         self._stop.clear()
+        if self.lengths is not None:
+            self.lengths.start()
         self._thread = threading.Thread(target=self.run, name="specgate-step-loop", daemon=True)
         self._thread.start()
         return self._thread
@@ -180,6 +190,8 @@ class StepLoop:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self.lengths is not None:
+            self.lengths.stop()
 
     # ---- the loop's thread -----------------------------------------------------------------------
     def run(self) -> None:
@@ -242,6 +254,9 @@ class StepLoop:
         for res in results:
             rid = res.request_id
             req = self._requests[rid]
+            if res.features is not None:
+                # the features are of the row that read the last accepted token
+                self._predict(req, res.features, len(req.output_ids) + res.accepted)
             tokens, cause = cut(res.tokens, produced=len(req.output_ids), limit=self._limits[rid],
                                 stop_token_ids=req.stop_token_ids)
             req.output_ids.extend(tokens)
@@ -261,6 +276,8 @@ class StepLoop:
         for rid, tokens in appended.items():
             self._emit(Delta(rid, tuple(tokens)))
         for s in finished:
+            if self.lengths is not None:
+                self.lengths.finish(s.request_id, s.committed, labelled=s.finish_reason == "stop")
             self._forget(s.request_id)
             self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
 
@@ -268,23 +285,49 @@ class StepLoop:
         if request_id in self._resident:
             return True
         while len(self._resident) >= self.max_resident:
-            victim = next((r for r in self._resident if r not in keep), None)
+            # never served first (prefilled on arrival: only that prefill is lost), then the least
+            # recently served
+            unserved = (r for r in self._resident if r not in keep and self._never_served(r))
+            victim = next(unserved, None) or next((r for r in self._resident if r not in keep), None)
             if victim is None:
                 break
             self.worker.evict(victim)          # not finished: re-prefilled when planned again
             del self._resident[victim]
         req = self._requests[request_id]
         try:
-            self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
-                                prompt_len=len(req.prompt_ids), sampling=req.sampling,
-                                max_new_tokens=self._limits[request_id] - len(req.output_ids),
-                                tenant=req.stats.tenant, drafter=req.drafter)
+            done = self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
+                                       prompt_len=len(req.prompt_ids), sampling=req.sampling,
+                                       max_new_tokens=self._limits[request_id] - len(req.output_ids),
+                                       tenant=req.stats.tenant, drafter=req.drafter)
         except Exception as exc:
             log.warning("prefill of %s failed: %s", request_id, exc)
             self._end(request_id, Status.FAILED, "error", str(exc))
             return False
         self._resident[request_id] = None
+        features = getattr(done, "features", None)
+        if features is not None:
+            self._predict(req, features, len(req.output_ids))
+            self.policy.touch(request_id)
         return True
+
+    def _never_served(self, request_id: str) -> bool:
+        s = self.state.requests.get(request_id)
+        return s is not None and s.n_steps == 0
+
+    def _predict(self, req: Request, features: Sequence[float], committed: int) -> None:
+        """Re-predict a request's remaining length from the features of its last committed token
+        (`committed` tokens into its output); before its first step, also its length at arrival."""
+        lengths, s = self.lengths, req.stats
+        if lengths is None:
+            return
+        lengths.note(s.request_id, features, committed)
+        belief = lengths.belief(features, committed)
+        if belief is None:
+            return
+        s.length_belief = belief
+        if s.predicted_len is None and s.n_steps == 0:
+            mu, sigma, _ = belief
+            s.predicted_len = committed + max(1, round(math.exp(mu + sigma * sigma / 2)))
 
     def _apply_inbox(self) -> None:
         while self._inbox:
@@ -297,6 +340,9 @@ class StepLoop:
                 self._requests[rid] = req
                 self._limits[rid] = self._limit(req)
                 self.policy.add(self.state, req.stats)
+                if (self.lengths is not None and self.lengths.weights is not None
+                        and len(self._resident) < self.max_resident - self.policy.config.max_batch):
+                    self._ensure_resident(rid, set())       # ranked with a prediction from now
             else:
                 _, rid, status, cause = msg
                 if rid in self.state.requests:
@@ -307,6 +353,8 @@ class StepLoop:
         if s is None:
             return
         self._persist(StepWrite(ended=[s]))
+        if self.lengths is not None and s.finish_reason == "stop":   # a stop string the gateway saw
+            self.lengths.finish(request_id, s.committed, labelled=True)
         self._forget(request_id)
         self._emit(Finished(request_id, s.status, s.finish_reason, s, error))
 
@@ -329,6 +377,8 @@ class StepLoop:
 
     def _forget(self, request_id: str) -> None:
         self._finish_times.append(self.clock())
+        if self.lengths is not None:
+            self.lengths.forget(request_id)
         self.worker.release(request_id)
         self._resident.pop(request_id, None)
         req = self._requests.pop(request_id)

@@ -104,7 +104,11 @@ class RequestStats:
     prompt_len: int
     max_tokens: int
     priority: int = 0                      # priority class: 0 before 1 before 2 …
-    predicted_len: int | None = None       # predicted output tokens; None when no predictor
+    predicted_len: int | None = None       # output tokens predicted at arrival (sjf ranks by
+                                           # it); None when no predictor
+    length_belief: tuple[float, float, int] | None = None   # (μ, σ) of ln(tokens still to come),
+                                           # re-predicted as it runs, at (its 3rd) committed
+                                           # tokens: scheduler/length_learner.py
     max_tree_tokens: int | None = None     # cap on its draft nodes per step (tenant or request;
                                            # 0: no speculation); None: the deployment's
     status: Status = Status.QUEUED

@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 from workers.contract import NO_SPECULATION, TreeBudget
 
 __all__ = ["StepCost", "AlphaEstimate", "SizingConfig", "expected_tau", "observe",
-           "observe_draft_time", "learn", "size_trees", "TreeSizer"]
+           "observe_draft_time", "learn", "size_trees", "TreeSizer", "urgency"]
 
 StepCost = Callable[[int, int], float]   # (batch size, total tree tokens) -> seconds
 
@@ -168,17 +168,21 @@ def _depth(a: float, theta: float, cap: int) -> int:
 
 
 def _goodput(alphas: Sequence[float], draft_s: Sequence[float], depths: Sequence[int],
-             cost: StepCost) -> float:
+             cost: StepCost, weights: Sequence[float] | None = None) -> float:
     """Expected tokens per second of a step with these depths: E[τ] summed ÷ (verification +
-    drafting seconds)."""
+    drafting seconds); with `weights`, each request's tokens weighted (urgency)."""
     n = len(alphas)
     seconds = cost(n, n + sum(depths)) + sum(d * s for d, s in zip(depths, draft_s))
-    tokens = sum(expected_tau(a, d) for a, d in zip(alphas, depths))
+    if weights is None:
+        tokens = sum(expected_tau(a, d) for a, d in zip(alphas, depths))
+    else:
+        tokens = sum(w * expected_tau(a, d) for a, d, w in zip(alphas, depths, weights))
     return tokens / seconds if seconds > 0 else 0.0
 
 
 def _search(alphas: Sequence[float], draft_s: Sequence[float], caps: Sequence[int],
-            cost: StepCost | None, min_gain: float) -> tuple[list[int], float]:
+            cost: StepCost | None, min_gain: float,
+            urgency: Sequence[float] | None = None) -> tuple[list[int], float]:
     """(depths, θ): the step's best goodput over the family "every node worth at least θ".
 
     A node's worth is its expected tokens, α^k, discounted for its request's drafting time by
@@ -188,20 +192,22 @@ def _search(alphas: Sequence[float], draft_s: Sequence[float], caps: Sequence[in
     tree can cost most), so following the marginal cost from zero nodes can stop short.
     """
     n = len(alphas)
+    u = [1.0] * n if urgency is None else list(urgency)
     if cost is None:
-        return [_depth(a, min_gain, c) for a, c in zip(alphas, caps)], min_gain
+        return [_depth(a, min_gain / w, c) for a, w, c in zip(alphas, u, caps)], min_gain
     top = max(caps, default=0)
     if top == 0:
         return [0] * n, 1.0
     per_token = max(0.0, (cost(n, n + n * top) - cost(n, n)) / (n * top))
-    scale = [per_token / (per_token + s) if per_token + s > 0 else 1.0 for s in draft_s]
+    scale = [w * per_token / (per_token + s) if per_token + s > 0 else w
+             for s, w in zip(draft_s, u)]
     worths = sorted({a ** k * w for a, w, c in zip(alphas, scale, caps)
                      for k in range(1, c + 1) if a ** k > min_gain}, reverse=True)
-    best, best_rate, best_theta = [0] * n, _goodput(alphas, draft_s, [0] * n, cost), 1.0
+    best, best_rate, best_theta = [0] * n, _goodput(alphas, draft_s, [0] * n, cost, urgency), 1.0
     for theta in worths:
         t = theta * (1 - 1e-9)                     # node k of a request worth exactly θ is in
         depths = [_depth(a, max(min_gain, t / w), c) for a, w, c in zip(alphas, scale, caps)]
-        rate = _goodput(alphas, draft_s, depths, cost)
+        rate = _goodput(alphas, draft_s, depths, cost, urgency)
         if rate > best_rate * (1 + 1e-12):
             best, best_rate, best_theta = depths, rate, t
     return best, min(best_theta, 0.999)
@@ -232,13 +238,15 @@ def _budgets(depths: Sequence[int], alphas: Sequence[float], spare: int,
 
 def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | None = None,
                config: SizingConfig = SizingConfig(), draft_s: Sequence[float] | None = None,
-               caps: Sequence[int | None] | None = None) -> list[TreeBudget]:
+               caps: Sequence[int | None] | None = None,
+               urgency: Sequence[float] | None = None) -> list[TreeBudget]:
     """One TreeBudget per request of a step (in the order of `alphas`, their α estimates).
 
     spare_tokens: the step's token budget minus one root token per request.
     cost:         the measured step-cost model; without one, every node worth ≥ min_node_gain.
     draft_s:      each request's drafting seconds per tree level (default: free).
     caps:         each request's own cap on nodes (None: the config's; 0: no speculation).
+    urgency:      each request's weight on its nodes' worth (the policy's; see `urgency`).
 
     >>> size_trees([0.8, 0.5, 0.05], spare_tokens=100, config=SizingConfig(min_node_gain=0.2))
     [TreeBudget(max_nodes=7, max_depth=7), TreeBudget(max_nodes=2, max_depth=2), TreeBudget(max_nodes=0, max_depth=0)]
@@ -262,7 +270,7 @@ def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | N
         return []
     draft_s = [0.0] * n if draft_s is None else list(draft_s)
     limits = _caps(n, caps, config, spare_tokens)
-    depths, _ = _search(alphas, draft_s, limits, cost, config.min_node_gain)
+    depths, _ = _search(alphas, draft_s, limits, cost, config.min_node_gain, urgency)
     if not _pays(alphas, draft_s, depths, cost, config.min_goodput_gain):
         return [NO_SPECULATION] * n
     return _budgets(depths, alphas, spare_tokens, config.max_depth)
@@ -280,16 +288,20 @@ class TreeSizer:
 
     def __call__(self, alphas: Sequence[float], spare_tokens: int, *,
                  draft_s: Sequence[float] | None = None,
-                 caps: Sequence[int | None] | None = None) -> list[TreeBudget]:
+                 caps: Sequence[int | None] | None = None,
+                 urgency: Sequence[float] | None = None) -> list[TreeBudget]:
         n = len(alphas)
         if n == 0:
             return []
         if draft_s is not None and any(draft_s):
             return size_trees(alphas, spare_tokens, cost=self.cost, config=self.config,
-                              draft_s=draft_s, caps=caps)
+                              draft_s=draft_s, caps=caps, urgency=urgency)
         limits = _caps(n, caps, self.config, spare_tokens)
         theta = self._theta(n, round(20 * sum(alphas) / n), max(limits))
-        depths = [_depth(a, theta, c) for a, c in zip(alphas, limits)]
+        if urgency is None:
+            depths = [_depth(a, theta, c) for a, c in zip(alphas, limits)]
+        else:
+            depths = [_depth(a, theta / w, c) for a, w, c in zip(alphas, urgency, limits)]
         if not _pays(alphas, [0.0] * n, depths, self.cost, self.config.min_goodput_gain):
             return [NO_SPECULATION] * n
         return _budgets(depths, alphas, spare_tokens, self.config.max_depth)
@@ -301,6 +313,21 @@ class TreeSizer:
             theta = self._thetas[key] = _threshold([bucket / 20] * n, cap, self.cost,
                                                    self.config.min_node_gain)
         return theta
+
+
+def urgency(remaining_steps: Sequence[float], strength: float, bound: float = 4.0) -> list[float]:
+    """Weights on a step's node worths from each request's predicted remaining steps: the
+    request nearer its end gets (r̄ ÷ r_i)^strength, r̄ the step's geometric mean, within
+    [1/bound, bound]. Pure.
+
+    >>> [round(u, 2) for u in urgency([10, 40], 0.5)]
+    [1.41, 0.71]
+    >>> urgency([10, 40], 0.0)
+    [1.0, 1.0]
+    """
+    logs = [math.log(max(r, 1e-3)) for r in remaining_steps]
+    mean = sum(logs) / len(logs)
+    return [min(bound, max(1.0 / bound, math.exp(strength * (mean - x)))) for x in logs]
 
 
 def _threshold(alphas: Sequence[float], cap: int, cost: StepCost | None, min_gain: float) -> float:

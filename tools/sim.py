@@ -168,9 +168,11 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
                 refused += 1
                 continue
             truth[r.request_id] = (r, random.Random(r.seed))
-            policy.add(state, RequestStats(
-                r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.max_tokens, r.priority,
-                r.predicted_len))
+            stats = RequestStats(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.max_tokens,
+                                 r.priority, r.predicted_len)
+            if spec.repredict is not None:
+                stats.length_belief = _belief(r, spec, 0)
+            policy.add(state, stats)
         if not state.requests:
             now = requests[i].arrival_s
             continue
@@ -185,7 +187,12 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
         for rid, budget in zip(plan.request_ids, plan.budgets):
             r, rng = truth[rid]
             tokens += 1 + budget.max_nodes
-            rec = _sample_step(r, live[rid], budget.max_nodes, budget.max_depth, rng, fade)
+            s = live[rid]
+            rec = _sample_step(r, s, budget.max_nodes, budget.max_depth, rng, fade)
+            if spec.repredict is not None and rec.finish is None:
+                at = spec.repredict_at(s.committed + rec.committed)[0]
+                if at != s.length_belief[2]:
+                    s.length_belief = _belief(r, spec, at)
             committed_total += rec.committed
             records.append(rec)
         dt += cost(len(records), tokens)
@@ -201,6 +208,16 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             del truth[s.request_id]
     return RunOutcome(finished, refused, steps, busy, now, aged, batch_sum, committed_total,
                       kv.prefill_s, kv.reprefills)
+
+
+def _belief(r: SimRequest, spec: WorkloadSpec, committed: int) -> tuple[float, float, int]:
+    """The predictor's (μ, σ, committed) for `r` at a checkpoint: ln of the true remaining length
+    (before any max_tokens cut) plus N(0, σ(c)²) error. At arrival the error is the one its
+    `predicted_len` has; at each later checkpoint a fresh draw, from a stream of its own (so that
+    acceptance luck stays the same across policies)."""
+    at, sigma = spec.repredict_at(committed)
+    z = r.pred_err if at == 0 else random.Random(r.seed * 1_000_003 + at).gauss(0.0, 1.0)
+    return math.log(max(1, r.natural_len - at)) + sigma * z, sigma, at
 
 
 def _sample_step(r: SimRequest, s: RequestStats, nodes: int, depth: int, rng: random.Random,

@@ -84,6 +84,19 @@ class WorkloadSpec:
     early_alpha: tuple[float, float] = (2.0, 2.0)
     prefill: bool = True                  # charge each prompt's prefill pass
     arrival_cv: float = 1.0               # coefficient of variation of the gaps; 1: Poisson
+    # The predictor re-predicting the remaining length as a request runs (the gateway's, from the
+    # target's hidden state): ((committed c, σ of ln(remaining) error at c), ...), c ascending
+    # from 0, as `specgate bench lengths` measures it; None: predictions at arrival only.
+    repredict: tuple[tuple[int, float], ...] | None = None
+
+    def repredict_at(self, committed: int) -> tuple[int, float]:
+        """(checkpoint, σ): the latest checkpoint at or before `committed`, and its error."""
+        best = self.repredict[0]
+        for c, sigma in self.repredict:
+            if c > committed:
+                break
+            best = (c, sigma)
+        return best
 
 
 @dataclass(slots=True)
@@ -103,6 +116,8 @@ class SimRequest:
     alpha_early: float
     seed: int = 0
     extra: dict = field(default_factory=dict)
+    natural_len: int = 0          # the length it would have without max_tokens
+    pred_err: float = 0.0         # its predictor's N(0, 1) error draw at arrival
 
     def alpha_at(self, step: int, fade: float) -> float:
         """The α it shows in its step number `step` (0-based): α₀ fading into α."""
@@ -140,7 +155,8 @@ def generate(spec: WorkloadSpec, n: int, seed: int) -> list[SimRequest]:
             prompt_len=max(1, round(_lognormal(rng, t.prompt_median, t.prompt_sigma))),
             max_tokens=bound, output_len=length, hits_length=natural >= bound,
             predicted_len=pred, alpha=rng.betavariate(t.alpha_a, t.alpha_b),
-            alpha_early=rng.betavariate(*spec.early_alpha), seed=rng.getrandbits(32)))
+            alpha_early=rng.betavariate(*spec.early_alpha), seed=rng.getrandbits(32),
+            natural_len=natural, pred_err=err))
     return out
 
 

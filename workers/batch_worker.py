@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from workers.contract import DraftContext, SamplingParams, StepResult, TreeBudget, WorkItem
+from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.drafters.registry import create_drafter
 from workers.tree import TokenTree, depths, truncate
@@ -71,14 +71,14 @@ class BatchWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> int:
+                drafter: str | None = None) -> Prefilled:
         """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
-        evicted request re-prefills; its drafter rebuilds its index from the context). Returns the
-        tokens whose KV came from the prefix cache."""
+        evicted request re-prefills; its drafter rebuilds its index from the context). Reports the
+        tokens whose KV came from the prefix cache, and the verifier's features if it makes them."""
         chosen = self.drafter(drafter)
-        cached = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
+        done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen)
-        return cached
+        return done
 
     def release(self, request_id: str) -> None:
         """Free a finished request's KV and drafter state (idempotent)."""

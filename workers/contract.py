@@ -113,5 +113,15 @@ class StepResult:
         return self.drafted + 1
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """What admitting a request did, as the worker reports it."""
+    cached: int = 0           # tokens whose KV came from the prefix cache
+    # The target's final-normed hidden state at the context's last token (the prompt's last, or
+    # the last committed one when re-admitted), when the verifier is asked for features: what a
+    # length predictor reads before the request's first step. None otherwise.
+    features: Optional[tuple[float, ...]] = None
+
+
 class ContextLengthError(ValueError):
     """A prompt (with what it has committed) that leaves no room in the model's context."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from workers.contract import SamplingParams, StepResult, WorkItem
+from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 
 
 def token_at(request_id: str, position: int, vocab: int = 1000) -> int:
@@ -60,13 +60,14 @@ class FakeWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> None:
+                drafter: str | None = None) -> Prefilled:
         if request_id in self._resident:
             raise ValueError(f"request {request_id!r} is already admitted")
         self.prefills.append((request_id, len(token_ids)))
         self._resident[request_id] = _Fake(len(token_ids) - prompt_len)
         if self.clock is not None:
             self.clock.now += self.step_cost(1, len(token_ids))
+        return Prefilled()
 
     def release(self, request_id: str) -> None:
         self._resident.pop(request_id, None)

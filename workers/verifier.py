@@ -21,7 +21,7 @@ import torch
 
 from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
 
-from workers.contract import ContextLengthError, SamplingParams, StepResult
+from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
@@ -70,13 +70,15 @@ class Verifier:
         return list(self._slots)
 
     def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default") -> int:
+                max_new_tokens: int, tenant: str = "default") -> Prefilled:
         """Admit a request: compute the KV of every token but the last, which becomes the root.
 
         `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
         (restart recovery re-prefills, it never replays steps). With a prefix cache, the KV of
         the longest prefix this tenant sent before is copied in and only the rest is computed.
-        Returns how many tokens' KV came from the prefix cache.
+        Returns how many tokens' KV came from the prefix cache, and with `features` the root's
+        hidden state: the root then rides along in the same pass (its KV is written past the
+        context and overwritten by the first step), so a predictor has it before any step.
         """
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -97,16 +99,21 @@ class Verifier:
         pc = self.prefix_cache
         chain = pc.match(tenant, context) if pc is not None else []
         done = pc.restore(chain, cache) if chain else 0
-        if len(context) > done:
-            n = len(context) - done
+        rows = list(context[done:]) + ([slot.root] if self.features else [])
+        features = None
+        if rows:
+            n = len(rows)
             causal = torch.full((n, n), float("-inf")).triu(1)
-            self.target.forward(torch.tensor(context[done:]), torch.arange(done, len(context)),
-                                [Segment(cache, 0, n, causal)], None)
+            wanted = torch.tensor([n - 1]) if self.features else None
+            _, hidden = self.target.forward_hidden(torch.tensor(rows), torch.arange(done, done + n),
+                                                   [Segment(cache, 0, n, causal)], wanted)  # [1, H]
             cache.length = len(context)
+            if hidden is not None:
+                features = tuple(hidden[0].float().tolist())
         if pc is not None:
             pc.store(tenant, context, cache, chain)
         self._slots[request_id] = slot
-        return done
+        return Prefilled(done, features)
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV (idempotent)."""

@@ -20,6 +20,7 @@ from scheduler.admission import AdmissionControl, AdmissionLimits
 from scheduler.loop import StepLoop
 from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
+from scheduler.length_learner import MODEL_NAME, LengthLearner
 from scheduler.store import open_store
 from workers.fake_worker import PacedFakeWorker
 
@@ -80,8 +81,13 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
     store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s)
+    lengths = None
+    if settings.length_predictor and not settings.fake_worker:
+        # weights are shared by every replica of this model: the shared prefix, not the replica's
+        lengths = LengthLearner(open_store(settings.redis_url, settings.store_prefix),
+                                name=f"{MODEL_NAME}:{settings.model_id}")
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
-                         max_resident=max_resident)
+                         max_resident=max_resident, lengths=lengths)
     recovered = step_loop.recover() if recover else []
     if settings.tenants_file is not None:
         tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
@@ -146,6 +152,7 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
     where `drafters` are the draft workers' remote drafters by name)."""
     from workers.batch_worker import BatchWorker
 
-    return BatchWorker(rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
-                                   prefix_cache_mb=settings.prefix_cache_mb),
-                       default_drafter=settings.drafter_names[0], drafters=drafters)
+    verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
+                           prefix_cache_mb=settings.prefix_cache_mb)
+    verifier.features = settings.length_predictor     # the length predictor reads them
+    return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters)

@@ -105,9 +105,10 @@ class VerifierServer:
             self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
             self.worker.release(request_id)     # a stale copy (a restarted scheduler's request)
             self._note(request_id, "prefill")
-            cached = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
-                                         max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
-            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0, "cached": cached,
+            done = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
+                                       max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
+            return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0,
+                    "cached": done.cached, "features": done.features,
                     "prefix_cache": self.worker.prefix_cache_usage()}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Container, Sequence
 
 from gateway.ray_serve.releases import Evicted, Release
-from workers.contract import SamplingParams, StepResult, WorkItem
+from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class VerifierPool:
 
     # ---- the worker interface -----------------------------------------------------------------
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> int:
-        """Returns the tokens whose KV the chosen replica's prefix cache held."""
+                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> Prefilled:
+        """Reports the tokens whose KV the chosen replica's prefix cache held, and its features."""
         self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
                                            tenant, drafter)
         return self._place(request_id)
@@ -140,7 +140,7 @@ class VerifierPool:
             self._cache_usage[replica] = (time.monotonic(), (int(usage[0]), int(usage[1])))
 
     # ---- calls ----------------------------------------------------------------------------------
-    def _place(self, request_id: str) -> int:
+    def _place(self, request_id: str) -> Prefilled:
         """Prefill `request_id` from its committed context on the least-loaded live replica."""
         p = self._placed[request_id]
         old = self.home.pop(request_id, None)
@@ -167,7 +167,8 @@ class VerifierPool:
         self.home[request_id] = replica
         self.assigned[replica] += 1
         self.calls[replica] += 1
-        return int(answer.get("cached") or 0)
+        features = answer.get("features")
+        return Prefilled(int(answer.get("cached") or 0), None if features is None else tuple(features))
 
     def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
         """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""

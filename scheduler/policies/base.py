@@ -106,6 +106,11 @@ class Policy:
     def key(self, s: RequestStats) -> float:
         raise NotImplementedError
 
+    def node_urgency(self, stats: list[RequestStats]) -> list[float] | None:
+        """Weights on the chosen requests' draft-node worths (scheduler/sizing.py `urgency`);
+        None: nodes go by goodput alone."""
+        return None
+
     def refresh(self, state: SchedulerState, s: RequestStats) -> None:
         """Move a request that was served since it was last ranked (levels, perceptible, predicted
         remaining time); called just before it is re-keyed."""
@@ -115,6 +120,12 @@ class Policy:
         """Admit a request into the state and the queues."""
         state.requests[s.request_id] = s
         self._index(state, s)
+
+    def touch(self, request_id: str) -> None:
+        """A live request's stats changed between steps (a length prediction came in): rank it
+        again at the next plan."""
+        if request_id in self._live:
+            self._dirty.add(request_id)
 
     def remove(self, state: SchedulerState, request_id: str, status: Status,
                cause: str | None, now: float) -> RequestStats | None:
@@ -152,7 +163,8 @@ class Policy:
         stats = [requests[r] for r in chosen]
         budgets = self.sizer([s.estimate.alpha for s in stats], c.token_budget - len(chosen),
                              draft_s=[s.estimate.draft_s for s in stats],
-                             caps=[s.max_tree_tokens for s in stats])
+                             caps=[s.max_tree_tokens for s in stats],
+                             urgency=self.node_urgency(stats) if len(stats) > 1 else None)
         return Plan(chosen, budgets, aged)
 
     def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,

@@ -115,10 +115,11 @@ import math
 from typing import Iterable
 
 from scheduler.policies.base import BAND, Policy
-from scheduler.policies.length_model import LengthModel
+from scheduler.policies.length_model import LengthModel, mean_beyond
 from scheduler.policies.levels import Levels
 from scheduler.profile import prefill_steps
 from scheduler.request import RequestStats, StepRecord
+from scheduler.sizing import urgency
 from scheduler.state import SchedulerState
 
 
@@ -128,7 +129,8 @@ class LAPS(Policy):
     def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 128.0,
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
-                 lengths: str = "calibrated", wait_weight: float = 0.03, **overrides) -> None:
+                 lengths: str = "calibrated", wait_weight: float = 0.03,
+                 node_urgency: float = 0.0, **overrides) -> None:
         if interleave not in ("strict", "unified"):
             raise ValueError(f"interleave must be 'strict' or 'unified', not {interleave!r}")
         if lengths not in ("calibrated", "predicted"):
@@ -143,6 +145,7 @@ class LAPS(Policy):
         if wait_weight < 0:
             raise ValueError("wait_weight must be ≥ 0")
         self.wait_weight = wait_weight
+        self.urgency_strength = node_urgency
         super().__init__(config, **overrides)
         cost, b = self.config.step_cost, self.config.max_batch
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
@@ -158,6 +161,11 @@ class LAPS(Policy):
                 and s.tau_stderr <= self.max_rel_stderr * s.tau_sum / s.n_steps)
 
     def remaining_tokens(self, s: RequestStats) -> float:
+        if s.length_belief is not None:
+            # re-predicted from its latest hidden state: (μ, σ) of ln(tokens to come) at `at`
+            mu, sigma, at = s.length_belief
+            return max(1.0, mean_beyond(mu, max(sigma, 1e-3), max(0, s.committed - at),
+                                        cap=max(1, s.max_tokens - at)))
         if self.lengths is not None:
             return self.lengths.expected_remaining(s.tenant, s.predicted_len, s.committed,
                                                    s.max_tokens)
@@ -182,7 +190,8 @@ class LAPS(Policy):
     def predictable(self, s: RequestStats) -> bool:
         """Is there any length belief for it? Always with the length model (a prediction, its
         tenant's record, or its max_tokens); with raw predictions, only when it has one."""
-        return self.lengths is not None or s.predicted_len is not None
+        return (self.lengths is not None or s.predicted_len is not None
+                or s.length_belief is not None)
 
     def refresh(self, state: SchedulerState, s: RequestStats) -> None:
         s.level = self.levels.level_of(s.attained, s.level)
@@ -201,6 +210,15 @@ class LAPS(Policy):
 
     def key(self, s: RequestStats) -> float:
         return self.service_key(s) + self.wait_credit(s)
+
+    def node_urgency(self, stats: list[RequestStats]) -> list[float] | None:
+        """Draft nodes for the requests predicted nearest their end weigh more (`node_urgency`
+        is the strength; 0: by goodput alone)."""
+        if not self.urgency_strength:
+            return None
+        steps = [self.remaining_tokens(s) / (self.mean_tau(s) if s.n_steps else 1.0)
+                 for s in stats]
+        return urgency(steps, self.urgency_strength)
 
     def service_key(self, s: RequestStats) -> float:
         """The rank by service alone: levels and attained service, or predicted remaining steps."""

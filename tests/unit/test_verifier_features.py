@@ -49,3 +49,37 @@ def test_features_do_not_depend_on_the_batch(tiny_model, batch):
     got = v.verify([VerifyItem(f"r{i}", TokenTree.empty()) for i in range(batch)])
     for p, res in zip(prompts, got):
         assert torch.allclose(torch.tensor(res.features), hf_hidden(tiny_model, p)[-1], atol=1e-4)
+
+
+def test_prefill_reports_the_prompts_features_and_keeps_the_kv_right(tiny_model):
+    """With features on, the prefill gives the hidden state at the prompt's last token (what a
+    length predictor reads before the first step); the step that follows sees the same KV, so the
+    output is unchanged and the first step's features match."""
+    prompt = [5, 9, 13, 17, 21, 4, 8]
+    truth = hf_greedy(tiny_model, prompt, 6)
+    v = Verifier(LlamaForward(tiny_model), max_tree_tokens=8, features=True)
+    done = v.prefill("r", prompt, SamplingParams(), 20)
+    assert done.cached == 0
+    assert torch.allclose(torch.tensor(done.features), hf_hidden(tiny_model, prompt)[-1], atol=1e-4)
+    out = []
+    for _ in range(6):
+        (res,) = v.verify([VerifyItem("r", TokenTree.empty())])
+        if not out:
+            assert torch.allclose(torch.tensor(res.features), torch.tensor(done.features), atol=1e-5)
+        out += res.tokens
+    assert out == truth
+    plain = Verifier(LlamaForward(tiny_model), max_tree_tokens=8)
+    assert plain.prefill("r", prompt, SamplingParams(), 20).features is None
+
+
+def test_prefill_features_with_the_whole_context_from_the_prefix_cache(tiny_model):
+    from workers.prefix_cache import PrefixCache
+
+    lf = LlamaForward(tiny_model)
+    cache = PrefixCache.for_bytes(2**24, lf.n_layers, lf.n_kv_heads, lf.head_dim, lf.kv_dtype)
+    v = Verifier(lf, max_tree_tokens=8, features=True, prefix_cache=cache)
+    prompt = list(range(5, 5 + 3 * cache.block + 1))     # whole blocks, then the root
+    v.prefill("a", prompt, SamplingParams(), 8)
+    again = v.prefill("b", prompt, SamplingParams(), 8)
+    assert again.cached == len(prompt) - 1
+    assert torch.allclose(torch.tensor(again.features), hf_hidden(tiny_model, prompt)[-1], atol=1e-4)

@@ -75,8 +75,9 @@ class _Method:
         worker = self.handle.replicas[rid]
         apply_releases(worker, release.get(rid, ()) if isinstance(release, dict) else release)
         if self.name == "prefill":
-            cached = worker.prefill(*args, **kwargs)
-            return _Response({"replica": rid, "busy_s": 0.001, "cached": cached,
+            done = worker.prefill(*args, **kwargs)
+            return _Response({"replica": rid, "busy_s": 0.001, "cached": done.cached,
+                              "features": done.features,
                               "prefix_cache": worker.prefix_cache_usage()})
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))

@@ -1,4 +1,5 @@
 """Each policy's order on hand-built queues, levels, the perceptible switch, aging, priority."""
+import math
 import random
 
 import pytest
@@ -11,6 +12,7 @@ from scheduler.state import SchedulerState
 def build_empty():
     return SchedulerState()
 from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
+from scheduler.policies.length_model import mean_beyond
 from scheduler.request import Status, StepRecord
 
 NO_AGING = dict(aging_bound_s=None)
@@ -330,3 +332,32 @@ def test_laps_wait_credit_lets_a_long_request_that_came_much_earlier_go_first(
 def test_laps_wait_credit_is_not_negative():
     with pytest.raises(ValueError, match="wait_weight"):
         make_policy("laps", wait_weight=-0.1)
+
+
+def believing(s, remaining: float, sigma: float = 0.3, at: int | None = None):
+    """`s` with a re-predicted belief: ln(tokens to come) ~ N(ln remaining, σ²) at `at`."""
+    s.length_belief = (math.log(remaining), sigma, s.committed if at is None else at)
+    return s
+
+
+def test_laps_ranks_by_the_re_predicted_remaining_length_and_sjf_by_the_arrival_one():
+    """sjf keeps the length predicted at arrival; laps reads what the predictor says now."""
+    def requests():
+        return [believing(stable("said_short_now_long", predicted=20, committed=8), 400),
+                believing(stable("said_long_now_short", predicted=900, committed=8), 6),
+                believing(stable("mid", predicted=100, committed=8), 60)]
+
+    assert ranked("sjf", requests()) == ["said_short_now_long", "mid"]
+    assert ranked("laps", requests(), min_steps=4, max_rel_stderr=0.2) == [
+        "said_long_now_short", "mid"]
+
+
+def test_laps_remaining_length_from_a_belief_is_its_mean_beyond_what_was_committed_since():
+    policy = make_policy("laps", **NO_AGING)
+    fresh = believing(stats("a", committed=40, max_tokens=4096), 100, sigma=0.5, at=40)
+    later = believing(stats("b", committed=140, max_tokens=4096), 100, sigma=0.5, at=40)
+    capped = believing(stats("c", committed=40, max_tokens=60), 100, sigma=0.5, at=40)
+    assert policy.remaining_tokens(fresh) == pytest.approx(mean_beyond(math.log(100), 0.5, 0))
+    assert policy.remaining_tokens(later) == pytest.approx(mean_beyond(math.log(100), 0.5, 100))
+    assert policy.remaining_tokens(capped) <= 20           # never past its max_tokens
+    assert policy.predictable(believing(stats("d", predicted=None), 50))

@@ -8,7 +8,7 @@ import pytest
 
 import scheduler.sizing as sizing
 from scheduler.profile import StepCostModel
-from scheduler.sizing import (AlphaEstimate, SizingConfig, TreeSizer, expected_tau, observe,
+from scheduler.sizing import (AlphaEstimate, urgency, SizingConfig, TreeSizer, expected_tau, observe,
                               observe_draft_time, size_trees)
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -235,3 +235,18 @@ def test_the_worker_drafts_the_budget_it_is_handed_whatever_was_accepted(tiny_mo
     results = [worker.step([WorkItem("r", TreeBudget(4, 4))])[0] for _ in range(8)]
     assert [r.drafted for r in results] == [4] * 8
     assert all(r.accepted == 0 and r.draft_depth == 4 and r.draft_s >= 0 for r in results)
+
+
+def test_urgency_moves_nodes_to_the_request_nearest_its_end():
+    """The latency-aware rule (off by default: it measured worse, see sizing.py): of two
+    requests alike in α, the one predicted nearer its end gets the deeper tree, and an urgency of
+    1 everywhere is the goodput rule itself."""
+    cost = lambda b, t: 0.040 + 0.002 * b + 0.001 * t
+    cfg = SizingConfig(max_tree_tokens=16, max_depth=16, min_node_gain=0.01)
+    plain = size_trees([0.7, 0.7], 64, cost=cost, config=cfg)
+    assert size_trees([0.7, 0.7], 64, cost=cost, config=cfg, urgency=[1.0, 1.0]) == plain
+    near, far = size_trees([0.7, 0.7], 64, cost=cost, config=cfg, urgency=urgency([5, 200], 0.5))
+    assert near.max_nodes > plain[0].max_nodes >= far.max_nodes
+    sizer = TreeSizer(cost, cfg)
+    near, far = sizer([0.7, 0.7], 64, urgency=urgency([5, 200], 0.5))
+    assert near.max_nodes > far.max_nodes
