@@ -13,22 +13,42 @@ weights shared through the state store, and each request's belief about its rema
 
 Checkpoints (committed tokens 0, 16, 64, 256, 1024): a sample at every step would weight long
 requests by their length and make the solve's statistics a per-step cost; a handful per request
-covers how the error shrinks as a request progresses (what LAPS-SD's re-prediction reads).
+covers how the error changes as a request progresses (what LAPS-SD's re-prediction reads).
 
-Requests that ended at their token limit are censored (their true length is unknown, only that
-it is at least the limit), so their samples are not kept: counting them as finished at the limit
-would teach the predictor that requests are as short as clients' limits, and the limit is applied
-at ranking time anyway (`mean_beyond(..., cap=max_tokens)`). Cancelled and failed requests teach
-nothing either.
+Calibrated uncertainty: σ of a belief is the predictor's out-of-sample error at that checkpoint,
+measured on finished requests against the weights of the time (prequential: each sample is
+scored before it is learned from), not the fit's in-sample spread. It need not shrink as a request
+runs: on the default model `bench lengths` measured the error at 32-128 tokens above the one at
+arrival (whether an answer will loop to its limit shows late), so a belief replaces a request's
+earlier one only when it is at least as precise (`better`).
+
+Requests that ended at their token limit are censored: their true length is unknown, only that
+it is at least the limit. Dropping them would teach the predictor only from requests that stopped
+early (on the default model about half of the load test's answers run to a 512-token limit), so
+that everything looks short; counting them as finished at the limit would teach that requests are
+as short as clients' limits (a client asking for 8 tokens). So a censored sample teaches only
+when it is news: when the current weights predicted less than the limit, the request showed it
+is at least that long, and it counts at the limit; when they predicted more, it is consistent
+with them and is left out (a one-step approximation of censored regression). Cancelled and
+failed requests teach nothing.
 
 Restarts: the weights come back from the store (`load`), so predictions resume at once; the
 sufficient statistics do not (they are O(d²), megabytes for a 576-wide model), so the next fit
 waits for `min_samples` new samples and versions continue from the loaded one.
+
+Cold start: weights shipped for a model (`shipped_predictor`: `scheduler/predictors/<model>.json`,
+written by `specgate bench lengths --save-weights`, trained on prompts the load tests do not
+send) predict from the first request, and are the prior every online fit is pulled towards
+(length_predictor.py). A model without shipped weights predicts nothing until its first fit;
+the policies fall back to tenant records, then max_tokens.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 import threading
+from importlib import resources
 from typing import Sequence
 
 from scheduler.length_predictor import LengthPredictor, PredictorWeights
@@ -38,24 +58,50 @@ log = logging.getLogger(__name__)
 MODEL_NAME = "length_predictor"
 CHECKPOINTS = (0, 16, 64, 256, 1024)
 
+MIN_ERRORS = 10                       # scored requests before a checkpoint's own σ is used
+ERROR_DECAY = 0.99                    # forgetting of old errors: ~100 requests' memory
+
 Belief = tuple[float, float, int]     # (μ, σ) of ln(remaining tokens), at `committed`
+
+
+def better(new: Belief | None, old: Belief | None) -> bool:
+    """Should `new` replace a request's `old` belief? When it is at least as precise: an earlier,
+    sharper belief conditioned on how far the request has come since (`mean_beyond`) says more
+    than a vaguer new one."""
+    return new is not None and (old is None or new[1] <= old[1])
+
+
+def shipped_predictor(model: str) -> tuple[PredictorWeights, float] | None:
+    """The weights shipped for `model` (a model name, e.g. "smollm2-135m") and the ridge they
+    were fitted with (online fits use it too), or None."""
+    path = resources.files("scheduler").joinpath("predictors", f"{model}.json")
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    return PredictorWeights.from_dict(doc), float(doc["ridge"])
 
 
 class LengthLearner:
     def __init__(self, store=None, *, name: str = MODEL_NAME, min_samples: int = 32,
-                 refit_every: int = 16, ridge: float = 1.0, poll_s: float = 30.0) -> None:
+                 refit_every: int = 16, ridge: float = 1.0, poll_s: float = 30.0,
+                 initial: PredictorWeights | None = None) -> None:
         """`store`: a StateStore with `save_model`/`load_model` (None: weights stay in process);
-        `name`: the weights' name there (one per target model: features are the model's own)."""
+        `name`: the weights' name there (one per target model: features are the model's own);
+        `initial`: weights to predict with until better ones exist, and the fits' prior."""
         self.store = store
         self.name = name
+        self.initial = initial
         self.min_samples = min_samples
         self.refit_every = refit_every
         self.ridge = ridge
         self.poll_s = poll_s
-        self.weights: PredictorWeights | None = None
+        self.weights: PredictorWeights | None = initial
         self._predictor: LengthPredictor | None = None   # made when the first features arrive
         self._pending: dict[str, list[tuple[tuple[float, ...], int]]] = {}   # rid -> samples
         self._new = 0                                    # samples observed since the last fit
+        # per checkpoint: decayed mean of squared out-of-sample errors of ln(remaining), weight
+        self._sq = [0.0] * len(CHECKPOINTS)
+        self._sq_n = [0.0] * len(CHECKPOINTS)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -74,7 +120,15 @@ class LengthLearner:
         w = self.weights
         if w is None or features is None or len(features) != w.dim:
             return None
-        return (w.log_mean(features, committed), w.sigma, committed)
+        return (w.log_mean(features, committed), self.sigma_at(committed), committed)
+
+    def sigma_at(self, committed: int) -> float:
+        """The out-of-sample error of ln(remaining) at the checkpoint at or before `committed`
+        (the fit's own σ until `MIN_ERRORS` requests have been scored there)."""
+        k = max(i for i, c in enumerate(CHECKPOINTS) if c <= committed)
+        if self._sq_n[k] >= MIN_ERRORS:
+            return max(0.05, math.sqrt(self._sq[k] / self._sq_n[k]))
+        return self.weights.sigma if self.weights is not None else 1.0
 
     def note(self, request_id: str, features: Sequence[float] | None, committed: int) -> None:
         """Keep `features` as a sample of the request if it has reached its next checkpoint."""
@@ -85,16 +139,32 @@ class LengthLearner:
         if done < len(CHECKPOINTS) and committed >= CHECKPOINTS[done]:
             samples.append((tuple(features), committed))
 
-    def finish(self, request_id: str, length: int, *, labelled: bool) -> None:
-        """The request ended with `length` output tokens; `labelled`: it ended on its own (a stop
-        token or string), so the length is its true one and its samples are kept."""
+    def finish(self, request_id: str, length: int, *, censored: bool = False) -> None:
+        """The request ended with `length` output tokens: on its own (a stop token or string), or
+        `censored` by its token limit (then its length is a lower bound: module docstring)."""
         samples = self._pending.pop(request_id, None)
-        if not samples or not labelled:
+        if not samples:
             return
+        w = self.weights
+        if censored:
+            samples = [(f, c) for f, c in samples
+                       if w is None or len(f) != w.dim or w.log_mean(f, c) < math.log(max(1, length - c))]
+            if not samples:
+                return
+        elif w is not None:                      # score the weights before learning from it
+            for f, c in samples:
+                if length > c and len(f) == w.dim:
+                    k = CHECKPOINTS.index(c) if c in CHECKPOINTS else max(
+                        i for i, x in enumerate(CHECKPOINTS) if x <= c)
+                    err = math.log(length - c) - w.log_mean(f, c)
+                    self._sq[k] = ERROR_DECAY * self._sq[k] + err * err
+                    self._sq_n[k] = ERROR_DECAY * self._sq_n[k] + 1.0
         with self._lock:
             if self._predictor is None:
-                self._predictor = LengthPredictor(len(samples[0][0]), ridge=self.ridge,
-                                                  min_samples=self.min_samples)
+                dim, prior = len(samples[0][0]), self.initial
+                self._predictor = LengthPredictor(
+                    dim, ridge=self.ridge, min_samples=self.min_samples,
+                    prior=prior if prior is not None and prior.dim == dim else None)
                 if self.weights is not None:
                     self._predictor.version_from(self.weights.version)
             p = self._predictor

@@ -18,6 +18,14 @@ Weights are plain data (`PredictorWeights.to_dict`) with a version, so that a st
 keep them for every replica and across restarts; until `min_samples` samples have been seen
 `fit` returns None and callers fall back (tenant records, then max_tokens). Pure numpy: no torch.
 
+A `prior` (weights trained elsewhere: those shipped for the default model, trained offline by
+`specgate bench lengths`) is where the ridge pulls towards instead of zero,
+
+    w = argmin Σ(y − wᵀx)² + λ‖w − w₀‖²,
+
+so predictions start from the shipped weights and move to what this deployment's traffic says
+as its samples outweigh λ; σ likewise starts from the prior's (as `PRIOR_SIGMA_SAMPLES` samples).
+
 >>> import numpy as np
 >>> rng = np.random.default_rng(0)
 >>> p = LengthPredictor(dim=2, min_samples=10)
@@ -38,6 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 
 FORMAT = 1        # the dict layout of PredictorWeights
+PRIOR_SIGMA_SAMPLES = 10
 
 
 def _row(features: Sequence[float], committed: int, dim: int) -> np.ndarray:
@@ -84,10 +93,14 @@ class LengthPredictor:
     """Sufficient statistics of finished requests' samples, and the fit over them. Thread-safe:
     the step loop's thread records samples, a background thread fits."""
 
-    def __init__(self, dim: int, *, ridge: float = 1.0, min_samples: int = 32) -> None:
+    def __init__(self, dim: int, *, ridge: float = 1.0, min_samples: int = 32,
+                 prior: PredictorWeights | None = None) -> None:
         if dim < 1 or ridge < 0 or min_samples < 1:
             raise ValueError("need dim >= 1, ridge >= 0, min_samples >= 1")
+        if prior is not None and prior.dim != dim:
+            raise ValueError(f"prior weights read {prior.dim} features; this predictor {dim}")
         self.dim, self.ridge, self.min_samples = dim, ridge, min_samples
+        self.prior = prior
         k = dim + 2
         self._xx = np.zeros((k, k))          # Σ x xᵀ
         self._xy = np.zeros(k)               # Σ x y
@@ -120,18 +133,32 @@ class LengthPredictor:
             self._n += 1
 
     def fit(self) -> PredictorWeights | None:
-        """The ridge solution over every sample so far; None below `min_samples`. The intercept
-        is not shrunk."""
+        """The ridge solution over every sample so far; None below `min_samples`. Without a prior
+        the intercept is not shrunk."""
         with self._lock:
             if self._n < self.min_samples:
                 return None
             xx, xy, yy, n = self._xx.copy(), self._xy.copy(), self._yy, self._n
             self._version += 1
             version = self._version
-        penalty = self.ridge * np.eye(len(xy))
-        penalty[0, 0] = 0.0
-        w = np.linalg.solve(xx + penalty, xy)
+        # each weight's penalty scaled by its feature's variance: ridge on standardised features,
+        # weights kept in raw units (hidden-state coordinates differ in scale by orders of
+        # magnitude; `bench lengths` ranked better with it)
+        mean = xx[0] / n
+        var = np.maximum(np.diag(xx) / n - mean * mean, 1e-12)
+        w0 = np.zeros(len(xy))
+        if self.prior is None:
+            var[0] = 0.0                        # the intercept is not shrunk
+        else:
+            var[0] = 1.0                        # pulled to the prior's like the rest: `ridge`
+            w0 = np.asarray(self.prior.w)       # samples move a weight halfway from the prior
+        penalty = self.ridge * np.diag(var)
+        w = np.linalg.solve(xx + penalty, xy + penalty @ w0)
         # residual sum of squares from the statistics: Σ(y − wᵀx)² = Σy² − 2wᵀΣxy + wᵀΣxxᵀw
         rss = max(yy - 2 * w @ xy + w @ xx @ w, 0.0)
-        sigma = math.sqrt(rss / max(n - 1, 1))
+        if self.prior is None:
+            sigma = math.sqrt(rss / max(n - 1, 1))
+        else:
+            k = PRIOR_SIGMA_SAMPLES
+            sigma = math.sqrt((rss + k * self.prior.sigma ** 2) / (n + k))
         return PredictorWeights(version, tuple(float(v) for v in w), sigma, n)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
-from scheduler.length_learner import LengthLearner
+from scheduler.length_learner import LengthLearner, better
 from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
@@ -277,7 +277,7 @@ class StepLoop:
             self._emit(Delta(rid, tuple(tokens)))
         for s in finished:
             if self.lengths is not None:
-                self.lengths.finish(s.request_id, s.committed, labelled=s.finish_reason == "stop")
+                self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")
             self._forget(s.request_id)
             self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
 
@@ -322,7 +322,7 @@ class StepLoop:
             return
         lengths.note(s.request_id, features, committed)
         belief = lengths.belief(features, committed)
-        if belief is None:
+        if not better(belief, s.length_belief):
             return
         s.length_belief = belief
         if s.predicted_len is None and s.n_steps == 0:
@@ -354,7 +354,7 @@ class StepLoop:
             return
         self._persist(StepWrite(ended=[s]))
         if self.lengths is not None and s.finish_reason == "stop":   # a stop string the gateway saw
-            self.lengths.finish(request_id, s.committed, labelled=True)
+            self.lengths.finish(request_id, s.committed)
         self._forget(request_id)
         self._emit(Finished(request_id, s.status, s.finish_reason, s, error))
 

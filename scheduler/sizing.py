@@ -36,6 +36,16 @@ Everything that decides how much to speculate lives here, with one model of each
 NOTE: the budget is sized with the chain model; drafters are free to spend `max_nodes` as a tree
 (width) within `max_depth`.
 
+**Latency-aware node values** (`urgency`, LAPS-SD's `node_urgency`; off). A node for a request
+about to finish is worth more to mean latency than one for a request with hundreds of tokens to
+go, so the policy can weight each request's node worths by (r̄ ÷ r_i)^strength, r_i its predicted
+remaining steps, and the search then maximises the weighted goodput. Measured in `specgate sim`
+(README.md, "Length prediction and LAPS-SD"), it raised mean latency in every regime tried, most
+near capacity: nodes moved away from the goodput optimum cost throughput, and near capacity the
+waiting every request does grows with any loss of throughput, far more than the one request
+moved ahead gains; at light load the batch is small and the caps bind, so there is nothing to
+move. Kept as an option so the measurement can be repeated, not used by default.
+
 Workers carry out the budgets they are handed and report what they drafted, accepted and how
 long drafting took (`workers.contract.StepResult`); they never size. Pure: no I/O, no torch.
 """

@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.admission import ADMITTED, AdmissionControl, AdmissionLimits
+from scheduler.length_learner import better
 from scheduler.policies import Policy, PolicyConfig, make_policy
 from scheduler.profile import StepCostModel, prefill_steps
 from scheduler.request import RequestStats, StepRecord
@@ -71,6 +72,9 @@ from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, gene
                                     with_arrivals)
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
+# `specgate bench lengths --json` of the real predictor on the default model: its error at arrival
+# and as requests progress sets the simulated predictor's (`--predictor`)
+MEASURED_PREDICTOR = Path(__file__).parent / "data" / "bench_lengths.json"
 WORKLOADS = {"default": WorkloadSpec(),
              "loadtest": WorkloadSpec(tenants=LOADTEST_TENANTS, predictor_sigma=None)}
 
@@ -191,8 +195,11 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             rec = _sample_step(r, s, budget.max_nodes, budget.max_depth, rng, fade)
             if spec.repredict is not None and rec.finish is None:
                 at = spec.repredict_at(s.committed + rec.committed)[0]
-                if at != s.length_belief[2]:
-                    s.length_belief = _belief(r, spec, at)
+                if at > r.extra.get("checkpoint", 0):
+                    r.extra["checkpoint"] = at
+                    new = _belief(r, spec, at)
+                    if better(new, s.length_belief):        # as the step loop keeps them
+                        s.length_belief = new
             committed_total += rec.committed
             records.append(rec)
         dt += cost(len(records), tokens)
@@ -361,10 +368,23 @@ def run_sim(policies: list[str], settings: SimSettings, jobs: int = 1) -> dict[s
                      "max_resident": settings.max_resident,
                      "arrival_cv": settings.workload.arrival_cv,
                      "predictor_sigma": settings.workload.predictor_sigma,
+                     "repredict": settings.workload.repredict,
                      "profile_source": cost.source, "arrival_rate_per_s": rate,
                      "saturated_goodput_tokens_per_s": capacity},
         "policies": {r["policy"]: r for r in results},
     }
+
+
+def measured_predictor(path: str | Path | None = MEASURED_PREDICTOR) -> dict[str, Any] | None:
+    """WorkloadSpec fields for the predictor `bench lengths` measured (its JSON at `path`):
+    the arrival error and the re-prediction error per checkpoint. None: no such file."""
+    if path is None or not Path(path).is_file():
+        return None
+    doc = json.loads(Path(path).read_text())
+    table = tuple((int(c["committed"]), float(c["sigma"])) for c in doc["checkpoints"])
+    if not table or table[0][0] != 0:
+        raise ValueError(f"{path}: checkpoints must start at committed 0")
+    return {"predictor_sigma": table[0][1], "repredict": table}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -411,6 +431,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", default=None, help="step-cost profile JSON")
     parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--laps", default=None, metavar="JSON",
+                        help='laps options, e.g. \'{"wait_weight": 0.05}\' (measuring a setting)')
     parser.add_argument("--token-budget", type=int, default=64)
     parser.add_argument("--aging-bound", type=float, default=60.0,
                         help="seconds; a negative value disables aging")
@@ -419,6 +441,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
                         help="default: four tenants with a length predictor; loadtest: what "
                              "`loadtest compare --max-tokens 8-256` sends (no predictor)")
+    parser.add_argument("--predictor", default=str(MEASURED_PREDICTOR),
+                        help="a `specgate bench lengths --json` file: the simulated length "
+                             "predictor's error at arrival and as requests run is the measured "
+                             "one (default: the shipped measurement of the default model); "
+                             "'synthetic': the workload's own (arrival only)")
     parser.add_argument("--arrival-cv", type=float, default=1.0,
                         help="coefficient of variation of arrival gaps (1: Poisson, >1: bursty)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
@@ -430,14 +457,22 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    workload = replace(WORKLOADS[args.workload], arrival_cv=args.arrival_cv)
+    if args.predictor != "synthetic" and workload.predictor_sigma is not None:
+        measured = measured_predictor(args.predictor)
+        if measured is None:
+            raise SystemExit(f"no length-predictor measurement at {args.predictor}")
+        workload = replace(workload, **measured)
     settings = SimSettings(n_requests=args.requests, load=args.load, seed=args.seed,
                            profile=args.profile, max_batch=args.max_batch,
                            token_budget=args.token_budget,
                            aging_bound_s=None if args.aging_bound < 0 else args.aging_bound,
                            max_resident=(max(args.max_resident, args.max_batch)
                                          if args.max_resident > 0 else None),
-                           workload=replace(WORKLOADS[args.workload], arrival_cv=args.arrival_cv),
+                           workload=workload,
                            calibration_requests=min(1000, max(200, args.requests)))
+    if args.laps:
+        settings = replace(settings, policy_options={"laps": json.loads(args.laps)})
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_sim(names, settings, jobs=args.jobs)
     if args.plot:

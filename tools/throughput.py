@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable
 
 from workers.contract import NO_SPECULATION, TreeBudget
 from scheduler.sizing import expected_tau

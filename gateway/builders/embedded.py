@@ -20,7 +20,7 @@ from scheduler.admission import AdmissionControl, AdmissionLimits
 from scheduler.loop import StepLoop
 from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
-from scheduler.length_learner import MODEL_NAME, LengthLearner
+from scheduler.length_learner import MODEL_NAME, LengthLearner, shipped_predictor
 from scheduler.store import open_store
 from workers.fake_worker import PacedFakeWorker
 
@@ -84,8 +84,11 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     lengths = None
     if settings.length_predictor and not settings.fake_worker:
         # weights are shared by every replica of this model: the shared prefix, not the replica's
+        shipped = shipped_predictor(settings.model)
         lengths = LengthLearner(open_store(settings.redis_url, settings.store_prefix),
-                                name=f"{MODEL_NAME}:{settings.model_id}")
+                                name=f"{MODEL_NAME}:{settings.model_id}",
+                                initial=shipped[0] if shipped else None,
+                                ridge=shipped[1] if shipped else 1.0)
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident, lengths=lengths)
     recovered = step_loop.recover() if recover else []

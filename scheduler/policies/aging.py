@@ -18,9 +18,17 @@ The index is an ordered dict of request ids, least recently served first: servin
 it to the end, so every operation is O(1) and finding the overdue ones reads only the front.
 NOTE: an arrival is appended when it is admitted, which can be up to one step after it arrived, so
 the order is exact only to within one step; the margin covers that too.
+
+**Total wait** (`total_bound_s`, optional): the bound above is on each gap, so a request can still
+be served one step per bound, and under a burst a long request that a size-based order keeps
+putting off finishes far later than under FCFS (the tail). With a total bound, a request whose
+time spent waiting since arrival (latency so far minus its time in steps) passes it is promoted,
+those that passed it first first, until it finishes: past the bound it is served as FCFS would.
+Its deadline, arrival + time in steps + bound, moves only when it is served, so a heap holds them.
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from typing import Iterable
 
@@ -29,30 +37,73 @@ from scheduler.state import SchedulerState
 
 
 class AgingIndex:
-    def __init__(self, bound_s: float | None, margin_steps: float = 2.0) -> None:
+    def __init__(self, bound_s: float | None, margin_steps: float = 2.0,
+                 total_bound_s: float | None = None) -> None:
         self.bound_s = bound_s
         self.margin_steps = margin_steps
+        self.total_bound_s = total_bound_s
         self._order: OrderedDict[str, None] = OrderedDict()
+        self._totals: list[tuple[float, str]] = []     # (total-wait deadline, id), lazily
+        self._deadline: dict[str, float] = {}
 
     def clear(self) -> None:
         self._order.clear()
+        self._totals.clear()
+        self._deadline.clear()
 
     def rebuild(self, requests: Iterable[RequestStats]) -> None:
+        requests = list(requests)
+        self.clear()
         self._order = OrderedDict((s.request_id, None) for s in
                                   sorted(requests, key=lambda s: s.last_served_s))
+        for s in requests:
+            self._push_total(s)
 
     def add(self, stats: RequestStats) -> None:
         if self.bound_s is not None:
             self._order[stats.request_id] = None
+        self._push_total(stats)
 
-    def served(self, request_ids: Iterable[str]) -> None:
+    def served(self, request_ids: Iterable[str], requests: dict | None = None) -> None:
         if self.bound_s is not None:
             move = self._order.move_to_end
             for rid in request_ids:
                 move(rid)
+        if self.total_bound_s is not None and requests is not None:
+            for rid in request_ids:
+                self._push_total(requests[rid])
 
     def remove(self, request_id: str) -> None:
         self._order.pop(request_id, None)
+        self._deadline.pop(request_id, None)
+
+    def _push_total(self, s: RequestStats) -> None:
+        if self.total_bound_s is not None:
+            d = s.arrival_s + s.in_steps_s + self.total_bound_s
+            self._deadline[s.request_id] = d
+            heapq.heappush(self._totals, (d, s.request_id))
+            if len(self._totals) > 2 * len(self._deadline) + 64:
+                self._totals = [(d, r) for r, d in self._deadline.items()]
+                heapq.heapify(self._totals)
+
+    def past_total(self, now: float, limit: int, step_s: float = 0.0) -> list[str]:
+        """Ids whose total wait passes the total bound by the end of the next step (at most
+        `limit`), those past it longest first."""
+        if self.total_bound_s is None:
+            return []
+        heap, live, out, back = self._totals, self._deadline, [], []
+        while heap and len(out) < limit:
+            d, rid = heap[0]
+            if live.get(rid) != d:
+                heapq.heappop(heap)                   # stale: served since, or gone
+                continue
+            if d > now + step_s:
+                break
+            out.append(rid)
+            back.append(heapq.heappop(heap))
+        for entry in back:
+            heapq.heappush(heap, entry)
+        return out
 
     def overdue(self, state: SchedulerState, now: float, limit: int,
                 longest_step_s: float = 0.0, lookahead_batches: int = 4) -> list[str]:

@@ -51,6 +51,7 @@ class PolicyConfig:
     token_budget: int = 64                 # per step: Σ over chosen of (1 + tree nodes)
     aging_bound_s: float | None = 60.0     # None: no aging
     aging_margin_steps: float = 2.0
+    total_wait_bound_s: float | None = None   # see aging.py, "Total wait"; None: no such bound
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
     sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
@@ -96,7 +97,7 @@ class Policy:
         if c.max_resident is not None and c.max_resident < c.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
-        self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps)
+        self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
         self.sizer = TreeSizer(c.step_cost, c.sizing)
         self._nominal_cost = c.token_budget / c.max_batch
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
@@ -151,12 +152,11 @@ class Policy:
         else:
             if self._dirty:
                 self._rekey(state)
-            promoted = self._startable(self.aging.overdue(state, now, limit))
+            promoted = self._promotions(state, now, limit)
             chosen = self._choose(state, promoted, limit)
             longer = self._prefill_step_s(state, chosen)
             if longer is not None:              # a prefill makes this step the longest yet
-                again = self._startable(
-                    self.aging.overdue(state, now, limit, longest_step_s=longer))
+                again = self._promotions(state, now, limit, longer)
                 if again != promoted:
                     promoted, chosen = again, self._choose(state, again, limit)
             aged = len(promoted)
@@ -190,7 +190,7 @@ class Policy:
                 finished.append(s)
             else:
                 served.add(rec.request_id)
-        self.aging.served(served)
+        self.aging.served(served, requests)
         self._dirty |= served
         if len(requests) > self._limit:
             self._rekey(state)                  # else: re-ranked by the next plan that must choose
@@ -202,6 +202,18 @@ class Policy:
         return finished
 
     # ---- internals ---------------------------------------------------------------------------
+    def _promotions(self, state: SchedulerState, now: float, limit: int,
+                    longest_step_s: float = 0.0) -> list[str]:
+        """Aging's promotions: gaps at risk of passing the bound first, then requests past the
+        total-wait bound; less those there is no KV room to start."""
+        ids = self.aging.overdue(state, now, limit, longest_step_s=longest_step_s)
+        if len(ids) < limit and self.aging.total_bound_s is not None:
+            seen = set(ids)
+            late = [r for r in self.aging.past_total(now, limit, state.step_s or 0.0)
+                    if r not in seen]
+            ids = ids + late[:limit - len(ids)]
+        return self._startable(ids)
+
     def _startable(self, promoted: list[str]) -> list[str]:
         """Aging's promotions, less the not-yet-started ones there is no KV room to start."""
         cap = self.config.max_resident

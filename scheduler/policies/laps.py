@@ -10,6 +10,13 @@ remaining time once it is stable (Li, Chen, Li, IJCAI 2025, arXiv 2505.17074).
   is common to everyone in a step, so the key is the remaining *steps*; `predicted_remaining_s`
   multiplies in the measured step duration for whoever wants seconds. The flag is sticky; E[τ]
   keeps being re-estimated as steps arrive.
+* Predicted remaining tokens, re-predicted as the request runs: when the step loop has a length
+  predictor (scheduler/length_learner.py: the target's own hidden state at the last committed
+  token, at no extra pass), the request's belief (μ, σ) of ln(tokens to come), made when it had
+  committed `at` tokens, gives E[min(R, max_tokens − at) − (c − at) | R > c − at] at committed c
+  (`mean_beyond`): what the predictor says now, with its calibrated uncertainty, conditioned on
+  how far the request has come since. SJF keeps the length predicted at arrival.
+  Without a belief (no predictor, or before its first weights):
 * Predicted remaining tokens (`lengths`): "calibrated" (default) asks the online length model
   (length_model.py): the tenant's record of true vs predicted lengths turns the prediction into a
   belief about the length, and the expected remaining length is taken beyond what the request has
@@ -130,7 +137,8 @@ class LAPS(Policy):
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
                  lengths: str = "calibrated", wait_weight: float = 0.03,
-                 node_urgency: float = 0.0, **overrides) -> None:
+                 node_urgency: float = 0.0, wait_scale_s: float | None = None,
+                 **overrides) -> None:
         if interleave not in ("strict", "unified"):
             raise ValueError(f"interleave must be 'strict' or 'unified', not {interleave!r}")
         if lengths not in ("calibrated", "predicted"):
@@ -146,6 +154,9 @@ class LAPS(Policy):
             raise ValueError("wait_weight must be ≥ 0")
         self.wait_weight = wait_weight
         self.urgency_strength = node_urgency
+        if wait_scale_s is not None and (wait_scale_s <= 0 or interleave != "unified"):
+            raise ValueError("wait_scale_s must be > 0, and needs interleave 'unified'")
+        self.wait_scale_s = wait_scale_s
         super().__init__(config, **overrides)
         cost, b = self.config.step_cost, self.config.max_batch
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
@@ -209,6 +220,11 @@ class LAPS(Policy):
         return finished
 
     def key(self, s: RequestStats) -> float:
+        if self.wait_scale_s is not None:
+            if self._origin is None:
+                self._origin = s.arrival_s
+            return (math.log(max(self.service_key(s), 1e-3))
+                    + (s.arrival_s - self._origin) / self.wait_scale_s)
         return self.service_key(s) + self.wait_credit(s)
 
     def node_urgency(self, stats: list[RequestStats]) -> list[float] | None:

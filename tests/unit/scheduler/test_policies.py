@@ -126,7 +126,7 @@ def test_demotion_across_levels(name):
     state = build(policy, [stats("old")])
     levels = []
     for i in range(12):                                # each step verifies 1 + 3 = 4 tokens
-        plan = policy.plan(state, i)
+        policy.plan(state, i)
         policy.update(state, [StepRecord("old", 4, 1)], i + 0.1, 0.1)
         policy.refresh(state, state.requests["old"])
         levels.append(state.requests["old"].level)

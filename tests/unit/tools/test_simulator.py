@@ -163,3 +163,42 @@ def test_latency_splits_into_waiting_and_time_in_steps():
     idle = _strip(run_sim(["fcfs"], replace(s, load=0.05)))["policies"]["fcfs"]
     assert idle["mean_wait_s"] < 0.15 * idle["mean_in_steps_s"]
     assert idle["mean_wait_s"] < 0.1 * r["fcfs"]["mean_wait_s"]
+
+
+def test_the_simulated_predictor_re_predicts_with_the_measured_error(tmp_path):
+    """`--predictor FILE` (a `bench lengths` JSON) sets the error at arrival and its shrinking as
+    requests run; the beliefs the policies see have exactly that spread around the truth."""
+    import math
+    import statistics
+
+    from tools.workload_gen import generate
+
+    doc = {"checkpoints": [{"committed": 0, "sigma": 0.8}, {"committed": 64, "sigma": 0.3}]}
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps(doc))
+    fields = sim.measured_predictor(path)
+    assert fields == {"predictor_sigma": 0.8, "repredict": ((0, 0.8), (64, 0.3))}
+    spec = replace(sim.WORKLOADS["default"], **fields)
+    assert spec.repredict_at(10) == (0, 0.8) and spec.repredict_at(500) == (64, 0.3)
+    reqs = [r for r in generate(spec, 3000, 7) if r.natural_len > 200]
+    errors = {}
+    for at in (0, 64):
+        errs = []
+        for r in reqs:
+            mu, sigma, c = sim._belief(r, spec, at)
+            assert c == at and sigma == spec.repredict_at(at)[1]
+            errs.append(mu - math.log(r.natural_len - at))
+        errors[at] = statistics.pstdev(errs)
+    assert errors[0] == pytest.approx(0.8, rel=0.1) and errors[64] == pytest.approx(0.3, rel=0.1)
+    assert sim.measured_predictor(tmp_path / "missing.json") is None
+
+
+def test_re_prediction_helps_laps_and_not_sjf():
+    """sjf ranks by the arrival prediction alone; laps reads the re-predictions."""
+    base = replace(SMALL, n_requests=400, max_batch=1, load=0.85, seed=3)
+    spec = replace(base.workload, predictor_sigma=0.9,
+                   repredict=((0, 0.9), (16, 0.6), (64, 0.4), (256, 0.3)))
+    without = run_sim(["sjf", "laps"], base)["policies"]
+    with_ = run_sim(["sjf", "laps"], replace(base, workload=spec))["policies"]
+    assert with_["sjf"]["mean_latency_s"] == pytest.approx(without["sjf"]["mean_latency_s"])
+    assert with_["laps"]["mean_latency_s"] < without["laps"]["mean_latency_s"]
