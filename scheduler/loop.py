@@ -4,6 +4,8 @@
     admit    planned requests without KV are prefilled (prompt + committed output), evicting the
              KV of preempted requests first when more than `max_resident` would be held;
     step     the worker drafts every tree and verifies them all in one forward pass;
+    predict  with a length predictor, the hidden state each prefill and step reports re-predicts
+             the request's remaining length (scheduler/length_learner.py);
     commit   tokens are cut at a stop token or the length limit; the policy records the step;
     persist  the step's changes go to the state store in one round trip, *then*
     stream   the new tokens go to each request's sink.

@@ -23,8 +23,9 @@ the order is exact only to within one step; the margin covers that too.
 be served one step per bound, and under a burst a long request that a size-based order keeps
 putting off finishes far later than under FCFS (the tail). With a total bound, a request whose
 time spent waiting since arrival (latency so far minus its time in steps) passes it is promoted,
-those that passed it first first, until it finishes: past the bound it is served as FCFS would.
-Its deadline, arrival + time in steps + bound, moves only when it is served, so a heap holds them.
+those that have waited longest first: past the bound requests are served by their waiting, as
+FCFS would. Its deadline, arrival + time in steps + bound, moves only when it is served, so a
+heap holds them.
 """
 from __future__ import annotations
 

@@ -83,9 +83,25 @@ the simulator".
 * PolicyConfig.max_resident (the step loop's KV limit; base.py): without it, LAS and LAPS-SD can
   start more requests than hold KV, and aging then thrashes the cache (see tools/sim.py).
 
-What the simulator says about the idea itself, and why the issue's targets (mean ≥ 40% below
-fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) are not reached on this engine
-(figures: README.md, "Scheduling policies in the simulator"):
+Newcomers (`newcomers`): "predicted" (default) ranks a request whose τ is not yet known by its
+predicted remaining tokens at one token a step (plus its prefill), when it has a prediction;
+"levels" by the steps left in its first quantum, whatever its prediction (LAS, the paper's
+rule for requests it knows nothing about), which is also what "predicted" falls back to without
+one. With a predictor at arrival (the gateway's, from the prompt's hidden state) "levels" threw
+that prediction away for a request's first quantum: in `specgate sim` with the measured predictor
+"predicted" was lower in mean and in p99, at batch 1 and batch 8 (README.md, "Length prediction
+and LAPS-SD"). The arrival prediction is read through the tenant's record (`lengths`); each later
+re-prediction from the request's hidden state replaces it when it is at least as precise
+(scheduler/length_learner.py, `better`).
+
+The ranking key is the expected remaining length, not the Gittins index over the same belief
+(`min` over horizons of expected work per completion): at the predictor's spread (σ ≈ 0.9 in ln)
+the two ordered the simulated requests identically.
+
+What the simulator says about the idea itself, and why the 2026-12-01 targets (mean ≥ 40% below
+fcfs and ≥ 15% below sjf, within 20% of clairvoyant srpt) were not reached on this engine
+(figures: README.md, "Scheduling policies in the simulator"; for the targets set where order
+matters, "Length prediction and LAPS-SD"):
 * At max_batch 8 the CPU engine is close to processor sharing. A step of 8 costs far less than
   8 steps of 1, so load 0.85 of full-batch goodput keeps it busy nearly all the time at a
   mean batch well below 8, and a request spends most of its latency *in* the batch, sharing the
@@ -137,7 +153,7 @@ class LAPS(Policy):
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
                  lengths: str = "calibrated", wait_weight: float = 0.03,
-                 node_urgency: float = 0.0, wait_scale_s: float | None = None,
+                 node_urgency: float = 0.0, newcomers: str = "predicted",
                  **overrides) -> None:
         if interleave not in ("strict", "unified"):
             raise ValueError(f"interleave must be 'strict' or 'unified', not {interleave!r}")
@@ -154,9 +170,9 @@ class LAPS(Policy):
             raise ValueError("wait_weight must be ≥ 0")
         self.wait_weight = wait_weight
         self.urgency_strength = node_urgency
-        if wait_scale_s is not None and (wait_scale_s <= 0 or interleave != "unified"):
-            raise ValueError("wait_scale_s must be > 0, and needs interleave 'unified'")
-        self.wait_scale_s = wait_scale_s
+        if newcomers not in ("levels", "predicted", "min"):
+            raise ValueError(f"newcomers must be 'levels', 'predicted' or 'min', not {newcomers!r}")
+        self.newcomers = newcomers
         super().__init__(config, **overrides)
         cost, b = self.config.step_cost, self.config.max_batch
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
@@ -172,14 +188,17 @@ class LAPS(Policy):
                 and s.tau_stderr <= self.max_rel_stderr * s.tau_sum / s.n_steps)
 
     def remaining_tokens(self, s: RequestStats) -> float:
-        if s.length_belief is not None:
-            # re-predicted from its latest hidden state: (μ, σ) of ln(tokens to come) at `at`
-            mu, sigma, at = s.length_belief
+        b = s.length_belief
+        if b is None or (b[2] == 0 and self.lengths is not None):
+            # the arrival prediction goes through the tenant's record (length_model.py)
+            bel = self.lengths.belief(s.tenant, s.predicted_len, s.max_tokens) if self.lengths else None
+            b = None if bel is None else (*bel, 0)
+        if b is not None:
+            # (μ, σ) of ln(tokens to come) when it had committed `at`: re-predicted from its
+            # latest hidden state, or its length as the tenant's record calibrates the prediction
+            mu, sigma, at = b
             return max(1.0, mean_beyond(mu, max(sigma, 1e-3), max(0, s.committed - at),
-                                        cap=max(1, s.max_tokens - at)))
-        if self.lengths is not None:
-            return self.lengths.expected_remaining(s.tenant, s.predicted_len, s.committed,
-                                                   s.max_tokens)
+                                        max(1, s.max_tokens - at)))
         left = s.max_tokens - s.committed
         if s.predicted_len is None:
             return float(left)
@@ -220,11 +239,6 @@ class LAPS(Policy):
         return finished
 
     def key(self, s: RequestStats) -> float:
-        if self.wait_scale_s is not None:
-            if self._origin is None:
-                self._origin = s.arrival_s
-            return (math.log(max(self.service_key(s), 1e-3))
-                    + (s.arrival_s - self._origin) / self.wait_scale_s)
         return self.service_key(s) + self.wait_credit(s)
 
     def node_urgency(self, stats: list[RequestStats]) -> list[float] | None:
@@ -248,7 +262,12 @@ class LAPS(Policy):
         if math.isinf(end):
             return BAND + s.attained
         per_step = s.attained / s.n_steps if s.n_steps else 1.0
-        return (end - s.attained) / per_step + (self.prefill_steps(s) if not s.n_steps else 0.0)
+        key = (end - s.attained) / per_step
+        if self.newcomers != "levels" and (s.length_belief is not None or s.predicted_len is not None):
+            # predicted before its τ is known: its remaining tokens at one per step at most
+            predicted = self.remaining_tokens(s) / (self.mean_tau(s) if s.n_steps else 1.0)
+            key = predicted if self.newcomers == "predicted" else min(key, predicted)
+        return key + (self.prefill_steps(s) if not s.n_steps else 0.0)
 
     def wait_credit(self, s: RequestStats) -> float:
         """`wait_weight` × the request's arrival, in full-batch steps after the first one ranked.

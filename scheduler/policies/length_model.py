@@ -158,3 +158,4 @@ def mean_beyond(mu: float, sigma: float, c: float, cap: float | None = None) -> 
     if z > 8.0:                       # far into the tail: the log-normal's tail ~ c·σ²/(ln c − μ)
         return c * sigma * sigma / (math.log(c) - mu)
     return mean * _PHI(sigma - z) / _PHI(-z) - c
+

@@ -88,3 +88,32 @@ def test_a_stop_string_cuts_real_text(served, references):
     for stream in (False, True):
         text, reason, _ = ask(client, record, stream, stop=[stop])
         assert text == ref_text[:ref_text.find(stop)] and reason == "stop"
+
+
+def test_the_shipped_length_predictor_tells_long_answers_from_short_on_real_prompts(served, real_runtime):
+    """The gateway predicts from its first request with the weights shipped for the default
+    model (fitted on prompts the load tests do not send): on load-test prompts it has not seen,
+    open chat questions (answers of hundreds of tokens) against one-tool-call agentic tasks
+    (tens)."""
+    import numpy as np
+
+    from loadtest.workload import load_workload
+    from workers.contract import SamplingParams
+
+    emb, _ = served
+    learner = emb.step_loop.lengths
+    assert learner is not None and learner.weights is not None and learner.weights.dim == 576
+    verifier = real_runtime.verifier(prefix_cache_mb=0)
+    verifier.features = True
+
+    def predicted(kind: str) -> float:
+        out = []
+        for i, record in enumerate(load_workload(kind)[:6]):
+            ids = encode_record(real_runtime.tokenizer, record)
+            done = verifier.prefill(f"{kind}{i}", ids, SamplingParams(), 4)
+            verifier.release(f"{kind}{i}")
+            mu, _, _ = learner.belief(done.features, 0)
+            out.append(np.exp(mu))
+        return float(np.median(out))
+
+    assert predicted("chat") > 3 * predicted("agentic")

@@ -244,3 +244,16 @@ def test_prefix_cache_usage_sums_the_live_replicas_latest_reports(tiny_model):
     # a replica that has not answered for CACHE_REPORT_TTL_S (retired by Serve) drops out
     later = time.monotonic() + CACHE_REPORT_TTL_S + 1
     assert pool.prefix_cache_usage(now=later) is None
+
+
+def test_the_pool_passes_on_the_replicas_features(tiny_model):
+    """Ray mode's length predictor reads the features the verifier replicas compute: from the
+    prefill (the prompt's last token) and with every step's results."""
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model), features=True)) for _ in range(2)]
+    pool = VerifierPool(StandInHandle(workers), context_limit=workers[0].context_limit,
+                        lost_errors=(ReplicaGone,))
+    done = pool.prefill("q", [5, 9, 13, 17], prompt_len=4, sampling=SamplingParams(),
+                        max_new_tokens=8)
+    assert done.cached == 0 and len(done.features) == tiny_model.config.hidden_size
+    (res,) = pool.step([WorkItem("q", TreeBudget(0, 0))])
+    assert res.features == pytest.approx(done.features, abs=1e-5)   # nothing accepted: the root

@@ -265,3 +265,27 @@ def test_beliefs_carry_the_out_of_sample_error_of_their_checkpoint():
     assert learner.sigma_at(0) < 0.3 < 0.8 < learner.sigma_at(20)
     sharp, vague = learner.belief(f, 0), learner.belief(g, 20)
     assert better(sharp, None) and not better(vague, sharp) and better(sharp, vague)
+
+
+def test_arrivals_are_prefilled_while_kv_room_is_left_and_evicted_first(trained):
+    """With weights, a request is prefilled on arrival (so it waits with a prediction) while
+    fewer than max_resident − max_batch hold KV; when KV runs short the loop evicts those never
+    served before any that has been."""
+    lf, learner = trained
+    worker = BatchWorker(Verifier(lf, max_tree_tokens=4, features=True))
+    loop = StepLoop(make_policy("fcfs", max_batch=1, aging_bound_s=None), worker,
+                    lengths=learner, max_resident=4)
+    stats = []
+    for i in range(6):
+        p = prompt_of(i % 2, 4000 + i)
+        s = RequestStats(f"r{i}", "t", float(i), prompt_len=len(p), max_tokens=30)
+        stats.append(s)
+        loop.submit(Request(s, p, SamplingParams(), stop_token_ids=(EOS,)))
+    loop._apply_inbox()
+    assert worker.resident() == ["r0", "r1", "r2"]               # 4 − 1 room: three of six
+    assert [s.predicted_len is not None for s in stats] == [True] * 3 + [False] * 3
+    loop.step()                                                  # r0 runs, holds KV
+    loop._resident = {"r0": None, **{r: None for r in loop._resident if r != "r0"}}  # r0 LRU
+    assert loop._ensure_resident("r3", {"r3"})
+    assert loop._ensure_resident("r4", {"r4"})                   # full: a never-served one goes
+    assert "r0" in worker.resident() and len(worker.resident()) == 4

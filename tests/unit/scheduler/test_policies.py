@@ -361,3 +361,39 @@ def test_laps_remaining_length_from_a_belief_is_its_mean_beyond_what_was_committ
     assert policy.remaining_tokens(later) == pytest.approx(mean_beyond(math.log(100), 0.5, 100))
     assert policy.remaining_tokens(capped) <= 20           # never past its max_tokens
     assert policy.predictable(believing(stats("d", predicted=None), 50))
+
+
+def test_laps_ranks_newcomers_by_their_prediction_or_by_levels():
+    """A newcomer has no τ yet: "predicted" ranks it by predicted remaining tokens (at one per
+    step), "levels" by the steps left in its first quantum, whatever its prediction."""
+    def newcomers():
+        return [stats("long", predicted=2000, arrival=0), stats("short", predicted=10, arrival=1),
+                stats("mid", predicted=300, arrival=2)]
+
+    assert ranked("laps", newcomers()) == ["short", "mid"]
+    by_levels = ranked("laps", newcomers(), newcomers="levels")
+    assert by_levels == ["long", "short"]                      # equal keys: arrival order
+    with pytest.raises(ValueError, match="newcomers"):
+        make_policy("laps", newcomers="oracle")
+
+
+@pytest.mark.parametrize("name", ["sjf", "laps"])
+def test_total_wait_bound_promotes_a_request_once_its_waiting_passes_it(name):
+    """The gap bound (2 s) lets a long request wait 2 s at a time while shorter ones keep
+    arriving; a total bound of 1 s promotes it once its waiting since arrival passes 1 s, and
+    again whenever it has waited longest of those past the bound (by total waiting, as FCFS)."""
+    def run(total):
+        policy = make_policy(name, max_batch=1, aging_bound_s=2.0, aging_margin_steps=1,
+                             total_wait_bound_s=total)
+        state = build(policy, [stats("long", arrival=0.0, predicted=10_000)])
+        served, now = [], 0.0
+        for i in range(30):
+            policy.add(state, stats(f"n{i}", arrival=now, predicted=1))
+            plan = step(policy, state, now, step_s=0.1, finish=set(state.requests) - {"long"})
+            served += [round(now, 1)] if plan.request_ids == ["long"] else []
+            now += 0.1
+        return served
+
+    gap_only, bounded = run(None), run(1.0)
+    assert gap_only[0] >= 1.5 and len(gap_only) <= 2
+    assert 0.8 <= bounded[0] <= 1.1 and len(bounded) > 2 * len(gap_only)
