@@ -202,12 +202,11 @@ class InstrumentedWorker:
         return results
 
     def prefill(self, request_id: str, token_ids: Sequence[int], **kwargs: Any) -> Any:
-        done = self.worker.prefill(request_id, token_ids, **kwargs)
-        cached = getattr(done, "cached", 0)
+        done = self.worker.prefill(request_id, token_ids, **kwargs)     # a Prefilled
         tenant = kwargs.get("tenant", "default")
         self.metrics.prefill_tokens.labels(tenant).inc(max(0, len(token_ids) - 1))   # the root: no KV
-        if cached:
-            self.metrics.prefix_cache_hits.labels(tenant).inc(cached)
+        if done.cached:
+            self.metrics.prefix_cache_hits.labels(tenant).inc(done.cached)
         return done
 
     def prefix_cache_usage(self) -> tuple[int, int] | None:

@@ -64,6 +64,11 @@ ERROR_DECAY = 0.99                    # forgetting of old errors: ~100 requests'
 Belief = tuple[float, float, int]     # (μ, σ) of ln(remaining tokens), at `committed`
 
 
+def checkpoint(committed: int) -> int:
+    """The index in CHECKPOINTS of the checkpoint at or before `committed`."""
+    return max(i for i, c in enumerate(CHECKPOINTS) if c <= committed)
+
+
 def better(new: Belief | None, old: Belief | None) -> bool:
     """Should `new` replace a request's `old` belief? When it is at least as precise: an earlier,
     sharper belief conditioned on how far the request has come since (`mean_beyond`) says more
@@ -125,7 +130,7 @@ class LengthLearner:
     def sigma_at(self, committed: int) -> float:
         """The out-of-sample error of ln(remaining) at the checkpoint at or before `committed`
         (the fit's own σ until `MIN_ERRORS` requests have been scored there)."""
-        k = max(i for i, c in enumerate(CHECKPOINTS) if c <= committed)
+        k = checkpoint(committed)
         if self._sq_n[k] >= MIN_ERRORS:
             return max(0.05, math.sqrt(self._sq[k] / self._sq_n[k]))
         return self.weights.sigma if self.weights is not None else 1.0
@@ -154,8 +159,7 @@ class LengthLearner:
         elif w is not None:                      # score the weights before learning from it
             for f, c in samples:
                 if length > c and len(f) == w.dim:
-                    k = CHECKPOINTS.index(c) if c in CHECKPOINTS else max(
-                        i for i, x in enumerate(CHECKPOINTS) if x <= c)
+                    k = checkpoint(c)
                     err = math.log(length - c) - w.log_mean(f, c)
                     self._sq[k] = ERROR_DECAY * self._sq[k] + err * err
                     self._sq_n[k] = ERROR_DECAY * self._sq_n[k] + 1.0

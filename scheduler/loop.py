@@ -35,7 +35,7 @@ from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
 from scheduler.store import MemoryStore, StateStore, StepWrite
-from workers.contract import SamplingParams, StepResult, WorkItem
+from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 from workers.stopping import cut
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Worker(Protocol):
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> object: ...
+                drafter: str | None = None) -> Prefilled: ...
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]: ...
 
@@ -306,9 +306,8 @@ class StepLoop:
             self._end(request_id, Status.FAILED, "error", str(exc))
             return False
         self._resident[request_id] = None
-        features = getattr(done, "features", None)
-        if features is not None:
-            self._predict(req, features, len(req.output_ids))
+        if done.features is not None:
+            self._predict(req, done.features, len(req.output_ids))
             self.policy.touch(request_id)
         return True
 

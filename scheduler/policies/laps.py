@@ -189,16 +189,15 @@ class LAPS(Policy):
 
     def remaining_tokens(self, s: RequestStats) -> float:
         b = s.length_belief
-        if b is None or (b[2] == 0 and self.lengths is not None):
-            # the arrival prediction goes through the tenant's record (length_model.py)
-            bel = self.lengths.belief(s.tenant, s.predicted_len, s.max_tokens) if self.lengths else None
-            b = None if bel is None else (*bel, 0)
-        if b is not None:
-            # (μ, σ) of ln(tokens to come) when it had committed `at`: re-predicted from its
-            # latest hidden state, or its length as the tenant's record calibrates the prediction
+        if b is not None and (b[2] > 0 or self.lengths is None):
+            # re-predicted from its latest hidden state: (μ, σ) of ln(tokens to come) at `at`
             mu, sigma, at = b
             return max(1.0, mean_beyond(mu, max(sigma, 1e-3), max(0, s.committed - at),
                                         max(1, s.max_tokens - at)))
+        if self.lengths is not None:
+            # the arrival prediction goes through the tenant's record (length_model.py)
+            return self.lengths.expected_remaining(s.tenant, s.predicted_len, s.committed,
+                                                   s.max_tokens)
         left = s.max_tokens - s.committed
         if s.predicted_len is None:
             return float(left)
