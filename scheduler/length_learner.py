@@ -140,8 +140,9 @@ class LengthLearner:
         if features is None:
             return
         samples = self._pending.setdefault(request_id, [])
-        done = len(samples)
-        if done < len(CHECKPOINTS) and committed >= CHECKPOINTS[done]:
+        # one sample per checkpoint reached: a request re-admitted far into its output (or a step
+        # that commits past several checkpoints) starts at the checkpoint it is at
+        if not samples or checkpoint(committed) > checkpoint(samples[-1][1]):
             samples.append((tuple(features), committed))
 
     def finish(self, request_id: str, length: int, *, censored: bool = False) -> None:

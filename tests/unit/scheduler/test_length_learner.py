@@ -40,6 +40,9 @@ def test_samples_are_kept_at_checkpoints_and_censored_requests_teach_only_news()
     assert [c for _, c in learner._pending["a"]] == [c for c in CHECKPOINTS if c < 80]
     learner.finish("a", 100)
     assert learner.samples == 3                  # c = 0, 16, 64: remaining 100, 84, 36
+    for c in range(300, 320):                  # re-admitted 300 tokens in: one sample, not five
+        learner.note("late", f, c)
+    assert [c for _, c in learner._pending.pop("late")] == [300]
     learner.note("c", f, 0)
     learner.forget("c")                          # cancelled
     learner.finish("c", 10)
