@@ -29,6 +29,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.tenancy.records import SpeculationPolicy, Tenant
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from scheduler.admission import ADMITTED
+from scheduler.length_oracle import LengthOracle, prompt_key
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.request import Request, RequestStats, Status
 from workers.contract import SamplingParams
@@ -115,10 +116,13 @@ class GenerationService:
                  limiter: Limiter | None = None, metrics: GatewayMetrics | None = None,
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
-                 request_id: Callable[[str], str] = new_request_id):
+                 request_id: Callable[[str], str] = new_request_id,
+                 length_oracle: LengthOracle | None = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
-        True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl")."""
+        True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl");
+        `length_oracle`: measurement only, every known prompt's true length as its prediction
+        (scheduler/length_oracle.py)."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -130,6 +134,7 @@ class GenerationService:
         self.drafters = tuple(drafters)
         self.ready_checks = tuple(ready_checks)
         self.request_id = request_id
+        self.length_oracle = length_oracle
         self.vocab_size = len(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
 
@@ -204,6 +209,10 @@ class GenerationService:
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
                              max_tokens=max_new, priority=tenant.priority,
                              max_tree_tokens=max_tree_tokens)
+        if self.length_oracle is not None:
+            key = prompt_key(messages=inp.messages, prompt=inp.prompt if inp.prompt_ids is None
+                             else list(inp.prompt_ids))
+            stats.predicted_len = self.length_oracle.length(key, max_new)
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)

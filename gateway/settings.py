@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_MODEL = "smollm2-135m"      # = workers.loader.DEFAULT_MODEL (not imported: no torch here)
@@ -35,7 +35,8 @@ class Settings(BaseSettings):
     ended_ttl_s: float = Field(3600.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     admin_key: SecretStr | None = None         # added to the tenants file's admin keys
-    policy: Literal["laps", "fcfs", "sjf", "las"] = "laps"
+    # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py)
+    policy: Literal["laps", "fcfs", "sjf", "las", "srpt"] = "laps"
     drafters: str = "ngram"                    # comma-separated; the first is the default
     grpc_port: int | None = Field(None, ge=0, le=65535)
     # the scheduler
@@ -45,6 +46,8 @@ class Settings(BaseSettings):
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     length_predictor: bool = True      # predict output lengths from the target's hidden states
+    # measurement only: a table of prompts' true lengths (`loadtest compare` writes it for srpt)
+    length_oracle: Path | None = None
     # the planner's step costs: a profile JSON (`specgate bench profile --json`); default: measured
     # on this machine at start-up, a few seconds (tools/bench_profile.py startup_profile)
     step_profile: Path | None = None
@@ -65,6 +68,13 @@ class Settings(BaseSettings):
         if not names:
             raise ValueError("name at least one drafter (e.g. 'ngram', or 'none')")
         return ",".join(names)
+
+    @model_validator(mode="after")
+    def _srpt_needs_oracle(self) -> "Settings":
+        if self.policy == "srpt" and self.length_oracle is None:
+            raise ValueError("policy 'srpt' knows true lengths only from a length_oracle table "
+                             "(measurement only: `specgate loadtest compare` makes one)")
+        return self
 
     @property
     def drafter_names(self) -> tuple[str, ...]:

@@ -27,6 +27,12 @@ reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the p
 was the slowest in both of two real-model runs, so that laps came out far ahead of fcfs in one
 order and far behind it in the other (README.md, "Scheduling policies on the real gateway").
 One pass of each policy measures the machine's drift as much as the policies.
+
+`srpt` among the policies: the clairvoyant bound on the real engine (scheduler/length_oracle.py).
+First a truth pass asks a fresh gateway for every prompt of the workloads once, greedily, `max_batch`
+at a time, and keeps each answer's length; the srpt gateway gets that table and ranks by the true
+remaining tokens. Its row's `oracle_exact` is the share of its requests whose length the table
+had exactly (greedy answers can differ by batch, where two tokens' scores are near ties).
 """
 from __future__ import annotations
 
@@ -37,14 +43,16 @@ import json
 import multiprocessing
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse_max_tokens
-from loadtest.workload import WORKLOADS
+from loadtest.workload import WORKLOADS, load_workload
+from scheduler.length_oracle import LengthOracle, prompt_key
 
-POLICIES = ("laps", "fcfs", "sjf", "las")
+POLICIES = ("laps", "fcfs", "sjf", "las", "srpt")
 ADMIN_KEY = "sk-loadtest-admin"             # each compare gateway's, to read its /metrics
 # the server-side histograms whose sums and counts give the latency split (module docstring)
 SPLIT_SERIES = {"e2e": "specgate_e2e_request_latency_seconds",
@@ -271,11 +279,21 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
     if load is not None and not load > 0:
         raise ValueError(f"--load must be > 0, got {load}")
     keys = tenant_keys(tenants)
+    oracle, per_policy = None, {p: settings for p in policies}
+    if "srpt" in policies:
+        print("compare: truth pass (every prompt's length, for srpt)", file=sys.stderr, flush=True)
+        oracle = truth_pass(settings, keys, workloads, max_tokens, timeout)
+        path = Path(tempfile.mkstemp(prefix="specgate-oracle-", suffix=".json")[1])
+        oracle.save(path)
+        per_policy["srpt"] = {**settings, "length_oracle": str(path)}
 
     def one(policy: str, at: float, run_seed: int) -> dict:
-        return _one_gateway(settings, policy, keys, rate=at, duration=duration, seed=run_seed,
-                            workloads=workloads, max_tokens=max_tokens, bursty=bursty,
-                            timeout=timeout)
+        report = _one_gateway(per_policy.get(policy, settings), policy, keys, rate=at,
+                              duration=duration, seed=run_seed, workloads=workloads,
+                              max_tokens=max_tokens, bursty=bursty, timeout=timeout)
+        if policy == "srpt" and oracle is not None:
+            report["oracle_exact"] = oracle_exact(oracle, report["samples"]["overall"]["lengths"])
+        return report
 
     capacity = None
     if load is not None:
@@ -307,7 +325,58 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
                                                   if k not in ("redis_url", "tenants_file")}}
     out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in policies}, run_settings)
     out["rounds"] = [round_summary(order, reps) for order, reps in by_round]
+    rows = out["policies"]
+    if {"fcfs", "laps", "srpt"} <= set(rows):
+        # the part of the clairvoyant bound's reduction of fcfs's mean that laps takes
+        f, l, b = (rows[p]["mean_latency_s"] for p in ("fcfs", "laps", "srpt"))
+        out["laps_share_of_srpt"] = (f - l) / (f - b) if None not in (f, l, b) and f != b else None
+    if oracle is not None:
+        exact = [reps["srpt"]["oracle_exact"] for _, reps in by_round]
+        out["policies"]["srpt"]["oracle_exact"] = sum(exact) / len(exact)
+        out["oracle"] = {"prompts": len(oracle.lengths), "cap": oracle.cap,
+                         "ran_to_cap": sum(n >= oracle.cap for n in oracle.lengths.values())}
     return out
+
+
+def truth_pass(settings: dict, keys: list[tuple[str, str]], workloads, max_tokens: MaxTokens,
+               timeout: float) -> LengthOracle:
+    """Every prompt of `workloads` asked once of a fresh fcfs gateway (greedy, `max_batch` at a
+    time, the largest max_tokens the load test draws): the table of their lengths."""
+    cap = max_tokens if isinstance(max_tokens, int) else max_tokens[1]
+    records = [rec for w in workloads for rec in load_workload(w)]
+    with gateway_process({**settings, "policy": "fcfs", "admin_key": ADMIN_KEY}, keys) as gw:
+        lengths = asyncio.run(_answer_lengths(gw.url, keys[0][1], records, cap,
+                                              settings.get("max_batch", 8), timeout))
+    return LengthOracle(cap, lengths)
+
+
+async def _answer_lengths(url: str, key: str, records: list[dict], cap: int, at_once: int,
+                          timeout: float) -> dict[str, int]:
+    import httpx
+
+    from loadtest.loadgen import _discover_model
+
+    gate = asyncio.Semaphore(at_once)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
+        model = await _discover_model(client, [key])
+
+        async def one(rec: dict) -> tuple[str, int]:
+            body = {"model": model, "messages": rec["messages"], "max_tokens": cap,
+                    "temperature": 0}
+            async with gate:
+                resp = await client.post("/v1/chat/completions", json=body,
+                                         headers={"Authorization": f"Bearer {key}"})
+            resp.raise_for_status()
+            return prompt_key(messages=rec["messages"]), resp.json()["usage"]["completion_tokens"]
+
+        return dict(await asyncio.gather(*(one(r) for r in records)))
+
+
+def oracle_exact(oracle: LengthOracle, lengths: list[list]) -> float | None:
+    """The share of (prompt key, max_tokens, output tokens) whose length the oracle had exactly."""
+    if not lengths:
+        return None
+    return sum(oracle.length(k, limit) == n for k, limit, n in lengths) / len(lengths)
 
 
 def _one_gateway(settings: dict, policy: str, keys: list[tuple[str, str]], *, rate: float,

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.workload import WORKLOADS, load_workload
+from scheduler.length_oracle import prompt_key
 
 BURSTY_CV = 3.0
 
@@ -162,6 +163,8 @@ class Result:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    prompt: str = ""                   # the prompt's key (scheduler/length_oracle.prompt_key)
+    limit: int = 0                     # its max_tokens
 
     @property
     def ok(self) -> bool:
@@ -246,7 +249,9 @@ def build_report(results: list[Result], settings: dict, elapsed: float, ttft_s: 
 def _samples(results: list[Result]) -> dict[str, list[float]]:
     done = [r for r in results if r.ok]
     return {"ttft_s": [round(r.ttft, 6) for r in done if r.ttft is not None],
-            "e2e_s": [round(r.e2e, 6) for r in done]}
+            "e2e_s": [round(r.e2e, 6) for r in done],
+            # what each request asked for and got: how well an oracle of lengths knew them
+            "lengths": [[r.prompt, r.limit, r.output_tokens] for r in done]}
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -274,7 +279,8 @@ async def loadtest(url: str, tenants: list[tuple[str, str]], *, rate: float, dur
         for t, ((label, key), (wname, rec)), limit in zip(times, picks, limits_each):
             if (delay := t0 + t - clock()) > 0:
                 await asyncio.sleep(delay)
-            r = Result(label, wname, float(t))
+            r = Result(label, wname, float(t), prompt=prompt_key(messages=rec["messages"]),
+                       limit=limit)
             results.append(r)
             body = {"model": model, "messages": rec["messages"], "max_tokens": limit,
                     "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}

@@ -21,6 +21,7 @@ from scheduler.loop import StepLoop
 from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
 from scheduler.length_learner import MODEL_NAME, LengthLearner, shipped_predictor
+from scheduler.length_oracle import LengthOracle, true_remaining
 from scheduler.store import open_store
 from workers.fake_worker import PacedFakeWorker
 
@@ -73,10 +74,12 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     max_resident = max(settings.max_resident, settings.max_batch)
     # The policy starts a new request only while KV room is left, so the loop never has to evict
     # (evict, re-prefill, fall further behind: the simulator's meltdown under bursts).
+    oracle = LengthOracle.load(settings.length_oracle) if settings.length_oracle else None
+    extra = {"oracle": true_remaining} if settings.policy == "srpt" else {}
     policy = make_policy(settings.policy, max_batch=settings.max_batch,
                          token_budget=settings.token_budget,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
-                         step_cost=step_cost, max_resident=max_resident)
+                         step_cost=step_cost, max_resident=max_resident, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
@@ -116,7 +119,8 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     metrics.watch(step_loop, components)
     emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
                                     limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,
-                                    drafters=settings.drafter_names, ready_checks=checks)
+                                    drafters=settings.drafter_names, ready_checks=checks,
+                                    length_oracle=oracle)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
     return emb
 

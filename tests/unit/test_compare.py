@@ -175,3 +175,23 @@ def test_unknown_policy_is_refused():
 
     with pytest.raises(ValueError, match="unknown policy"):
         compare(["fifo"], {}, rate=1, duration=1)
+
+
+def test_srpt_gets_a_truth_pass_and_knows_every_length(tmp_path):
+    """srpt among the policies: a truth pass asks every prompt once, and the srpt gateway ranks
+    by that table; the fake worker runs every answer to its limit, so the table is exact."""
+    from loadtest.compare import add_arguments, run, table
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "cmp.json"
+    args = p.parse_args(["--policies", "fcfs,laps,srpt", "--fake-worker", "--fake-step-ms", "2",
+                         "--rate", "8", "--duration", "1.5", "--seed", "3", "--max-tokens", "4-8",
+                         "--workloads", "chat,copy", "--json", str(out)])
+    assert run(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["oracle"] == {"prompts": 28, "cap": 8, "ran_to_cap": 28}
+    srpt = rep["policies"]["srpt"]
+    assert srpt["errors"] == 0 and srpt["completed"] == srpt["requests"] > 6
+    assert srpt["oracle_exact"] == 1.0
+    assert "laps_share_of_srpt" in rep and "srpt" in table(rep)
