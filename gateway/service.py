@@ -1,15 +1,23 @@
 """The generation service: what REST and gRPC both call. No HTTP in here.
 
 One request, in order:
-    check     the model (404 unknown, 403 not allowed), the fields (400, naming the field);
-    tokenize  prompt or messages (chat template) → ids; the context bounds the prompt (413);
-    limit     the tenant's rate and token limits (429 with Retry-After);
+    precheck  the tenant's rate limits as they stand (429 with Retry-After), before any work on
+              its prompt: a tenant over its limits costs no tokenization;
+    check     the model (404 unknown, 403 not allowed), the fields (400, naming the field), the
+              prompt's length in characters against what the context and the tenant's
+              `max_prompt_tokens` could hold (413, before tokenizing);
+    tokenize  prompt or messages (chat template) → ids; the context and the tenant's
+              `max_prompt_tokens` bound the prompt (413);
+    limit     the tenant's rate and token limits, charged (429 with Retry-After);
     submit    to the step loop, with the tenant's priority, weight and speculation policy
               (a full queue: 429 for the tenant's own queue, 503 for the scheduler's);
     stream    the loop's events, bridged from its thread into asyncio, through the incremental
               detokenizer and the stop-string matcher; a stop string ends the request early.
 
-`stream()` admits eagerly: it raises `ApiError` before returning, so a caller can still answer
+`open_stream()` does precheck … limit in a worker thread: a 2 MB prompt takes about a second to
+tokenize, and the limiter's store calls may wait on the network; neither may hold up the event
+loop, which serves every other stream and /health. `stream()` is the same, on the calling thread.
+Both admit eagerly: they raise `ApiError` before returning, so a caller can still answer
 with an error status; the iterator it returns yields `StreamChunk`s then one `GenerateOutput`.
 Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step.
 """
@@ -27,7 +35,7 @@ from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.records import SpeculationPolicy, Tenant
-from gateway.text import IncrementalDetokenizer, StopMatcher
+from gateway.text import IncrementalDetokenizer, StopMatcher, max_token_chars
 from scheduler.admission import ADMITTED
 from scheduler.length_oracle import LengthOracle, prompt_key
 from scheduler.loop import Delta, Finished, StepLoop
@@ -136,6 +144,7 @@ class GenerationService:
         self.request_id = request_id
         self.length_oracle = length_oracle
         self.vocab_size = len(tokenizer)
+        self.max_token_chars = max_token_chars(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
 
     # ---- the interface ------------------------------------------------------------------------
@@ -149,7 +158,7 @@ class GenerationService:
         return True
 
     async def generate(self, inp: GenerateInput) -> GenerateOutput:
-        stream = self.stream(inp)
+        stream = await self.open_stream(inp)
         try:
             async for item in stream:
                 if isinstance(item, GenerateOutput):
@@ -162,9 +171,14 @@ class GenerationService:
         raise AssertionError("a stream ends with its GenerateOutput")
 
     async def open_stream(self, inp: GenerateInput) -> "RequestStream":
-        """`stream`, awaitable: the call the routers make, so a remote service (Ray mode's
+        """`stream`, awaitable, with the checks, tokenization and the limiter off the event loop
+        (module docstring): the call the routers make, so a remote service (Ray mode's
         `gateway.ray_serve.remote.RemoteService`) can admit the request over the network first."""
-        return self.stream(inp)
+        t0 = time.perf_counter()
+        if inp.tenant is None:
+            raise errors.unauthorized()
+        prep, grant = await asyncio.to_thread(self._admit, inp, inp.tenant)
+        return self._submit_or_release(prep, grant, t0)
 
     def stream(self, inp: GenerateInput) -> "RequestStream":
         """Admit the request (raises ApiError) and return its event iterator. Call it on the
@@ -172,12 +186,20 @@ class GenerationService:
         t0 = time.perf_counter()
         if inp.tenant is None:
             raise errors.unauthorized()
+        prep, grant = self._admit(inp, inp.tenant)
+        return self._submit_or_release(prep, grant, t0)
+
+    def _admit(self, inp: GenerateInput, tenant: Tenant) -> tuple[_Prepared, Grant | None]:
+        """precheck, check, tokenize, limit (module docstring): any thread."""
+        self._precheck(inp, tenant)
         try:
-            prep = self._prepare(inp, inp.tenant)
+            prep = self._prepare(inp, tenant)
         except ApiError:
-            self.metrics.rejected(inp.tenant.name)
+            self.metrics.rejected(tenant.name)
             raise
-        grant = self._acquire(prep)
+        return prep, self._acquire(prep)
+
+    def _submit_or_release(self, prep: _Prepared, grant: Grant | None, t0: float) -> "RequestStream":
         try:
             return self._submit(prep, grant, t0)
         except BaseException:
@@ -197,12 +219,17 @@ class GenerationService:
             raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
                                  "max_tokens")
         drafter, max_tree_tokens = self._speculation(inp, tenant.speculation)
-        ids, param, kind = self._tokenize(inp)
         limit = self.step_loop.worker.context_limit
+        self._check_prompt_chars(inp, tenant, limit)
+        ids, param, kind = self._tokenize(inp)
         if len(ids) >= limit:
             raise errors.too_large(f"the prompt has {len(ids)} tokens; this model's context is "
                                    f"{limit} tokens (prompt and output together)", param,
                                    code="context_length_exceeded")
+        cap = tenant.max_prompt_tokens
+        if cap is not None and len(ids) > cap:
+            raise errors.too_large(f"the prompt has {len(ids)} tokens; this API key may send at "
+                                   f"most {cap}", param, code="max_prompt_tokens_exceeded")
         room = limit - len(ids)
         max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
         rid = self.request_id(kind)
@@ -216,6 +243,30 @@ class GenerationService:
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)
+
+    def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:
+        """Refuse, before tokenizing it, a prompt whose characters need more tokens than the
+        context (or the tenant's `max_prompt_tokens`) holds, however it tokenizes: every token
+        stands for at most `max_token_chars` characters (gateway/text.py)."""
+        if inp.prompt_ids is not None:
+            return                                     # counted exactly, and cheaply, later
+        if isinstance(inp.prompt, str):
+            field, chars = "prompt", len(inp.prompt)
+        elif isinstance(inp.messages, list):
+            field = "messages"
+            chars = sum(len(m["content"]) for m in inp.messages
+                        if isinstance(m, dict) and isinstance(m.get("content"), str))
+        else:
+            return                                     # malformed: `_tokenize` says how
+        at_least = -(-chars // self.max_token_chars)   # ceil
+        if at_least >= context:
+            raise errors.too_large(f"the prompt has at least {at_least} tokens; this model's "
+                                   f"context is {context} tokens (prompt and output together)",
+                                   field, code="context_length_exceeded")
+        cap = tenant.max_prompt_tokens
+        if cap is not None and at_least > cap:
+            raise errors.too_large(f"the prompt has at least {at_least} tokens; this API key may "
+                                   f"send at most {cap}", field, code="max_prompt_tokens_exceeded")
 
     def _tokenize(self, inp: GenerateInput) -> tuple[list[int], str, str]:
         inputs = {"prompt": inp.prompt, "messages": inp.messages, "prompt_ids": inp.prompt_ids}
@@ -260,6 +311,20 @@ class GenerationService:
         return ("none", 0) if cap == 0 else (drafter, cap)
 
     # ---- limits and admission ----------------------------------------------------------------------
+    def _precheck(self, inp: GenerateInput, tenant: Tenant) -> None:
+        """429 now if the tenant's limits would refuse even the least this request can cost (a
+        one-token prompt, and its max_tokens as far as the context allows). Charges nothing."""
+        if self.limiter is None:
+            return
+        from gateway.tenancy.limits import LimitExceeded
+        context = self.step_loop.worker.context_limit
+        mt = inp.max_tokens
+        least = context if mt is None else min(1 + mt, context) if _is_int(mt) and mt >= 1 else 1
+        try:
+            self.limiter.precheck(tenant, least)
+        except LimitExceeded as exc:
+            raise self._refused(tenant.name, exc) from None
+
     def _acquire(self, prep: _Prepared) -> Grant | None:
         if self.limiter is None:
             return None
@@ -268,10 +333,13 @@ class GenerationService:
         try:
             return self.limiter.acquire(prep.tenant, s.prompt_len + s.max_tokens)
         except LimitExceeded as exc:
-            self.metrics.refused(s.tenant, str(exc.kind), "rate_limited")
-            raise errors.rate_limited(exc.message, exc.retry_after_s,
-                                      code=f"{exc.kind}_exceeded" if exc.kind else
-                                      "rate_limit_exceeded") from None
+            raise self._refused(s.tenant, exc) from None
+
+    def _refused(self, tenant: str, exc: Exception) -> ApiError:
+        """A limiter's refusal (LimitExceeded) as the client's 429, counted."""
+        self.metrics.refused(tenant, str(exc.kind), "rate_limited")
+        return errors.rate_limited(exc.message, exc.retry_after_s,
+                                   code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")
 
     def _submit(self, prep: _Prepared, grant: Grant | None, t0: float) -> "RequestStream":
         aio = asyncio.get_running_loop()

@@ -137,6 +137,19 @@ class StopMatcher:
         return text
 
 
+def max_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token can stand for, so that a prompt of n characters is
+    known to have at least n / this many tokens before it is tokenized (a prompt far too long is
+    refused without that work). A vocabulary entry's string is never shorter than the text it
+    decodes to: byte-level BPE spells each byte as one character, SentencePiece spells the text
+    itself ("▁" for a space), byte fallback spells one byte as "<0x41>". (A tokenizer whose
+    normalizer drops characters would break this; no causal LM's we load has one.)"""
+    own = getattr(tokenizer, "max_token_chars", None)
+    if own is not None:
+        return int(own)
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
 class ToyTokenizer:
     """A stand-in tokenizer for the fake worker: no files, deterministic, ids 0 … 999.
 
@@ -147,6 +160,7 @@ class ToyTokenizer:
     """
 
     vocab_size = 1000
+    max_token_chars = 1                       # it encodes one character per token
     pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
     all_special_ids = [0, 1, 2]
     _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))

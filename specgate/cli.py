@@ -37,6 +37,8 @@ COMMANDS: tuple[Command, ...] = (
             "tokens per step of several drafters (and their merges) on one mixed workload"),
     Command(("bench", "gateway"), "tools.bench_gateway",
             "added latency and requests/s of the HTTP gateway over the step loop (fake worker)"),
+    Command(("bench", "front"), "tools.bench_front",
+            "does one client's 2 MB prompt stall /health and other tenants? (real model)"),
     Command(("bench", "lengths"), "tools.bench_lengths",
             "length predictor on the target's hidden states vs tenant records, offline"),
     Command(("bench", "profile"), "tools.bench_profile",

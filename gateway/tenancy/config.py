@@ -38,7 +38,8 @@ def _spell(path: tuple) -> str:
 
 _TOP_FIELDS = frozenset({"tenants", "admin_keys"})
 _TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
-                            "max_concurrent", "max_queued", "models", "speculation"})
+                            "max_concurrent", "max_queued", "max_prompt_tokens", "models",
+                            "speculation"})
 _SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
 
 
@@ -123,6 +124,7 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         tpm=_int(obj, "tpm", path, None, minimum=1, nullable=True),
         max_concurrent=_int(obj, "max_concurrent", path, None, minimum=1, nullable=True),
         max_queued=_int(obj, "max_queued", path, None, minimum=1, nullable=True),
+        max_prompt_tokens=_int(obj, "max_prompt_tokens", path, None, minimum=1, nullable=True),
         models=tuple(_strings(obj, "models", path, ("*",))),
         speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
     return tenant, list(dict.fromkeys(digests))

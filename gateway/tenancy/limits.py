@@ -161,6 +161,13 @@ class _MemoryBuckets:
         self._tats: dict[tuple[str, str], float] = {}           # (kind, tenant) -> TAT
         self._grants: dict[str, dict[str, float]] = {}          # tenant -> grant id -> expiry
 
+    def usage(self, tenant: Tenant, now: float) -> Usage:
+        with self._lock:
+            grants = self._grants.get(tenant.name, {})
+            return Usage(self._tats.get(("rpm", tenant.name), 0.0),
+                         self._tats.get(("tpm", tenant.name), 0.0),
+                         sum(expiry > now for expiry in grants.values()))
+
     def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
         with self._lock:
             grants = self._grants.setdefault(tenant.name, {})
@@ -265,6 +272,7 @@ return 1
 class _RedisBuckets:
     def __init__(self, client, prefix: str) -> None:
         self._prefix = prefix + "rl:"
+        self._client = client
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self._renew = client.register_script(_RENEW_LUA)
@@ -281,6 +289,16 @@ class _RedisBuckets:
         if int(reply[0]) == 1:
             return Verdict(True, 0.0, 0.0)          # TATs stay in Redis
         return Verdict(False, 0.0, 0.0, reply[1].decode(), float(reply[2]))
+
+    def usage(self, tenant: Tenant, now: float) -> Usage:
+        """Read only, one round trip: the TATs and the live grants."""
+        name = tenant.name
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._key("rpm", name))
+        pipe.get(self._key("tpm", name))
+        pipe.zcount(self._key("conc", name), f"({now!r}", "+inf")
+        rpm, tpm, live = pipe.execute()
+        return Usage(float(rpm) if rpm else 0.0, float(tpm) if tpm else 0.0, int(live))
 
     def release(self, grant: Grant, used_tokens: int, now: float) -> bool:
         return bool(self._release(
@@ -316,6 +334,18 @@ class Limiter:
         if not verdict.allowed:
             raise refusal(tenant, tokens, verdict)
         return Grant(tenant.name, grant_id, tokens, tenant.tpm)
+
+    def precheck(self, tenant: Tenant, tokens: int) -> None:
+        """Raise LimitExceeded if a request of at least `tokens` tokens would be refused now;
+        charges nothing. For what is known before a request's prompt is tokenized (its tenant, a
+        lower bound on its tokens): a tenant over its limits is refused before that work is done.
+        A tenant without limits costs no store call."""
+        if tenant.rpm is None and tenant.tpm is None and tenant.max_concurrent is None:
+            return
+        now = self._clock()
+        verdict = check(tenant, self._buckets.usage(tenant, now), now, tokens)
+        if not verdict.allowed:
+            raise refusal(tenant, tokens, verdict)
 
     def release(self, grant: Grant, used_tokens: int) -> None:
         """Free the grant's concurrency slot and correct its TPM charge to `used_tokens` (the

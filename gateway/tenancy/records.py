@@ -31,6 +31,7 @@ class Tenant:
     tpm: int | None = None
     max_concurrent: int | None = None
     max_queued: int | None = None
+    max_prompt_tokens: int | None = None    # longer prompts are refused (413); None = the context
     models: tuple[str, ...] = ("*",)
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
 
@@ -46,6 +47,7 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
     s = t.speculation
     return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
             "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
+            "max_prompt_tokens": t.max_prompt_tokens,
             "models": list(t.models),
             "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
                             "max_tree_tokens": s.max_tree_tokens}}

@@ -326,6 +326,8 @@ def test_admin_unpaired_surrogates_are_400(client, admin, body):
     ("rpm", 10**400, 400), ("rpm", 2**64, 400), ("rpm", 2**53, 201),
     ("tpm", 10**400, 400), ("priority", 10**400, 400), ("max_concurrent", 10**400, 400),
     ("max_queued", 10**400, 400), ("max_queued", 2**53, 201),
+    ("max_prompt_tokens", 10**400, 400), ("max_prompt_tokens", 0, 400),
+    ("max_prompt_tokens", 2**53, 201),
 ], ids=lambda v: f"{str(v)[:1]}e{len(str(v)) - 1}" if isinstance(v, int) and v > 10**20 else str(v))
 def test_admin_huge_numbers(gw, client, admin, field, value, status):
     """Limits past 2**53 (10**400 took every request of the tenant to a 500: OverflowError in the

@@ -71,3 +71,20 @@ def test_converted_copy_matches_the_gguf(target, model_dir, tmp_path):
     ids = tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids  # [1, S]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, direct(ids).logits, rtol=0, atol=1e-4)
+
+
+def test_no_token_stands_for_more_characters_than_max_token_chars(target):
+    """The gateway refuses a prompt too long for the context before tokenizing it, on the bound
+    `max_token_chars` (gateway/text.py): it must hold for every token and for hostile text."""
+    from gateway.text import max_token_chars
+
+    _, tokenizer = target
+    bound = max_token_chars(tokenizer)
+    assert 1 < bound < 1000
+    longest = max(len(tokenizer.decode([i])) for i in range(len(tokenizer)))
+    assert longest <= bound
+    texts = [" " * 5000, "\n" * 3000, "a" * 4000, "é" * 2000, "ab " * 1500, "=" * 4096,
+             "def f(x):\n    return x\n" * 200, "🙂" * 500, "\t \t" * 1000, "<|im_start|>" * 300]
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(text) <= len(ids) * bound, text[:20]

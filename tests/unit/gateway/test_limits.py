@@ -179,6 +179,46 @@ def test_a_refused_request_charges_nothing(store):
     assert _refused(limiter, t, 1).kind in ("rpm", "concurrency")
 
 
+def test_precheck_refuses_what_acquire_would_and_charges_nothing(store):
+    """Before a prompt is tokenized: a tenant over its rpm, its concurrency, or asking for more
+    than its tpm at all is refused as `acquire` would refuse it; a precheck that passes takes
+    nothing, so the request after it still fits."""
+    clock = Clock()
+    limiter = _limiter(store, clock)
+    t = Tenant("acme", rpm=2, tpm=100, max_concurrent=1)
+    for _ in range(5):
+        limiter.precheck(t, 50)                              # nothing charged: 5 × 50 > 100
+    g = limiter.acquire(t, 50)
+    with pytest.raises(LimitExceeded) as err:
+        limiter.precheck(t, 1)
+    assert err.value.kind == "concurrency"
+    limiter.release(g, 50)
+    limiter.precheck(t, 50)
+    limiter.release(limiter.acquire(t, 50), 50)
+    limiter.release(limiter.acquire(Tenant("other", rpm=1), 1), 1)   # others' buckets apart
+    with pytest.raises(LimitExceeded) as err:
+        limiter.precheck(t, 1)                               # the 3rd request of rpm=2
+    assert err.value.kind == "rpm" and err.value.retry_after_s == pytest.approx(30.0)
+    with pytest.raises(LimitExceeded, match="Request too large"):
+        limiter.precheck(Tenant("acme2", tpm=100), 101)
+    clock.now += 30
+    limiter.precheck(t, 1)
+
+
+def test_precheck_of_an_unlimited_tenant_needs_no_store():
+    """A tenant without limits is never refused, so its precheck makes no store call: even a
+    store that is down costs it nothing."""
+    limiter = Limiter(None, clock=Clock())
+
+    class Down:
+        def usage(self, tenant, now):
+            raise ConnectionError("down")
+    limiter._buckets = Down()
+    limiter.precheck(Tenant("free"), 10**9)
+    with pytest.raises(ConnectionError):
+        limiter.precheck(Tenant("metered", rpm=5), 1)
+
+
 def test_a_dead_gateways_slots_expire(store):
     clock = Clock()
     limiter = _limiter(store, clock, lease_s=30)

@@ -223,11 +223,11 @@ def test_rate_limits_refuse_with_429_and_retry_after_and_release_their_tokens():
         assert (e.value.status, e.value.code) == (429, "rpm_exceeded")
         assert e.value.retry_after_s > 0 and "Retry-After" in e.value.headers()
         # tokens reserved (prompt + max_tokens) are corrected to what was used
-        # (ids: cmpl-0, 1 served, cmpl-2 refused). Each request reserves 11 + 150 tokens; a stop
+        # (ids: cmpl-0, 1 served; the third, refused before any work, got none). Each request reserves 11 + 150 tokens; a stop
         # string at the start ends it after ~12 tokens used. Without the refund the second would
         # be refused (2 × 161 > 200); with it, three fit (the next needs 161 tokens of headroom).
         big = Tenant("big", tpm=200)
-        for i in range(3, 6):
+        for i in range(2, 5):
             out = asyncio.run(rig.service.generate(
                 inp(big, max_tokens=150, stop=(truth_text(f"cmpl-{i}", 2),))))
             assert out.finish_reason == "stop" and out.text == ""
@@ -265,3 +265,94 @@ def test_ready_reflects_every_check(rig):
     assert rig.service.ready()
     svc = GenerationService(rig.loop, TOK, models=[MODEL], ready_checks=[lambda: True, lambda: 1 / 0])
     assert not svc.ready()
+
+
+# ---- the front: limits before work, tokenization off the event loop -----------------------------
+class CountingTokenizer(ToyTokenizer):
+    """The toy tokenizer, counting its calls; `gate` (when set) holds each call until released."""
+
+    def __init__(self, gate=None) -> None:
+        super().__init__()
+        self.calls, self.gate = 0, gate
+
+    def __call__(self, text, add_special_tokens=True):
+        self.calls += 1
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        return super().__call__(text, add_special_tokens)
+
+
+def _front_rig(tok, *, context: int = 256, limiter=None) -> Rig:
+    rig = Rig(context=context, limiter=limiter)
+    rig.service.tokenizer = tok
+    return rig
+
+
+def test_an_over_rpm_tenant_gets_429_before_its_prompt_is_tokenized():
+    tok = CountingTokenizer()
+    rig = _front_rig(tok, context=1024, limiter=Limiter(None))
+    t = Tenant("t", rpm=1)
+    try:
+        asyncio.run(rig.service.generate(inp(t, max_tokens=4)))
+        assert tok.calls == 1
+        with pytest.raises(ApiError) as err:             # oversized as well: 429, not 413
+            asyncio.run(rig.service.generate(inp(t, prompt="x" * 5000, max_tokens=4)))
+        assert err.value.status == 429 and err.value.code == "rpm_exceeded"
+        assert tok.calls == 1                              # refused before any tokenizing
+    finally:
+        rig.close()
+
+
+def test_a_prompt_too_long_for_any_tokenization_gets_413_untokenized():
+    """More characters than the context could hold at `max_token_chars` each (1 for the toy
+    tokenizer); a tenant's max_prompt_tokens bounds the same way, then exactly."""
+    tok = CountingTokenizer()
+    rig = _front_rig(tok, context=256)
+    try:
+        with pytest.raises(ApiError) as err:
+            asyncio.run(rig.service.generate(inp(prompt="x" * 300)))
+        assert err.value.status == 413 and err.value.code == "context_length_exceeded"
+        with pytest.raises(ApiError) as err:
+            asyncio.run(rig.service.generate(inp(messages=[{"role": "user", "content": "x" * 300}],
+                                                 prompt=None)))
+        assert err.value.status == 413 and err.value.param == "messages"
+        capped = Tenant("capped", max_prompt_tokens=50)
+        with pytest.raises(ApiError) as err:
+            asyncio.run(rig.service.generate(inp(capped, prompt="x" * 51)))
+        assert err.value.status == 413 and err.value.code == "max_prompt_tokens_exceeded"
+        assert tok.calls == 0
+        with pytest.raises(ApiError) as err:              # 45 characters, more tokens (template)
+            asyncio.run(rig.service.generate(inp(capped, messages=[{"role": "user", "content": "y" * 45}],
+                                                 prompt=None)))
+        assert err.value.status == 413 and err.value.code == "max_prompt_tokens_exceeded"
+        assert tok.calls == 1                              # this one was counted exactly
+        out = asyncio.run(rig.service.generate(inp(capped, prompt="x" * 50, max_tokens=3)))
+        assert out.completion_tokens == 3
+    finally:
+        rig.close()
+
+
+def test_tokenizing_runs_off_the_event_loop():
+    """While one request's tokenization is held, the event loop still runs other work (another
+    request, answered in full): open_stream tokenizes in a worker thread."""
+    import threading
+    gate = threading.Event()
+    tok = CountingTokenizer(gate)
+    rig = _front_rig(tok)
+    try:
+        async def go():
+            held = asyncio.ensure_future(rig.service.generate(inp(max_tokens=4)))
+            while tok.calls == 0:
+                await asyncio.sleep(0.005)
+            ticks = 0
+            for _ in range(20):                            # the loop is free: it ticks
+                await asyncio.sleep(0.001)
+                ticks += 1
+            assert not held.done()
+            gate.set()
+            return ticks, await held
+
+        ticks, out = asyncio.run(go())
+        assert ticks == 20 and out.completion_tokens == 4
+    finally:
+        rig.close()

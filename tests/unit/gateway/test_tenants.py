@@ -15,7 +15,8 @@ from gateway.tenancy.tenants import TenantRegistry
 EXAMPLE = {
     "tenants": [
         {"name": "acme", "api_keys": ["sk-acme-1"], "weight": 2, "priority": 0, "rpm": 600,
-         "tpm": 200000, "max_concurrent": 16, "max_queued": 64, "models": ["*"],
+         "tpm": 200000, "max_concurrent": 16, "max_queued": 64, "max_prompt_tokens": 4000,
+         "models": ["*"],
          "speculation": {"enabled": True, "drafters": ["ngram"], "max_tree_tokens": 32}},
         {"name": "beta", "api_keys": ["sha256:" + hashlib.sha256(b"sk-beta-1").hexdigest()],
          "models": ["smollm2-*"], "speculation": {"enabled": False, "drafters": []}},
@@ -43,7 +44,7 @@ def test_parse_example():
     tenants, admins = parse_tenants(EXAMPLE)
     (acme, acme_keys), (beta, beta_keys) = tenants
     assert acme == Tenant("acme", weight=2.0, priority=0, rpm=600, tpm=200000, max_concurrent=16,
-                          max_queued=64, models=("*",),
+                          max_queued=64, max_prompt_tokens=4000, models=("*",),
                           speculation=SpeculationPolicy(True, ("ngram",), 32))
     assert acme_keys == [_sha("sk-acme-1")]
     assert beta == Tenant("beta", models=("smollm2-*",),
@@ -74,6 +75,7 @@ BAD = [
     (("tenants", 0, "tpm"), 0, "tenants[0].tpm", ">= 1"),
     (("tenants", 0, "max_concurrent"), 1.5, "tenants[0].max_concurrent", "integer"),
     (("tenants", 0, "priority"), -1, "tenants[0].priority", ">= 0"),
+    (("tenants", 0, "max_prompt_tokens"), 0, "tenants[0].max_prompt_tokens", ">= 1"),
     (("tenants", 0, "weight"), 0, "tenants[0].weight", "> 0"),
     (("tenants", 0, "weight"), True, "tenants[0].weight", "number"),
     (("tenants", 0, "colour"), "red", "tenants[0].colour", "unknown field"),
