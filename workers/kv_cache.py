@@ -44,6 +44,19 @@ class KVCache:
             self.v.index_copy_(2, dst_t, self.v.index_select(2, src_t))
         self.length = base + len(accepted_rows)
 
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` slots, keeping the committed ones: new tensors, the first
+        `length` slots copied over (the only copy of the context a request's life makes, and only
+        as often as its KV outgrows a block: workers/verifier.py)."""
+        if capacity <= self.capacity:
+            return
+        shape = (*self.k.shape[:2], capacity, self.k.shape[3])
+        k = torch.empty(shape, dtype=self.k.dtype, device=self.k.device)   # k: [L, Hkv, cap, D]
+        v = torch.empty(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, :self.length] = self.k[:, :, :self.length]
+        v[:, :, :self.length] = self.v[:, :, :self.length]
+        self.k, self.v = k, v
+
     def truncate(self, length: int) -> None:
         """Forget slots at and after `length` (used when a pass is abandoned)."""
         if not 0 <= length <= self.length:

@@ -9,6 +9,13 @@ last committed token). A step feeds, for each request, the root followed by its 
 The logits at row r predict the token after row r, so row 0 checks the root's children and the
 bonus comes from the deepest accepted row. After acceptance the root and the accepted nodes' KV are
 kept in place (`KVCache.commit`), the rest is forgotten, and the bonus token becomes the new root.
+
+KV grows in blocks of `kv_block` tokens as a request runs (`KVCache.grow`), not reserved for
+prompt + max_tokens at admission: a request that omits max_tokens would otherwise hold the whole
+context's KV (8,192 tokens: ~377 MB in float32 for the default model) from its first step. A
+request starts with room for its prompt, one block and one tree; each time a step's tree would not
+fit, its KV grows by a block or by half of what it holds, whichever is more (so a long request is
+copied O(log n) times, each copy a few milliseconds), never past the model's positions.
 """
 from __future__ import annotations
 
@@ -25,6 +32,9 @@ from workers.contract import ContextLengthError, Prefilled, SamplingParams, Step
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
+
+
+KV_BLOCK = 256             # tokens of KV a request grows by (module docstring)
 
 
 @dataclass(frozen=True)
@@ -52,9 +62,13 @@ class StepTimings:
 
 class Verifier:
     def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
-                 prefix_cache: PrefixCache | None = None, features: bool = False):
+                 prefix_cache: PrefixCache | None = None, features: bool = False,
+                 kv_block: int = KV_BLOCK):
         """`features`: report each request's hidden state with its step result
-        (`StepResult.features`)."""
+        (`StepResult.features`); `kv_block`: tokens of KV a request grows by (module docstring)."""
+        if kv_block < 1:
+            raise ValueError(f"kv_block must be >= 1, got {kv_block}")
+        self.kv_block = kv_block
         self.target = target
         self.features = features
         self.max_tree_tokens = max_tree_tokens
@@ -89,8 +103,9 @@ class Verifier:
         if len(token_ids) >= self.context_limit:
             raise ContextLengthError(
                 f"prompt has {len(token_ids)} tokens; the model's context is {self.context_limit} tokens")
-        # Room for the whole output plus one tree beyond it, capped by the model's positions.
-        capacity = min(len(token_ids) + max_new_tokens + self.max_tree_tokens + 1, self.context_limit)
+        # Room for the prompt, a block of output (less if fewer tokens are wanted) and one tree.
+        capacity = min(len(token_ids) + min(max_new_tokens, self.kv_block) + self.max_tree_tokens + 1,
+                       self.context_limit)
         cache = self.target.new_cache(capacity)
         # numpy seeds must be >= 0; an unseeded request draws its own seed once, at (re-)admission.
         seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
@@ -167,7 +182,12 @@ class Verifier:
 
     def _fit(self, slot: _Slot, tree: TokenTree) -> TokenTree:
         # The root takes one KV slot and one position; the tree gets what is left of both.
-        room = min(slot.cache.capacity, slot.max_positions) - slot.cache.length - 1
+        cache = slot.cache
+        wanted = cache.length + 1 + min(len(tree), self.max_tree_tokens)
+        if wanted > cache.capacity and cache.capacity < slot.max_positions:
+            step = max(self.kv_block, cache.capacity // 2)
+            cache.grow(min(slot.max_positions, max(wanted, cache.capacity + step)))
+        room = min(cache.capacity, slot.max_positions) - cache.length - 1
         max_nodes = min(self.max_tree_tokens, room)
         if len(tree) <= max_nodes and (len(tree) == 0 or max(depths(tree)) <= room):
             return tree

@@ -143,3 +143,47 @@ def test_bf16_speculation_equals_own_plain_bf16_decoding_except_near_ties():
     assert "divergent" not in verdicts, verdicts
     assert verdicts.count("identical") >= len(ps) // 2, verdicts
     assert sum(r.accepted for r in spec) > 0          # the trees really were verified
+
+
+@pytest.mark.parametrize("kv_block", [1, 3, 16])
+def test_kv_grows_in_blocks_and_greedy_output_is_unchanged(forward, references, kv_block):
+    """KV is not reserved for prompt + max_tokens: a request starts with room for its prompt, a
+    block and a tree, and grows as it commits tokens; the output is the plain greedy one."""
+    ps = prompts()
+    reqs = greedy_requests(ps)
+    d = OracleDrafter({r.request_id: ref for r, ref in zip(reqs, references)}, 128, "mixed")
+    ver = Verifier(forward, max_tree_tokens=16, kv_block=kv_block)
+    caps: dict[str, list[int]] = {}
+    real_verify = ver.verify
+
+    def spy(batch):
+        out = real_verify(batch)
+        for i in batch:
+            caps.setdefault(i.request_id, []).append(ver._slots[i.request_id].cache.capacity)
+        return out
+
+    ver.verify = spy
+    res = Engine(ver, d, TreeBudget(12, 6), adaptive=False).generate(reqs)
+    for r, ref in zip(res, references):
+        assert r.token_ids == ref
+    ver2 = Verifier(forward, max_tree_tokens=16, kv_block=kv_block)
+    ver2.prefill("x", ps[0], SamplingParams(), max_new_tokens=400)
+    # room for the prompt, one block and one tree; not for 400 more tokens
+    assert ver2._slots["x"].cache.capacity == len(ps[0]) + kv_block + 16 + 1
+    assert any(c[-1] > c[0] for c in caps.values())             # requests grew as they ran
+
+
+def test_grown_kv_keeps_the_committed_slots():
+    from workers.kv_cache import KVCache
+    import torch
+
+    c = KVCache(2, 1, 4, 5)
+    c.k[:] = torch.arange(40.0).view(2, 1, 5, 4)
+    c.v[:] = -c.k
+    c.length = 3
+    before_k, before_v = c.k[:, :, :3].clone(), c.v[:, :, :3].clone()
+    c.grow(12)
+    assert c.capacity == 12 and c.length == 3
+    assert torch.equal(c.k[:, :, :3], before_k) and torch.equal(c.v[:, :, :3], before_v)
+    c.grow(4)                                                   # never shrinks
+    assert c.capacity == 12
