@@ -33,6 +33,11 @@ load tests do not send (`loadtest/workloads/`) and writes it there: the weights 
 default model (`scheduler/predictors/`, read by scheduler/length_learner.py), so that the
 gateway predicts from its first request without having seen the prompts it is measured on.
 
+`--loadtest-mix chat,copy,... --max-tokens 512`: instead, the shipped weights on the load test's
+own prompts (`loadtest/workloads/`, never trained on), each answered greedily under that cap, as
+`loadtest compare` sends them: Spearman ρ at arrival overall and per workload, and how many ran
+to the cap. What the gateway's policies have to rank with in that comparison.
+
 Capped answers (no stop token within the cap) stay in, with the cap as their length: it is what
 the gateway would have produced under that max_tokens, so it is the work the scheduler would
 have had to plan for; dropping them would hide the longest requests from both predictors.
@@ -64,12 +69,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the train/test shuffle")
     p.add_argument("--limit", type=int, default=0, help="use the first N records of each kind (0: all)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--loadtest-mix", help="comma-separated load-test workloads: rank their prompts "
+                   "with the shipped weights instead (module docstring)")
+    p.add_argument("--max-tokens", type=int, default=512, help="the answer cap with --loadtest-mix")
     p.add_argument("--save-weights", type=Path,
                    help="fit on every record the load tests do not send and write the weights "
                         "here (scheduler/predictors/<model>.json ships them)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.loadtest_mix:
+        report = loadtest_mix(args.loadtest_mix.split(","), cap=args.max_tokens, model=args.model)
+        print(json.dumps(_no_nan(report), indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(_no_nan(report), indent=1) + "\n", encoding="utf-8")
+        return 0
     records = load_length_set(args.data)
     if args.limit:
         records = [r for k in KINDS for r in [r for r in records if r["kind"] == k][:args.limit]]
@@ -300,3 +314,35 @@ def format_table(report: dict) -> str:
                      f"{k['baseline_median_abs_log_error']:>8.3f}")
     lines.append(f"{report['seconds']:.0f} s ({report['features_seconds']:.0f} s of features)")
     return "\n".join(lines)
+
+
+# --- the load test's own prompts -------------------------------------------------------------------
+def loadtest_mix(workloads: Sequence[str], *, cap: int, model: str, forward=None) -> dict:
+    """The shipped weights' ranking of the load test's prompts, answered greedily under `cap`."""
+    from loadtest.workload import load_workload
+    from scheduler.length_learner import shipped_predictor
+    from tools.length_data import generate_answers
+
+    shipped = shipped_predictor(model)
+    if shipped is None:
+        raise SystemExit(f"no shipped length predictor for {model!r}")
+    w = shipped[0]
+    records = [dict(r, kind=k) for k in workloads for r in load_workload(k)]
+    answered = generate_answers(records, model=model, cap=cap)
+    if forward is None:
+        from workers.runtime import load_runtime
+        forward = load_runtime(model, progress=False).forward
+    pred, true = [], []
+    for r in answered:
+        _, f = checkpoint_features(forward, r["prompt_ids"], r["answer_ids"], (0,))
+        pred.append(min(cap, float(np.exp(w.log_mean(f[0], 0)))))
+        true.append(r["length"])
+    kinds = {}
+    for k in workloads:
+        idx = [i for i, r in enumerate(answered) if r["kind"] == k]
+        kinds[k] = {"spearman": spearman([pred[i] for i in idx], [true[i] for i in idx]),
+                    "true_lengths": sorted(true[i] for i in idx),
+                    "ran_to_cap": sum(answered[i]["capped"] for i in idx)}
+    return {"model": model, "cap": cap, "prompts": len(answered),
+            "spearman": spearman(pred, true), "median_abs_log_error": median_abs_log_error(pred, true),
+            "ran_to_cap": sum(r["capped"] for r in answered), "per_workload": kinds}
