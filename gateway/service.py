@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_STOPS = 16
+INLINE_CHARS = 16_384      # prompts up to this size are tokenized on the event loop (`_quick`)
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 2.0
 
@@ -177,8 +178,23 @@ class GenerationService:
         t0 = time.perf_counter()
         if inp.tenant is None:
             raise errors.unauthorized()
-        prep, grant = await asyncio.to_thread(self._admit, inp, inp.tenant)
+        if self._quick(inp):
+            prep, grant = self._admit(inp, inp.tenant)
+        else:
+            prep, grant = await asyncio.to_thread(self._admit, inp, inp.tenant)
         return self._submit_or_release(prep, grant, t0)
+
+    def _quick(self, inp: GenerateInput) -> bool:
+        """Admit on the event loop itself? Only when nothing can take long: a short prompt (a
+        thread hop costs more than tokenizing it) and no limiter store across the network."""
+        if self.limiter is not None and self.limiter.remote:
+            return False
+        if isinstance(inp.prompt, str):
+            return len(inp.prompt) <= INLINE_CHARS
+        if isinstance(inp.messages, list):
+            return sum(len(m["content"]) for m in inp.messages if isinstance(m, dict)
+                       and isinstance(m.get("content"), str)) <= INLINE_CHARS
+        return inp.prompt_ids is None or len(inp.prompt_ids) <= INLINE_CHARS
 
     def stream(self, inp: GenerateInput) -> "RequestStream":
         """Admit the request (raises ApiError) and return its event iterator. Call it on the

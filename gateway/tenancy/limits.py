@@ -324,6 +324,11 @@ class Limiter:
         self._buckets = _MemoryBuckets() if client is None else _RedisBuckets(client, prefix)
         self._clock, self.lease_s = clock, lease_s
 
+    @property
+    def remote(self) -> bool:
+        """Do the buckets live across the network (Redis), so that a call may wait on it?"""
+        return isinstance(self._buckets, _RedisBuckets)
+
     def acquire(self, tenant: Tenant, tokens: int) -> Grant:
         """Admit one request that may use `tokens` tokens (prompt + max_tokens), charging one
         request, those tokens and one concurrency slot, or nothing: raises LimitExceeded."""
