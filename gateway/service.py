@@ -189,12 +189,10 @@ class GenerationService:
         thread hop costs more than tokenizing it) and no limiter store across the network."""
         if self.limiter is not None and self.limiter.remote:
             return False
-        if isinstance(inp.prompt, str):
-            return len(inp.prompt) <= INLINE_CHARS
-        if isinstance(inp.messages, list):
-            return sum(len(m["content"]) for m in inp.messages if isinstance(m, dict)
-                       and isinstance(m.get("content"), str)) <= INLINE_CHARS
-        return inp.prompt_ids is None or len(inp.prompt_ids) <= INLINE_CHARS
+        if inp.prompt_ids is not None:
+            return len(inp.prompt_ids) <= INLINE_CHARS
+        text = _prompt_chars(inp)
+        return text is None or text[1] <= INLINE_CHARS
 
     def stream(self, inp: GenerateInput) -> "RequestStream":
         """Admit the request (raises ApiError) and return its event iterator. Call it on the
@@ -266,14 +264,10 @@ class GenerationService:
         stands for at most `max_token_chars` characters (gateway/text.py)."""
         if inp.prompt_ids is not None:
             return                                     # counted exactly, and cheaply, later
-        if isinstance(inp.prompt, str):
-            field, chars = "prompt", len(inp.prompt)
-        elif isinstance(inp.messages, list):
-            field = "messages"
-            chars = sum(len(m["content"]) for m in inp.messages
-                        if isinstance(m, dict) and isinstance(m.get("content"), str))
-        else:
+        text = _prompt_chars(inp)
+        if text is None:
             return                                     # malformed: `_tokenize` says how
+        field, chars = text
         at_least = -(-chars // self.max_token_chars)   # ceil
         if at_least >= context:
             raise errors.too_large(f"the prompt has at least {at_least} tokens; this model's "
@@ -508,6 +502,19 @@ class RequestStream:
 
 
 # ---- field checks (pure) -------------------------------------------------------------------------------
+def _prompt_chars(inp: GenerateInput) -> tuple[str, int] | None:
+    """(field, characters) of a text prompt or of its messages' contents; None for token ids or
+    a malformed input (`_tokenize` names what is wrong)."""
+    if inp.prompt_ids is not None:
+        return None
+    if isinstance(inp.prompt, str):
+        return "prompt", len(inp.prompt)
+    if isinstance(inp.messages, list):
+        return "messages", sum(len(m["content"]) for m in inp.messages
+                               if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return None
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -93,7 +93,6 @@ class SparseKV:
     def __init__(self, new_cache, spec: DraftSpec, max_rows: int):
         self.spec = spec
         capacity = (spec.sink + spec.window + max_rows) if spec.window is not None else max(256, 2 * max_rows)
-        self._new_cache = new_cache
         self.cache: KVCache = new_cache(capacity)
         self.pos = torch.empty(capacity, dtype=torch.long)   # pos: [capacity], absolute positions
 
@@ -114,13 +113,10 @@ class SparseKV:
             self.pos[:n] = live[keep]
             c.length = n
         if c.length + rows > c.capacity:   # full attention (or a pass wider than planned): grow
-            bigger = self._new_cache(max(2 * c.capacity, c.length + rows))
-            bigger.k[:, :, : c.length] = c.k[:, :, : c.length]
-            bigger.v[:, :, : c.length] = c.v[:, :, : c.length]
-            bigger.length = c.length
-            pos = torch.empty(bigger.capacity, dtype=torch.long)
+            c.grow(max(2 * c.capacity, c.length + rows))
+            pos = torch.empty(c.capacity, dtype=torch.long)
             pos[: c.length] = self.pos[: c.length]
-            self.cache, self.pos = bigger, pos
+            self.pos = pos
 
     def past_mask(self, q_pos: torch.Tensor) -> torch.Tensor:
         """[rows, length] additive mask of the new rows (at positions q_pos) over the cached slots."""

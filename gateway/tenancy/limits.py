@@ -163,19 +163,19 @@ class _MemoryBuckets:
 
     def usage(self, tenant: Tenant, now: float) -> Usage:
         with self._lock:
-            grants = self._grants.get(tenant.name, {})
-            return Usage(self._tats.get(("rpm", tenant.name), 0.0),
-                         self._tats.get(("tpm", tenant.name), 0.0),
-                         sum(expiry > now for expiry in grants.values()))
+            return self._usage(tenant.name, now)
+
+    def _usage(self, name: str, now: float) -> Usage:
+        """The tenant's TATs and its grants still live at `now` (the caller holds the lock)."""
+        live = sum(expiry > now for expiry in self._grants.get(name, {}).values())
+        return Usage(self._tats.get(("rpm", name), 0.0), self._tats.get(("tpm", name), 0.0), live)
 
     def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
         with self._lock:
             grants = self._grants.setdefault(tenant.name, {})
             for gid in [g for g, expiry in grants.items() if expiry <= now]:
                 del grants[gid]
-            usage = Usage(self._tats.get(("rpm", tenant.name), 0.0),
-                          self._tats.get(("tpm", tenant.name), 0.0), len(grants))
-            verdict = check(tenant, usage, now, tokens)
+            verdict = check(tenant, self._usage(tenant.name, now), now, tokens)
             if verdict.allowed:
                 self._tats[("rpm", tenant.name)] = verdict.rpm_tat
                 self._tats[("tpm", tenant.name)] = verdict.tpm_tat
