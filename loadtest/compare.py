@@ -283,7 +283,9 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
     if "srpt" in policies:
         print("compare: truth pass (every prompt's length, for srpt)", file=sys.stderr, flush=True)
         oracle = truth_pass(settings, keys, workloads, max_tokens, timeout)
-        path = Path(tempfile.mkstemp(prefix="specgate-oracle-", suffix=".json")[1])
+        # removed with its files once compare returns or raises (its finalizer, at the last reference)
+        table_dir = tempfile.TemporaryDirectory(prefix="specgate-oracle-")
+        path = Path(table_dir.name) / "oracle.json"
         oracle.save(path)
         per_policy["srpt"] = {**settings, "length_oracle": str(path)}
 

