@@ -247,6 +247,15 @@ class SchedulerCollector:
         g.add_metric([], perceptible)
         yield g
         yield from _prefix_cache_gauges(self.step_loop.worker)
+        held = GaugeMetricFamily("specgate_kv_tokens", "KV slots (tokens) the resident requests hold")
+        held.add_metric([], float(self.step_loop.state.kv_tokens))
+        yield held
+        budget = self.step_loop.policy.config.kv_budget_tokens
+        if budget is not None:
+            g = GaugeMetricFamily("specgate_kv_budget_tokens", "KV slots (tokens) the planner "
+                                  "keeps resident requests within (--kv-cache-mb)")
+            g.add_metric([], float(budget))
+            yield g
         steps = CounterMetricFamily("specgate_steps", "Verification steps run by the loop")
         steps.add_metric([], self.step_loop.steps)
         yield steps

@@ -44,7 +44,12 @@ class Settings(BaseSettings):
     token_budget: int = Field(64, ge=1)        # per step: Σ (1 root + tree nodes)
     max_tree_tokens: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
+    # prompt tokens a step prefills beside the trees (chunked prefill); 0: whole, alone
+    prefill_chunk_tokens: int = Field(24, ge=0)
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
+    # per verifier: the KV memory of all resident requests and the prefix cache together (the
+    # prefix cache yields first); None: half the memory available once the model is loaded
+    kv_cache_mb: float | None = Field(None, gt=0)
     length_predictor: bool = True      # predict output lengths from the target's hidden states
     # measurement only: a table of prompts' true lengths (`loadtest compare` writes it for srpt)
     length_oracle: Path | None = None

@@ -2,7 +2,9 @@
 
     plan     the policy picks the batch and each request's tree budget (pure, no I/O);
     admit    planned requests without KV are prefilled (prompt + committed output), evicting the
-             KV of preempted requests first when more than `max_resident` would be held;
+             KV of preempted requests first when more than `max_resident` would be held; with
+             chunked prefill (the policy's `prefill_chunk_tokens`) admission only claims the KV,
+             and the plan's chunks compute it inside the steps, beside other requests' trees;
     step     the worker drafts every tree and verifies them all in one forward pass;
     predict  with a length predictor, the hidden state each prefill and step reports re-predicts
              the request's remaining length (scheduler/length_learner.py);
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
+from scheduler.kv_budget import start_slots
 from scheduler.length_learner import LengthLearner, better
 from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
@@ -48,9 +51,12 @@ class Worker(Protocol):
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> Prefilled: ...
+                drafter: str | None = None, defer: bool = False) -> Prefilled:
+        """Make a request resident; `defer`: compute none of its context's KV now (steps do,
+        in the chunks `WorkItem.prefill` asks for; the loop passes it only when chunking)."""
 
-    def step(self, items: Sequence[WorkItem]) -> list[StepResult]: ...
+    def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
+        """One result per item, in item order; a result without tokens only prefilled."""
 
     def release(self, request_id: str) -> None:
         """Free a finished request's KV and drafter state."""
@@ -100,6 +106,7 @@ class StepLoop:
         self.max_resident = max_resident
         self.clock = clock
         self.lengths = lengths
+        self.chunked = policy.config.prefill_chunk_tokens > 0
         self.state = SchedulerState()
         self.steps = 0
         self.busy_s = 0.0              # wall time of the iterations that verified something
@@ -215,6 +222,8 @@ class StepLoop:
             s = req.stats
             if s.status is Status.RUNNING:
                 s.status = Status.PREEMPTED            # no batch is running any more
+            s.prefill_left = None                      # no KV is held after a restart
+            s.kv_tokens = 0
             self._requests[s.request_id] = req
             self._limits[s.request_id] = self._limit(req)
             self.state.requests[s.request_id] = s
@@ -231,11 +240,16 @@ class StepLoop:
         start = self.clock()
         t0 = time.perf_counter()
         plan = self.policy.plan(self.state, start)
+        for rid in plan.evict:                         # the KV budget: room for this step
+            self._evict(rid)
         keep = set(plan.request_ids)
         planned = [rid for rid in plan.request_ids if self._ensure_resident(rid, keep)]
         if not planned:
             return True
-        items = [WorkItem(rid, b) for rid, b in zip(plan.request_ids, plan.budgets)
+        chunks = plan.prefill or [0] * len(plan)
+        first_warm = len(plan) - plan.warm
+        items = [WorkItem(rid, b, chunk, i < first_warm)
+                 for i, (rid, b, chunk) in enumerate(zip(plan.request_ids, plan.budgets, chunks))
                  if rid in self._resident]
         try:
             results = self.worker.step(items)
@@ -256,6 +270,13 @@ class StepLoop:
         for res in results:
             rid = res.request_id
             req = self._requests[rid]
+            req.stats.prefill_left = res.pending
+            self._hold(req.stats, res.kv_tokens)
+            if not res.decoded:                        # only prefilled: nothing to commit
+                if res.features is not None:           # ahead of its turn, now ready
+                    self._predict(req, res.features, len(req.output_ids))
+                    self.policy.touch(rid)
+                continue
             if res.features is not None:
                 # the features are of the row that read the last accepted token
                 self._predict(req, res.features, len(req.output_ids) + res.accepted)
@@ -293,23 +314,48 @@ class StepLoop:
             victim = next(unserved, None) or next((r for r in self._resident if r not in keep), None)
             if victim is None:
                 break
-            self.worker.evict(victim)          # not finished: re-prefilled when planned again
-            del self._resident[victim]
+            self._evict(victim)
         req = self._requests[request_id]
+        defer = {"defer": True} if self.chunked else {}
         try:
             done = self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
                                        prompt_len=len(req.prompt_ids), sampling=req.sampling,
                                        max_new_tokens=self._limits[request_id] - len(req.output_ids),
-                                       tenant=req.stats.tenant, drafter=req.drafter)
+                                       tenant=req.stats.tenant, drafter=req.drafter, **defer)
         except Exception as exc:
             log.warning("prefill of %s failed: %s", request_id, exc)
             self._end(request_id, Status.FAILED, "error", str(exc))
             return False
         self._resident[request_id] = None
+        req.stats.prefill_left = done.pending
+        self._hold(req.stats, done.kv_tokens)
         if done.features is not None:
             self._predict(req, done.features, len(req.output_ids))
             self.policy.touch(request_id)
         return True
+
+    def _evict(self, request_id: str) -> None:
+        """Free the KV of a request that is not finished: re-prefilled when planned again."""
+        if request_id not in self._resident:
+            return
+        self.worker.evict(request_id)
+        del self._resident[request_id]
+        s = self._requests[request_id].stats
+        s.prefill_left = None
+        self._hold(s, 0)
+
+    def _kv_room(self, s: RequestStats) -> bool:
+        """Whether starting `s` now keeps the KV held within the planner's budget (if any)."""
+        c = self.policy.config
+        if c.kv_budget_tokens is None:
+            return True
+        need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
+        return self.state.kv_tokens + need <= c.kv_budget_tokens
+
+    def _hold(self, s: RequestStats, kv_tokens: int) -> None:
+        """Record the KV slots a request holds (and the total the planner budgets by)."""
+        self.state.kv_tokens += kv_tokens - s.kv_tokens
+        s.kv_tokens = kv_tokens
 
     def _never_served(self, request_id: str) -> bool:
         s = self.state.requests.get(request_id)
@@ -342,8 +388,12 @@ class StepLoop:
                 self._limits[rid] = self._limit(req)
                 self.policy.add(self.state, req.stats)
                 if (self.lengths is not None and self.lengths.weights is not None
-                        and len(self._resident) < self.max_resident - self.policy.config.max_batch):
-                    self._ensure_resident(rid, set())       # ranked with a prediction from now
+                        and len(self._resident) < self.max_resident - self.policy.config.max_batch
+                        and self._kv_room(req.stats)):
+                    # ranked with a prediction from now; with chunks, from when steps have
+                    # prefilled it with what their chosen requests leave of the budget
+                    if self._ensure_resident(rid, set()) and req.stats.prefill_left:
+                        self.policy.prefilling(rid)
             else:
                 _, rid, status, cause = msg
                 if rid in self.state.requests:
@@ -383,6 +433,7 @@ class StepLoop:
         self.worker.release(request_id)
         self._resident.pop(request_id, None)
         req = self._requests.pop(request_id)
+        self._hold(req.stats, 0)
         self._limits.pop(request_id, None)
         with self._lock:
             self.admission.release(req.stats.tenant)

@@ -131,9 +131,20 @@ class RequestStats:
     max_wait_s: float = 0.0                # longest gap between arrival/steps seen so far
     in_steps_s: float = 0.0                # time inside the steps it was in (prefills included):
                                            # latency − this is waiting, what an order can move
+    prefill_left: int | None = None        # context tokens whose KV is still to compute, while
+                                           # it holds KV (chunked prefill); None: holds none
+    kv_tokens: int = 0                     # KV slots it holds (0: none), as the worker reports
 
     def __post_init__(self) -> None:
         self.last_served_s = self.arrival_s
+
+    @property
+    def unprefilled(self) -> int:
+        """Context tokens a prefill would still compute: what it has left while it holds KV,
+        else its whole context but the root (the prefix cache may then skip some)."""
+        if self.prefill_left is not None:
+            return self.prefill_left
+        return max(self.prompt_len + self.committed - 1, 0)
 
     @property
     def mean_tau(self) -> float | None:

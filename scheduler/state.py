@@ -18,3 +18,4 @@ class SchedulerState:
     virtual_time: dict[tuple[int, str], float] = field(default_factory=dict)
     step_s: float | None = None                          # moving average of a step's duration
     step_s_max: float = 0.0                              # longest step seen
+    kv_tokens: int = 0                                   # KV slots held by every live request

@@ -71,12 +71,14 @@ class BatchWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> Prefilled:
+                drafter: str | None = None, defer: bool = False) -> Prefilled:
         """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
         evicted request re-prefills; its drafter rebuilds its index from the context). Reports the
-        tokens whose KV came from the prefix cache, and the verifier's features if it makes them."""
+        tokens whose KV came from the prefix cache, and the verifier's features if it makes them.
+        `defer`: steps compute the context's KV in chunks (`WorkItem.prefill`), none is computed
+        now; `Prefilled.pending` says how much."""
         chosen = self.drafter(drafter)
-        done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant)
+        done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen)
         return done
 
@@ -102,7 +104,8 @@ class BatchWorker:
         groups = self._groups(items)
         trees, shares = self._draft(items, groups)
         self.draft_s += time.perf_counter() - t0
-        results = self.verifier.verify([VerifyItem(it.request_id, tree) for it, tree in zip(items, trees)])
+        results = self.verifier.verify([VerifyItem(it.request_id, tree, it.prefill, it.decode)
+                                        for it, tree in zip(items, trees)])
         out = []
         for step, tree, share in zip(results, trees, shares):
             self._resident[step.request_id].context.extend(step.tokens)

@@ -84,9 +84,18 @@ class DraftContext:
 
 @dataclass(frozen=True)
 class WorkItem:
-    """One request of a step, as the planner hands it to the worker."""
+    """One request of a step, as the planner hands it to the worker.
+
+    With chunked prefill a request is admitted with its context's KV still to compute
+    (`Prefilled.pending`); each step computes up to `prefill` more of it, in the same forward
+    pass as every other request's tree. Only a step that completes the context verifies the
+    request's root and tree (and commits tokens), and only if `decode`: a request prefilled
+    ahead of its turn (`decode=False`) just gets its KV ready.
+    """
     request_id: str
     budget: TreeBudget        # the tree to draft for it this step (NO_SPECULATION: none)
+    prefill: int = 0          # pending context tokens to compute this step
+    decode: bool = True       # verify the root and tree once the context is complete
 
 
 @dataclass(frozen=True)
@@ -102,15 +111,24 @@ class StepResult:
     # bonus (the first step: the prompt's last token), when the verifier is asked for features:
     # what a length predictor reads, at no extra pass. None otherwise.
     features: Optional[tuple[float, ...]] = None
+    prefilled: int = 0        # pending context tokens whose KV this step computed
+    pending: int = 0          # context tokens still without KV after this step
+    kv_tokens: int = 0        # KV slots the request holds after this step (what it costs)
 
     @property
     def tau(self) -> int:
         return len(self.tokens)
 
     @property
+    def decoded(self) -> bool:
+        """Whether the step verified this request's root (else it only prefilled)."""
+        return bool(self.tokens)
+
+    @property
     def tree_tokens(self) -> int:
-        """Verifier work for this request in this step: the root row plus every tree node."""
-        return self.drafted + 1
+        """Verifier work for this request in this step: the root row plus every tree node
+        (none when the step only prefilled)."""
+        return self.drafted + 1 if self.tokens else 0
 
 
 @dataclass(frozen=True)
@@ -121,6 +139,8 @@ class Prefilled:
     # the last committed one when re-admitted), when the verifier is asked for features: what a
     # length predictor reads before the request's first step. None otherwise.
     features: Optional[tuple[float, ...]] = None
+    pending: int = 0          # context tokens left for steps to prefill (`WorkItem.prefill`)
+    kv_tokens: int = 0        # KV slots the request holds now (the planner's KV budget counts them)
 
 
 class ContextLengthError(ValueError):

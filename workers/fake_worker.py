@@ -36,18 +36,26 @@ class FakeClock:
 @dataclass
 class _Fake:
     output_len: int       # output tokens committed so far
+    pending: int = 0      # context tokens without KV yet (chunked prefill)
+    prompt_len: int = 0
+
+    def kv_tokens(self, block: int) -> int:
+        """KV slots held: the context and one more, in whole blocks (as the verifier grows)."""
+        return -(-(self.prompt_len + self.output_len + 1) // block) * block
 
 
 class FakeWorker:
     def __init__(self, *, alpha: float | Callable[[str], float] = 0.6, context_limit: int = 4096,
                  step_cost: Callable[[int, int], float] | None = None, clock: FakeClock | None = None,
-                 seed: int = 0, fail_on: Callable[[Sequence[WorkItem]], bool] | None = None):
+                 seed: int = 0, fail_on: Callable[[Sequence[WorkItem]], bool] | None = None,
+                 kv_block: int = 16):
         self.alpha = alpha if callable(alpha) else (lambda _rid, a=alpha: a)
         self.context_limit = context_limit
         self.step_cost = step_cost or (lambda batch, tokens: 0.01 + 0.001 * tokens)
         self.clock = clock
         self.rng = np.random.default_rng(seed)
         self.fail_on = fail_on                      # raise in step() when this says so (failure tests)
+        self.kv_block = kv_block
         self.prefills: list[tuple[str, int]] = []   # (request id, tokens prefilled), in order
         self.batches: list[list[str]] = []          # request ids of every step, in order
         self._resident: dict[str, _Fake] = {}
@@ -60,14 +68,19 @@ class FakeWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
-                drafter: str | None = None) -> Prefilled:
+                drafter: str | None = None, defer: bool = False) -> Prefilled:
         if request_id in self._resident:
             raise ValueError(f"request {request_id!r} is already admitted")
         self.prefills.append((request_id, len(token_ids)))
-        self._resident[request_id] = _Fake(len(token_ids) - prompt_len)
-        if self.clock is not None:
+        pending = len(token_ids) - 1 if defer else 0
+        fake = self._resident[request_id] = _Fake(len(token_ids) - prompt_len, pending, prompt_len)
+        if self.clock is not None and not defer:
             self.clock.now += self.step_cost(1, len(token_ids))
-        return Prefilled()
+        return Prefilled(pending=pending, kv_tokens=fake.kv_tokens(self.kv_block))
+
+    def kv_tokens(self) -> int:
+        """KV slots held by every resident request."""
+        return sum(f.kv_tokens(self.kv_block) for f in self._resident.values())
 
     def release(self, request_id: str) -> None:
         self._resident.pop(request_id, None)
@@ -79,9 +92,16 @@ class FakeWorker:
         if self.fail_on is not None and self.fail_on(items):
             raise RuntimeError("injected step failure")
         self.batches.append([i.request_id for i in items])
-        out = []
+        out, chunks = [], 0
         for item in items:
             fake = self._resident[item.request_id]   # KeyError if not resident, like the verifier
+            chunk = min(max(item.prefill, 0), fake.pending)
+            fake.pending -= chunk
+            chunks += chunk
+            if fake.pending or not item.decode:
+                out.append(StepResult(item.request_id, (), 0, 0, prefilled=chunk, pending=fake.pending,
+                                      kv_tokens=fake.kv_tokens(self.kv_block)))
+                continue
             depth = item.budget.max_depth if item.budget.speculates else 0
             a = self.alpha(item.request_id)
             accepted = 0
@@ -90,9 +110,11 @@ class FakeWorker:
             tokens = tuple(token_at(item.request_id, fake.output_len + k) for k in range(accepted + 1))
             fake.output_len += len(tokens)
             out.append(StepResult(item.request_id, tokens, accepted, item.budget.max_nodes if depth else 0,
-                                  draft_depth=depth))
+                                  draft_depth=depth, prefilled=chunk,
+                                  kv_tokens=fake.kv_tokens(self.kv_block)))
         if self.clock is not None:
-            self.clock.now += self.step_cost(len(items), sum(r.tree_tokens for r in out))
+            # a chunk's rows cost what they would as tree rows (the step's cost per token)
+            self.clock.now += self.step_cost(len(items), sum(r.tree_tokens for r in out) + chunks)
         return out
 
 

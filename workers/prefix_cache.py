@@ -73,6 +73,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def shrink_to(self, nbytes: int) -> None:
+        """Drop least recently used blocks until at most `nbytes` are held: the cache shares its
+        pool with the requests' KV and yields first (workers/verifier.py `kv_pool_bytes`)."""
+        per = self.block_bytes
+        if per is None:
+            return
+        while self._blocks and len(self._blocks) * per > nbytes:
+            self._blocks.popitem(last=False)
+
     def usage_bytes(self) -> tuple[int, int]:
         """(bytes of KV held, bytes it may hold): how full the cache is, for a gauge (the soak's
         warm-up waits for it to level off). Both 0 until the first block shows a block's size,
@@ -105,9 +114,12 @@ class PrefixCache:
         self.hit_tokens += cache.length
         return cache.length
 
-    def store(self, tenant: str, tokens: Sequence[int], cache: KVCache, chain: Sequence[_Block]) -> None:
+    def store(self, tenant: str, tokens: Sequence[int], cache: KVCache,
+              chain: Sequence[_Block]) -> list[_Block]:
         """Keep the whole blocks of `tokens` (whose KV `cache` holds in slots [0, len(tokens)))
-        that `chain` (what `match` found) does not already hold."""
+        that `chain` (what `match` found, or an earlier `store` returned) does not already hold.
+        Returns the chain of `tokens`' whole blocks: a prompt prefilled in chunks is stored a
+        few blocks at a time, each call passing the chain the last one returned."""
         b = self.block
         self.computed_tokens += len(tokens) - len(chain) * b
         parent = chain[-1].id if chain else -1
@@ -127,6 +139,7 @@ class PrefixCache:
         self._touch(added)
         while len(self._blocks) > self.capacity_blocks:
             self._blocks.popitem(last=False)
+        return added
 
     def _touch(self, chain: Sequence[_Block]) -> None:
         """Mark a chain used, last block first, so its first block is the most recent."""

@@ -26,12 +26,15 @@ class Runtime:
     _profiles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
 
     def verifier(self, max_tree_tokens: int = 64,
-                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB) -> Verifier:
-        """`prefix_cache_mb`: KV of earlier prompts' prefixes kept per verifier (0: none)."""
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 kv_pool_mb: float | None = None) -> Verifier:
+        """`prefix_cache_mb`: KV of earlier prompts' prefixes kept per verifier (0: none), at
+        most; `kv_pool_mb`: the KV memory requests and prefix cache share (None: no pool)."""
         f = self.forward
         cache = PrefixCache.for_bytes(int(prefix_cache_mb * 2**20), f.n_layers, f.n_kv_heads,
                                       f.head_dim, f.kv_dtype)
-        return Verifier(f, max_tree_tokens=max_tree_tokens, prefix_cache=cache)
+        return Verifier(f, max_tree_tokens=max_tree_tokens, prefix_cache=cache,
+                        kv_pool_bytes=None if kv_pool_mb is None else int(kv_pool_mb * 2**20))
 
     def step_profile(self, max_batch: int = 1, max_tree_tokens: int = 31) -> dict[str, Any]:
         """This machine's step-cost profile (`workers.profiling.startup_profile`), measured once

@@ -10,6 +10,17 @@ The logits at row r predict the token after row r, so row 0 checks the root's ch
 bonus comes from the deepest accepted row. After acceptance the root and the accepted nodes' KV are
 kept in place (`KVCache.commit`), the rest is forgotten, and the bonus token becomes the new root.
 
+Chunked prefill: a request admitted with `prefill(..., defer=True)` gets its KV (and any prefix-cache
+hit) but computes none of its context; each step then computes up to `VerifyItem.prefill` pending
+context tokens in the same pass as every other request's rows. The step that completes the context
+appends the root and its tree to the same segment:
+
+    rows 0 .. c-1   = the chunk's context tokens, at positions L .. L+c-1 (causal among themselves)
+    row c           = the root, at position L+c, then tree node i at L+c+depth(i)
+
+so the first step of a chunked request is the same arithmetic as a whole prefill followed by a
+plain step (same positions, same keys visible), and greedy output is identical.
+
 KV grows in blocks of `kv_block` tokens as a request runs (`KVCache.grow`), not reserved for
 prompt + max_tokens at admission: a request that omits max_tokens would otherwise hold the whole
 context's KV (8,192 tokens: ~377 MB in float32 for the default model) from its first step. A
@@ -20,7 +31,7 @@ copied O(log n) times, each copy a few milliseconds), never past the model's pos
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -34,6 +45,7 @@ from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
 
 
+_EMPTY = TokenTree.empty()
 KV_BLOCK = 256             # tokens of KV a request grows by (module docstring)
 
 
@@ -41,6 +53,8 @@ KV_BLOCK = 256             # tokens of KV a request grows by (module docstring)
 class VerifyItem:
     request_id: str
     tree: TokenTree
+    prefill: int = 0          # pending context tokens to compute first (module docstring)
+    decode: bool = True       # verify the root and tree if the context is then complete
 
 
 @dataclass
@@ -50,6 +64,19 @@ class _Slot:
     sampling: SamplingParams
     seed: int                 # with the root's position, seeds each step's RNG (see _accept)
     max_positions: int
+    pending: list[int] = field(default_factory=list)   # context tokens without KV yet
+    # what the prefix cache stores once the context is complete: (tenant, context, chain)
+    to_store: tuple | None = None
+
+
+@dataclass
+class _Rows:
+    """One item's rows in a step's packed pass: `chunk` pending context tokens, then (when the
+    context completes) the root and its tree, or the root alone for its features."""
+    chunk: int
+    tree: TokenTree
+    decode: bool              # the root and tree are verified and committed
+    root_row: bool            # the root is among the rows (decoding, or for its features)
 
 
 @dataclass
@@ -63,12 +90,16 @@ class StepTimings:
 class Verifier:
     def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
                  prefix_cache: PrefixCache | None = None, features: bool = False,
-                 kv_block: int = KV_BLOCK):
+                 kv_block: int = KV_BLOCK, kv_pool_bytes: int | None = None):
         """`features`: report each request's hidden state with its step result
-        (`StepResult.features`); `kv_block`: tokens of KV a request grows by (module docstring)."""
+        (`StepResult.features`); `kv_block`: tokens of KV a request grows by (module docstring);
+        `kv_pool_bytes`: the KV memory requests and the prefix cache share; the prefix cache
+        gives up blocks whenever the requests' KV needs them (the planner keeps the requests'
+        KV within this pool: scheduler/kv_budget.py)."""
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         self.kv_block = kv_block
+        self.kv_pool_bytes = kv_pool_bytes
         self.target = target
         self.features = features
         self.max_tree_tokens = max_tree_tokens
@@ -84,7 +115,7 @@ class Verifier:
         return list(self._slots)
 
     def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default") -> Prefilled:
+                max_new_tokens: int, tenant: str = "default", *, defer: bool = False) -> Prefilled:
         """Admit a request: compute the KV of every token but the last, which becomes the root.
 
         `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
@@ -93,6 +124,8 @@ class Verifier:
         Returns how many tokens' KV came from the prefix cache, and with `features` the root's
         hidden state: the root then rides along in the same pass (its KV is written past the
         context and overwritten by the first step), so a predictor has it before any step.
+        `defer`: compute nothing past the prefix cache's hit; steps compute the rest in chunks
+        (module docstring), and `Prefilled.pending` says how many tokens that is.
         """
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -114,65 +147,148 @@ class Verifier:
         pc = self.prefix_cache
         chain = pc.match(tenant, context) if pc is not None else []
         done = pc.restore(chain, cache) if chain else 0
-        rows = list(context[done:]) + ([slot.root] if self.features else [])
-        features = None
-        if rows:
-            n = len(rows)
-            causal = torch.full((n, n), float("-inf")).triu(1)
-            wanted = torch.tensor([n - 1]) if self.features else None
-            _, hidden = self.target.forward_hidden(torch.tensor(rows), torch.arange(done, done + n),
-                                                   [Segment(cache, 0, n, causal)], wanted)  # [1, H]
-            cache.length = len(context)
-            if hidden is not None:
-                features = tuple(hidden[0].float().tolist())
-        if pc is not None:
-            pc.store(tenant, context, cache, chain)
+        cache.length = done
+        slot.pending = context[done:]
+        slot.to_store = (tenant, context, chain) if pc is not None else None
         self._slots[request_id] = slot
-        return Prefilled(done, features)
+        self._yield_pool()
+        if defer:
+            if not slot.pending:
+                self._complete(slot)
+            return Prefilled(done, None, len(slot.pending), cache.capacity)
+        features = None
+        if slot.pending or self.features:
+            (features,) = self._prefill_pass(slot)
+        self._complete(slot)
+        return Prefilled(done, features, 0, cache.capacity)
+
+    def _prefill_pass(self, slot: _Slot) -> tuple:
+        """Compute every pending context token in one pass of its own (whole prefill); with
+        `features` the root rides along. Returns (root features or None,)."""
+        rows = slot.pending + ([slot.root] if self.features else [])
+        n, done = len(rows), slot.cache.length
+        causal = torch.full((n, n), float("-inf")).triu(1)
+        wanted = torch.tensor([n - 1]) if self.features else None
+        _, hidden = self.target.forward_hidden(torch.tensor(rows), torch.arange(done, done + n),
+                                               [Segment(slot.cache, 0, n, causal)], wanted)  # [1, H]
+        slot.cache.length = done + len(slot.pending)
+        slot.pending = []
+        return (None if hidden is None else tuple(hidden[0].float().tolist()),)
+
+    def _complete(self, slot: _Slot) -> None:
+        """The context's KV is all computed: the prefix cache keeps it for later prompts."""
+        if slot.to_store is not None:
+            tenant, context, chain = slot.to_store
+            self.prefix_cache.store(tenant, context, slot.cache, chain)
+            slot.to_store = None
+            self._yield_pool()
+
+    def _store_blocks(self, slot: _Slot) -> None:
+        """Mid-prefill: the prefix cache keeps the whole blocks computed so far (a copy of a
+        block or two a step, rather than of the whole context in the step that completes it)."""
+        if slot.to_store is None:
+            return
+        tenant, context, chain = slot.to_store
+        pc = self.prefix_cache
+        upto = slot.cache.length // pc.block * pc.block
+        if upto > len(chain) * pc.block:
+            slot.to_store = (tenant, context, pc.store(tenant, context[:upto], slot.cache, chain))
+            self._yield_pool()
+
+    def pending(self, request_id: str) -> int:
+        """Context tokens of an admitted request whose KV no step has computed yet."""
+        return len(self._slot(request_id).pending)
+
+    def kv_tokens(self) -> int:
+        """KV slots held by every admitted request (the prefix cache's blocks not counted)."""
+        return sum(slot.cache.capacity for slot in self._slots.values())
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one KV slot: every layer's key and value for one token."""
+        f = self.target
+        return 2 * f.n_layers * f.n_kv_heads * f.head_dim * torch.finfo(f.kv_dtype).bits // 8
+
+    def _yield_pool(self) -> None:
+        """The prefix cache keeps only what the requests' KV leaves of the pool."""
+        if self.kv_pool_bytes is not None and self.prefix_cache is not None:
+            self.prefix_cache.shrink_to(self.kv_pool_bytes - self.kv_tokens() * self.slot_bytes)
 
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV (idempotent)."""
         self._slots.pop(request_id, None)
 
     def verify(self, batch: Sequence[VerifyItem]) -> list[StepResult]:
-        """One forward pass over the roots and trees of every request in `batch`."""
+        """One forward pass over the prefill chunks, roots and trees of every request in `batch`."""
         t0 = time.perf_counter()
         slots = [self._slot(item.request_id) for item in batch]
-        trees = [self._fit(slot, item.tree) for slot, item in zip(slots, batch)]
-        ids, pos, segments = [], [], []
+        plans = [self._rows(slot, item) for slot, item in zip(slots, batch)]
+        ids, pos, segments, wanted = [], [], [], []
         start = 0
-        for slot, tree in zip(slots, trees):
-            rows = 1 + len(tree)
-            ids += [slot.root, *tree.tokens]
-            L = slot.cache.length
-            pos += [L] + [L + d for d in depths(tree)]
-            segments.append(Segment(slot.cache, start, rows, _tree_mask(tree)))
+        for slot, rp in zip(slots, plans):
+            L, c, tree = slot.cache.length, rp.chunk, rp.tree
+            ids += slot.pending[:c]
+            pos += range(L, L + c)
+            if rp.root_row:
+                ids += [slot.root, *tree.tokens]
+                pos += [L + c] + [L + c + d for d in depths(tree)]
+                wanted += range(start + c, start + c + 1 + len(tree))
+            rows = c + (1 + len(tree) if rp.root_row else 0)
+            if rows:                             # nothing for a request whose turn has not come
+                segments.append(Segment(slot.cache, start, rows, _step_mask(c, tree if rp.root_row else None)))
             start += rows
-        ids_t, pos_t = torch.tensor(ids), torch.tensor(pos)
         t1 = time.perf_counter()
-        logits, hidden = self.target.forward_hidden(ids_t, pos_t, segments, torch.arange(start))  # [T, V], [T, H]
+        logits = hidden = None
+        if segments:
+            logits, hidden = self.target.forward_hidden(
+                torch.tensor(ids), torch.tensor(pos), segments,
+                torch.tensor(wanted) if wanted else None)                  # [R, V], [R, H]
         t2 = time.perf_counter()
         results = []
-        greedy_rows = self.target.argmax(logits) if any(s.sampling.greedy for s in slots) else None
-        for item, slot, tree, seg in zip(batch, slots, trees, segments):
-            acc = self._accept(slot, tree, seg, logits, greedy_rows)
-            slot.cache.commit(1, list(acc.path))
-            slot.root = acc.tokens[-1]
-            results.append(StepResult(item.request_id, acc.tokens, acc.accepted, len(tree),
-                                      features=self._features(hidden, seg, acc)))
+        greedy_rows = (self.target.argmax(logits) if any(s.sampling.greedy and rp.decode
+                                                         for s, rp in zip(slots, plans)) else None)
+        lo = 0                                   # this item's first row among the logits rows
+        for item, slot, rp in zip(batch, slots, plans):
+            c, tree = rp.chunk, rp.tree
+            features = None
+            if rp.decode:
+                acc = self._accept(slot, tree, lo, logits, greedy_rows, slot.cache.length + c)
+                slot.cache.commit(c + 1, list(acc.path))
+                slot.root = acc.tokens[-1]
+                tokens, accepted, drafted = acc.tokens, acc.accepted, len(tree)
+                if self.features:
+                    features = tuple(hidden[lo + (acc.path[-1] + 1 if acc.path else 0)].float().tolist())
+            else:
+                slot.cache.commit(c, [])
+                tokens, accepted, drafted = (), 0, 0
+                if rp.root_row and self.features:
+                    features = tuple(hidden[lo].float().tolist())
+            if c:
+                del slot.pending[:c]
+                if slot.pending:
+                    self._store_blocks(slot)
+                else:
+                    self._complete(slot)
+            if rp.root_row:
+                lo += 1 + len(tree)
+            results.append(StepResult(item.request_id, tokens, accepted, drafted, features=features,
+                                      prefilled=c, pending=len(slot.pending),
+                                      kv_tokens=slot.cache.capacity))
         t3 = time.perf_counter()
         self.timings.forward_s += t2 - t1
         self.timings.other_s += (t1 - t0) + (t3 - t2)
         self.timings.steps += 1
         return results
 
-    def _features(self, hidden: torch.Tensor, seg: Segment, acc: Acceptance) -> tuple[float, ...] | None:
-        """The hidden state of the row whose logits gave the bonus token: row 0 (the root) when
-        nothing was accepted, else the deepest accepted node's row."""
-        if not self.features:
-            return None
-        row = seg.start + (acc.path[-1] + 1 if acc.path else 0)
-        return tuple(hidden[row].float().tolist())
+    def _rows(self, slot: _Slot, item: VerifyItem) -> _Rows:
+        """What this step computes for one item: its chunk of pending context, then, if that
+        completes the context, its root and (fitted) tree, or the root alone for its features."""
+        c = min(max(item.prefill, 0), len(slot.pending))
+        complete = c == len(slot.pending)
+        if complete and item.decode:
+            return _Rows(c, self._fit(slot, item.tree, c), True, True)
+        root_row = complete and c > 0 and self.features
+        return _Rows(c, _EMPTY, False, root_row)
 
     def _slot(self, request_id: str) -> _Slot:
         try:
@@ -180,25 +296,28 @@ class Verifier:
         except KeyError:
             raise KeyError(f"request {request_id!r} was not prefilled (or was released)") from None
 
-    def _fit(self, slot: _Slot, tree: TokenTree) -> TokenTree:
-        # The root takes one KV slot and one position; the tree gets what is left of both.
+    def _fit(self, slot: _Slot, tree: TokenTree, chunk: int = 0) -> TokenTree:
+        # The chunk and the root take a KV slot and a position each; the tree gets what is left.
         cache = slot.cache
-        wanted = cache.length + 1 + min(len(tree), self.max_tree_tokens)
+        length = cache.length + chunk
+        wanted = length + 1 + min(len(tree), self.max_tree_tokens)
         if wanted > cache.capacity and cache.capacity < slot.max_positions:
             step = max(self.kv_block, cache.capacity // 2)
             cache.grow(min(slot.max_positions, max(wanted, cache.capacity + step)))
-        room = min(cache.capacity, slot.max_positions) - cache.length - 1
+            self._yield_pool()
+        room = min(cache.capacity, slot.max_positions) - length - 1
         max_nodes = min(self.max_tree_tokens, room)
         if len(tree) <= max_nodes and (len(tree) == 0 or max(depths(tree)) <= room):
             return tree
         return truncate(tree, max(max_nodes, 0), max(room, 0))
 
-    def _accept(self, slot: _Slot, tree: TokenTree, seg: Segment, logits: torch.Tensor,
-                greedy_rows: list[int] | None) -> Acceptance:
-        lo = seg.start
+    def _accept(self, slot: _Slot, tree: TokenTree, lo: int, logits: torch.Tensor,
+                greedy_rows: list[int] | None, root_pos: int) -> Acceptance:
+        """Acceptance of the tree whose root's logits are row `lo` of the step's logits rows."""
+        n = 1 + len(tree)
         if slot.sampling.greedy:
-            return accept_greedy(tree, greedy_rows[lo: lo + seg.rows])
-        rows = logits[lo: lo + seg.rows]
+            return accept_greedy(tree, greedy_rows[lo: lo + n])
+        rows = logits[lo: lo + n]
 
         def target_probs(row: int) -> np.ndarray:
             return warp(rows[row].double().numpy(), slot.sampling)
@@ -206,8 +325,23 @@ class Verifier:
         # One RNG per (seed, position): a request's draws depend on where it is in its output, not
         # on how it got there, so its sampled text is the same alone, batched, after being evicted
         # and re-prefilled, or after a restart (positions never repeat, so draws stay independent).
-        rng = np.random.default_rng([slot.seed, slot.cache.length])
+        rng = np.random.default_rng([slot.seed, root_pos])
         return accept_sampling(tree, target_probs, rng)
+
+
+def _step_mask(chunk: int, tree: TokenTree | None) -> torch.Tensor:
+    """Additive mask among one item's rows: `chunk` context rows (causal), then, when `tree` is
+    given, the root and its nodes (`_tree_mask`), which see every chunk row and nothing later.
+    [chunk + (1 + nodes), same]."""
+    if chunk == 0:
+        return _tree_mask(tree) if tree is not None else torch.zeros(0, 0)
+    causal = torch.full((chunk, chunk), float("-inf")).triu(1)
+    if tree is None:
+        return causal
+    m = 1 + len(tree)
+    top = torch.cat([causal, torch.full((chunk, m), float("-inf"))], dim=1)    # [chunk, chunk + m]
+    bottom = torch.cat([torch.zeros(m, chunk), _tree_mask(tree)], dim=1)         # [m, chunk + m]
+    return torch.cat([top, bottom])
 
 
 def _tree_mask(tree: TokenTree) -> torch.Tensor:

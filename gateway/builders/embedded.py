@@ -8,6 +8,9 @@ its verifier replicas (`gateway.builders.ray_app`).
 """
 from __future__ import annotations
 
+import gc
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,6 +28,8 @@ from scheduler.length_oracle import LengthOracle, true_remaining
 from scheduler.store import open_store
 from workers.fake_worker import PacedFakeWorker
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Embedded:
@@ -40,8 +45,14 @@ class Embedded:
     admin_key: str | None = None        # an admin key generated now (dev set-up only)
     recovered: list[str] = field(default_factory=list)
     thread: Any = None
+    kv_note: str | None = None          # the KV budget, as reported at start
 
     def start(self) -> None:
+        # Everything built so far (model, tokenizer, app) lives as long as the process: out of
+        # the cyclic collector's sight, a full collection no longer walks it on the step thread
+        # (such pauses showed up as 100+ ms gaps in running streams: README, "Chunked prefill").
+        gc.collect()
+        gc.freeze()
         self.thread = self.step_loop.start()
 
     def stop(self) -> None:
@@ -72,6 +83,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     tokenizer, worker, stop_ids, step_cost = target or _target(settings, progress, runtime)
     metrics = GatewayMetrics()
     max_resident = max(settings.max_resident, settings.max_batch)
+    kv, kv_note = kv_budget(worker)
     # The policy starts a new request only while KV room is left, so the loop never has to evict
     # (evict, re-prefill, fall further behind: the simulator's meltdown under bursts).
     oracle = LengthOracle.load(settings.length_oracle) if settings.length_oracle else None
@@ -79,7 +91,8 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     policy = make_policy(settings.policy, max_batch=settings.max_batch,
                          token_budget=settings.token_budget,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
-                         step_cost=step_cost, max_resident=max_resident, **extra)
+                         step_cost=step_cost, max_resident=max_resident,
+                         prefill_chunk_tokens=settings.prefill_chunk_tokens, **kv, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
@@ -109,7 +122,9 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
         tenants.add_admin_key(admin_key)
     limiter = Limiter(settings.redis_url, settings.store_prefix)
     emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
-                   recovered)
+                   recovered, kv_note=kv_note)
+    if kv_note:
+        log.info(kv_note)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
     if settings.redis_url:
@@ -123,6 +138,35 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
                                     length_oracle=oracle)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
     return emb
+
+
+def kv_budget(worker: Any) -> tuple[dict[str, int], str | None]:
+    """The policy's KV budget fields for a worker whose verifier has a KV pool, and the line
+    reported at start; ({}, None) for workers without one (the fake worker, Ray mode's pool of
+    verifier replicas, each of which keeps its own prefix cache within its own pool)."""
+    verifier = getattr(worker, "verifier", None)
+    pool = getattr(verifier, "kv_pool_bytes", None)
+    if pool is None:
+        return {}, None
+    per = verifier.slot_bytes
+    slots = pool // per
+    note = (f"KV cache {pool / 2**20:,.0f} MiB: {slots:,} tokens at {per / 1024:.1f} KiB each "
+            f"(requests and prefix cache; --kv-cache-mb)")
+    return {"kv_budget_tokens": slots, "kv_block": verifier.kv_block,
+            "kv_tree_tokens": verifier.max_tree_tokens + 1}, note
+
+
+def default_kv_cache_mb() -> float:
+    """Half the memory available now (the model loaded): what KV may take by default. Linux's
+    MemAvailable (free memory plus what caches would give back), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 2 / 2**20
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2 / 2**20
 
 
 def _target(settings: Settings, progress: bool, runtime: Any = None):
@@ -159,7 +203,8 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
     where `drafters` are the draft workers' remote drafters by name)."""
     from workers.batch_worker import BatchWorker
 
+    kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb()
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
-                           prefix_cache_mb=settings.prefix_cache_mb)
+                           prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb)
     verifier.features = settings.length_predictor     # the length predictor reads them
     return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters)

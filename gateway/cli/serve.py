@@ -25,7 +25,8 @@ log = logging.getLogger("specgate.serve")
 
 # flag → settings field; flags left out keep the environment's value or the default
 _FLAGS = ("host", "port", "model", "tenants_file", "redis_url", "policy", "drafters", "grpc_port",
-          "dtype", "max_batch", "step_profile", "log_level", "fake_worker", "fake_step_ms")
+          "dtype", "max_batch", "prefill_chunk_tokens", "kv_cache_mb", "step_profile", "log_level",
+          "fake_worker", "fake_step_ms")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
+    p.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens a step may prefill beside "
+                   "the running requests' trees, so a long prompt does not stall them; 0: each "
+                   "prompt prefilled whole, alone (default 24)")
+    p.add_argument("--kv-cache-mb", type=float, help="KV memory of the resident requests and the "
+                   "prefix cache together; past it requests wait or are preempted (default: half "
+                   "the memory available after the model loads, printed at start)")
     p.add_argument("--step-profile", help="step-cost profile JSON for the planner (`specgate bench "
                    "profile --json`; default: measured at start-up)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
@@ -76,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: dev tenant API key: {emb.dev_key}", file=sys.stderr)
     if emb.admin_key:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
+    if emb.kv_note:
+        print(f"specgate: {emb.kv_note}", file=sys.stderr)
     import uvicorn
 
     config = uvicorn_config(emb.app, host=settings.host, port=settings.port,

@@ -98,7 +98,7 @@ class VerifierServer:
                 sampling: SamplingParams, max_new_tokens: int, tenant: str, drafter: str | None,
                 replica: str | None, loads: Mapping[str, int] | None = None,
                 assigned: Mapping[str, int] | None = None, avoid: Sequence[str] | None = None,
-                release: dict | None = None) -> dict[str, Any]:
+                release: dict | None = None, defer: bool = False) -> dict[str, Any]:
         self._on_critical_path()
         with self._lock:
             t0 = time.perf_counter()
@@ -106,9 +106,10 @@ class VerifierServer:
             self.worker.release(request_id)     # a stale copy (a restarted scheduler's request)
             self._note(request_id, "prefill")
             done = self.worker.prefill(request_id, token_ids, prompt_len=prompt_len, sampling=sampling,
-                                       max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter)
+                                       max_new_tokens=max_new_tokens, tenant=tenant, drafter=drafter,
+                                       defer=defer)
             return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0,
-                    "cached": done.cached, "features": done.features,
+                    "cached": done.cached, "features": done.features, "pending": done.pending,
                     "prefix_cache": self.worker.prefix_cache_usage()}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:

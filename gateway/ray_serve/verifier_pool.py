@@ -82,11 +82,13 @@ class VerifierPool:
 
     # ---- the worker interface -----------------------------------------------------------------
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default", drafter: str | None = None) -> Prefilled:
-        """Reports the tokens whose KV the chosen replica's prefix cache held, and its features."""
+                max_new_tokens: int, tenant: str = "default", drafter: str | None = None,
+                defer: bool = False) -> Prefilled:
+        """Reports the tokens whose KV the chosen replica's prefix cache held, and its features;
+        `defer`: the replica's steps prefill the context in chunks (`BatchWorker.prefill`)."""
         self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
                                            tenant, drafter)
-        return self._place(request_id)
+        return self._place(request_id, defer)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         by_id: dict[str, StepResult] = {}
@@ -140,8 +142,10 @@ class VerifierPool:
             self._cache_usage[replica] = (time.monotonic(), (int(usage[0]), int(usage[1])))
 
     # ---- calls ----------------------------------------------------------------------------------
-    def _place(self, request_id: str) -> Prefilled:
-        """Prefill `request_id` from its committed context on the least-loaded live replica."""
+    def _place(self, request_id: str, defer: bool = False) -> Prefilled:
+        """Prefill `request_id` from its committed context on the least-loaded live replica.
+        A request re-placed after losing its home is prefilled whole (`defer` False): the step
+        being redone may be one that verifies its root."""
         p = self._placed[request_id]
         old = self.home.pop(request_id, None)
         if old is not None and old not in self.dead:   # moving, not finished: free the old KV
@@ -155,7 +159,7 @@ class VerifierPool:
             request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
             max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
             replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
-            avoid=sorted(self.dead), release=pending).result()
+            avoid=sorted(self.dead), release=pending, defer=defer).result()
         replica = answer["replica"]
         self.busy_s += answer["busy_s"]
         self._note_cache(replica, answer)
@@ -168,7 +172,8 @@ class VerifierPool:
         self.assigned[replica] += 1
         self.calls[replica] += 1
         features = answer.get("features")
-        return Prefilled(int(answer.get("cached") or 0), None if features is None else tuple(features))
+        return Prefilled(int(answer.get("cached") or 0), None if features is None else tuple(features),
+                         int(answer.get("pending") or 0))
 
     def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
         """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""

@@ -6,8 +6,14 @@ A policy is one number per request: `key(stats)`, lower served first. Everything
                         2. priority classes in order (0 first); inside a class, tenants' queues
                            merged by key under weighted fair sharing (fairness.py);
                         3. up to max_batch requests, one root token each within token_budget;
-                        4. each chosen request's tree budget (sizing.py: its α estimate, its
-                           drafting time and cap, the step's measured cost).
+                        4. with chunked prefill (`prefill_chunk_tokens`), the step's prefill
+                           budget: chosen requests whose context still needs KV get chunks of
+                           it in plan order (one left without budget waits), what is left
+                           prefills requests admitted ahead of their turn (`prefilling`), and
+                           trees get the token budget less roots and chunks (`_chunked`);
+                        5. each chosen request's tree budget (sizing.py: its α estimate, its
+                           drafting time and cap, the step's measured cost); a request whose
+                           chunk does not complete its context gets none (it has no root yet).
                         With `max_resident` set (the step loop's KV limit), a request that has
                         not started is started only while fewer than max_resident started
                         requests are live, so the loop never has to evict and re-prefill.
@@ -34,15 +40,17 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, NamedTuple
 
 from scheduler.policies.aging import AgingIndex
+from scheduler.kv_budget import growth_slots, start_slots
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.sizing import SizingConfig, StepCost, TreeSizer
 from scheduler.state import SchedulerState
-from workers.contract import TreeBudget
+from workers.contract import NO_SPECULATION, TreeBudget
 
 BAND = 1e12   # keys of the form band · BAND + value order by band first (levels, perceptible)
 
 Entry = tuple[float, int, str]   # (key, seq, request id)
+IDLE_CHUNKS = 8   # a step in which no request decodes prefills up to this many chunks' tokens
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,19 @@ class PolicyConfig:
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
     step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
     max_resident: int | None = None        # requests that may hold KV at once (see `plan`)
+    # context tokens a step may prefill, in chunks beside the trees (see `plan`); 0: the step
+    # loop prefills each request whole, in a pass of its own, before its first step
+    prefill_chunk_tokens: int = 0
+    # attention over this many keys costs about what one row's linears do: a chunk of k tokens
+    # after o tokens of context counts k × (1 + o / this) against prefill_chunk_tokens, so a
+    # step with a chunk costs about the same early and late in a long prompt
+    prefill_keys_per_row: float = 1000.0
+    # KV slots every live request together may hold (the worker's KV budget in slots); None: no
+    # byte limit. The planner defers starts and preempts by it (`_fit_kv`, scheduler/kv_budget.py),
+    # with the verifier's block and tree sizes (a request's first allocation and growth)
+    kv_budget_tokens: int | None = None
+    kv_block: int = 256
+    kv_tree_tokens: int = 65
 
 
 class PlanEntry(NamedTuple):
@@ -67,10 +88,15 @@ class PlanEntry(NamedTuple):
 
 @dataclass(slots=True)
 class Plan:
-    """One step's batch: request ids (best first, unless everyone fit) and their tree budgets."""
+    """One step's batch: request ids (best first, unless everyone fit) and their tree budgets;
+    with chunked prefill, the context tokens each prefills this step, and how many at the end
+    only prefill (admitted ahead of their turn: they commit nothing)."""
     request_ids: list[str]
     budgets: list[TreeBudget]
     aged: int = 0                          # how many of them were promoted by aging
+    prefill: list[int] = field(default_factory=list)   # per request; empty: no chunks
+    warm: int = 0                          # the last `warm` requests only prefill
+    evict: list[str] = field(default_factory=list)     # free these requests' KV first (budget)
 
     @property
     def entries(self) -> list[PlanEntry]:
@@ -96,6 +122,10 @@ class Policy:
             raise ValueError("max_batch and token_budget must be ≥ 1")
         if c.max_resident is not None and c.max_resident < c.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
+        if c.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0: whole prefills)")
+        if not c.prefill_keys_per_row > 0:
+            raise ValueError("prefill_keys_per_row must be > 0")
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
         self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
         self.sizer = TreeSizer(c.step_cost, c.sizing)
@@ -122,6 +152,13 @@ class Policy:
         state.requests[s.request_id] = s
         self._index(state, s)
 
+    def prefilling(self, request_id: str) -> None:
+        """The loop admitted a request ahead of its turn with context left to prefill: steps
+        prefill it with the prefill budget their chosen requests leave (oldest first), so that
+        its length is predicted before it is first served."""
+        if request_id in self._live:
+            self._warming[request_id] = None
+
     def touch(self, request_id: str) -> None:
         """A live request's stats changed between steps (a length prediction came in): rank it
         again at the next plan."""
@@ -147,8 +184,10 @@ class Policy:
     def plan(self, state: SchedulerState, now: float) -> Plan:
         c, limit = self.config, self._limit
         requests = state.requests
+        self._kv_state = state
+        self._kv_room = None if c.kv_budget_tokens is None else c.kv_budget_tokens - state.kv_tokens
         if len(requests) <= limit:              # everyone fits: order cannot matter
-            chosen, aged = list(requests), 0
+            chosen, aged = [r for r in requests if self._kv_start(r)], 0
         else:
             if self._dirty:
                 self._rekey(state)
@@ -160,12 +199,115 @@ class Policy:
                 if again != promoted:
                     promoted, chosen = again, self._choose(state, again, limit)
             aged = len(promoted)
-        stats = [requests[r] for r in chosen]
-        budgets = self.sizer([s.estimate.alpha for s in stats], c.token_budget - len(chosen),
-                             draft_s=[s.estimate.draft_s for s in stats],
-                             caps=[s.max_tree_tokens for s in stats],
-                             urgency=self.node_urgency(stats) if len(stats) > 1 else None)
-        return Plan(chosen, budgets, aged)
+        evict: list[str] = []
+        if c.kv_budget_tokens is not None:
+            chosen, evict = self._fit_kv(state, chosen)
+        if c.prefill_chunk_tokens:
+            plan = self._chunked(state, chosen, aged)
+        else:
+            plan = Plan(chosen, self._budgets([requests[r] for r in chosen]), aged)
+        plan.evict = evict
+        return plan
+
+    def _fit_kv(self, state: SchedulerState, chosen: list[str]) -> tuple[list[str], list[str]]:
+        """The chosen requests whose KV fits the budget this step, and the requests whose KV to
+        free for them. Starts were only chosen where they fit (`_kv_start`); what may still
+        overflow is residents' growth (scheduler/kv_budget.py). Then requests left out of the
+        step give their KV up first (never served before served, then the worst ranked), then
+        the chosen from the end of the plan wait (a resident one is preempted). The first
+        chosen always runs."""
+        c, requests = self.config, state.requests
+        size = {"block": c.kv_block, "tree": c.kv_tree_tokens}
+
+        def adds(s: RequestStats) -> int:
+            return growth_slots(s, **size) if s.kv_tokens else start_slots(s, **size)
+
+        budget = c.kv_budget_tokens
+        total = state.kv_tokens + sum(adds(requests[r]) for r in chosen)
+        if total <= budget:
+            return chosen, []
+        kept = set(chosen)
+        others = sorted((s for s in requests.values() if s.kv_tokens and s.request_id not in kept),
+                        key=lambda s: (s.n_steps > 0, -self._keys.get(s.request_id, 0.0)))
+        evict = []
+        for s in others:
+            if total <= budget:
+                break
+            evict.append(s.request_id)
+            total -= s.kv_tokens
+        keep = list(chosen)
+        while total > budget and len(keep) > 1:
+            s = requests[keep.pop()]
+            total -= adds(s) + s.kv_tokens
+            if s.kv_tokens:
+                evict.append(s.request_id)
+        self._started.difference_update(evict)
+        return keep, evict
+
+    def _budgets(self, stats: list[RequestStats], nodes: int | None = None) -> list[TreeBudget]:
+        """Tree budgets of the requests a step verifies (each has a root row), sharing `nodes`
+        draft nodes (default: the token budget less their roots)."""
+        if nodes is None:
+            nodes = self.config.token_budget - len(stats)
+        return self.sizer([s.estimate.alpha for s in stats], max(nodes, 0),
+                          draft_s=[s.estimate.draft_s for s in stats],
+                          caps=[s.max_tree_tokens for s in stats],
+                          urgency=self.node_urgency(stats) if len(stats) > 1 else None)
+
+    def _chunked(self, state: SchedulerState, chosen: list[str], aged: int) -> Plan:
+        """The step's rows with chunked prefill: every decoding request's root, then prefill
+        chunks in plan order within `prefill_chunk_tokens`, then draft nodes in what is left of
+        the token budget. Chunks and trees share one budget so that a step with a chunk costs
+        about what a step without one does (a step past the fused kernels' row limit costs
+        markedly more: README, "Chunked prefill"). A step in which nobody decodes has no stream
+        to hold up and prefills up to IDLE_CHUNKS times as much (larger chunks waste less).
+        A chunk deep into a long prompt costs more per token (its attention reads every earlier
+        key), so it counts more against the budget (`prefill_keys_per_row`)."""
+        c, requests = self.config, state.requests
+        decoding = sum(1 for r in chosen if not requests[r].unprefilled)
+        left = (min(c.prefill_chunk_tokens, c.token_budget - decoding) if decoding
+                else c.prefill_chunk_tokens * IDLE_CHUNKS)
+        ids, chunks, completes = [], [], []
+        for rid in chosen:
+            s = requests[rid]
+            need = s.unprefilled
+            weight = 1.0 + max(s.prompt_len + s.committed - 1 - need, 0) / c.prefill_keys_per_row
+            take = min(need, int(left / weight + 1e-9))
+            if need and not take:
+                continue                        # no budget left: it waits, still ranked
+            if need:
+                self._started.add(rid)          # holds KV from this step on
+            left -= take * weight
+            ids.append(rid)
+            chunks.append(take)
+            completes.append(take == need)
+        roots = [requests[r] for r, done in zip(ids, completes) if done]
+        sized = iter(self._budgets(roots, c.token_budget - len(roots) - sum(chunks)) if roots else ())
+        budgets = [next(sized) if done else NO_SPECULATION for done in completes]
+        warm = self._warm(requests, set(ids), left)
+        return Plan(ids + [r for r, _ in warm], budgets + [NO_SPECULATION] * len(warm), aged,
+                    chunks + [n for _, n in warm], len(warm))
+
+    def _warm(self, requests: Mapping[str, RequestStats], chosen: set[str],
+              left: float) -> list[tuple[str, int]]:
+        """(request id, chunk) for requests admitted ahead of their turn, oldest first, within
+        what is `left` of the budget; requests served, ended or fully prefilled since leave the
+        list."""
+        out = []
+        for rid in list(self._warming):
+            s = requests.get(rid)
+            if s is None or s.n_steps or not s.prefill_left:
+                del self._warming[rid]
+                continue
+            if rid in chosen:
+                continue
+            weight = 1.0 + (s.prompt_len + s.committed - 1 - s.prefill_left) / self.config.prefill_keys_per_row
+            take = min(s.prefill_left, int(left / weight + 1e-9))
+            if not take:
+                break
+            left -= take * weight
+            out.append((rid, take))
+        return out
 
     def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,
                step_s: float) -> list[RequestStats]:
@@ -217,19 +359,26 @@ class Policy:
     def _startable(self, promoted: list[str]) -> list[str]:
         """Aging's promotions, less the not-yet-started ones there is no KV room to start."""
         cap = self.config.max_resident
-        if cap is None:
-            return promoted
-        room, out = cap - len(self._started), []
+        kv_room = self._kv_room
+        room, out = (None if cap is None else cap - len(self._started)), []
         for rid in promoted:
-            if rid not in self._started:
+            if rid not in self._started and room is not None:
                 if room <= 0:
                     continue
                 room -= 1
+            if not self._kv_start(rid):
+                continue
             out.append(rid)
+        self._kv_room = kv_room                 # _choose takes the promoted ones' room again
         return out
 
     def _choose(self, state: SchedulerState, promoted: list[str], limit: int) -> list[str]:
         chosen, taken = list(promoted), set(promoted)
+        c = self.config
+        if c.kv_budget_tokens is not None:     # slots left once the promoted ones start
+            self._kv_room = c.kv_budget_tokens - state.kv_tokens
+            for rid in promoted:
+                self._kv_start(rid)
         cap = self.config.max_resident
         if cap is not None:                     # KV room for requests that have not started
             self._room = cap - len(self._started) - sum(
@@ -249,9 +398,12 @@ class Policy:
         prompts = [requests[r].prompt_len for r in chosen if requests[r].n_steps == 0]
         if not prompts:
             return None
-        # the step loop prefills each new request in a pass of its own (batch 1), then steps
+        # the step loop prefills each new request in a pass of its own (batch 1), then steps;
+        # with chunks, a step prefills at most its budget
         prefill = getattr(cost, "prefill", None) or (lambda t: cost(1, t))
-        est = cost(len(chosen), self.config.token_budget) + sum(prefill(p) for p in prompts)
+        chunk = self.config.prefill_chunk_tokens
+        est = cost(len(chosen), self.config.token_budget) + (
+            prefill(min(sum(prompts), chunk)) if chunk else sum(prefill(p) for p in prompts))
         return est if est > state.step_s_max else None
 
 
@@ -265,6 +417,9 @@ class Policy:
         self._dirty: set[str] = set()         # served since last ranked
         self._started: set[str] = set()       # live requests that have had a step (hold KV)
         self._room: int | None = None         # while planning: how many more may start
+        self._kv_room: int | None = None      # while planning: KV slots starts may still take
+        self._kv_state: SchedulerState | None = None
+        self._warming: dict[str, None] = {}   # admitted ahead of their turn, oldest first
         self.aging.clear()
 
     def _index(self, state: SchedulerState, s: RequestStats) -> None:
@@ -370,11 +525,32 @@ class Policy:
         """Choose `rid`, unless it has not started and there is no KV room to start it (then it
         is only marked taken, so that the rest of the plan skips it)."""
         taken.add(rid)
-        if self._room is not None and rid not in self._started:
-            if self._room <= 0:
-                return False
+        starts = self._room is not None and rid not in self._started
+        if starts and self._room <= 0:
+            return False
+        if not self._kv_start(rid):
+            return False
+        if starts:
             self._room -= 1
         chosen.append(rid)
+        return True
+
+    def _kv_start(self, rid: str) -> bool:
+        """Whether `rid` holds KV or its start fits the KV budget's room (then taken from it).
+        With nothing held and nothing taken yet, any start fits: a request larger than the
+        budget still runs, alone."""
+        room = self._kv_room
+        if room is None:
+            return True
+        state = self._kv_state
+        s = state.requests[rid]
+        if s.kv_tokens:
+            return True
+        c = self.config
+        need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
+        if need > room and room < c.kv_budget_tokens:
+            return False
+        self._kv_room = room - need
         return True
 
     def _offer(self, heap: list[Entry], tenant: str, taken: set[str],

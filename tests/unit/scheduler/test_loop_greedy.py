@@ -45,11 +45,13 @@ def references(tiny_model):
 
 
 def serve(forward, policy, max_batch, drafters, *, max_resident, sampling=SamplingParams(),
-          drafter_of=lambda i: None, only=None):
-    worker = BatchWorker(Verifier(forward, max_tree_tokens=16), default_drafter=next(iter(drafters)),
-                         drafters=drafters)
+          drafter_of=lambda i: None, only=None, chunk=0, prefix_cache=None, kv_budget=None):
+    verifier = Verifier(forward, max_tree_tokens=16, prefix_cache=prefix_cache, kv_block=8)
+    worker = BatchWorker(verifier, default_drafter=next(iter(drafters)), drafters=drafters)
     pol = make_policy(policy, max_batch=max_batch, token_budget=48,
-                      sizing=SizingConfig(max_tree_tokens=12, max_depth=6), aging_bound_s=None)
+                      sizing=SizingConfig(max_tree_tokens=12, max_depth=6), aging_bound_s=None,
+                      prefill_chunk_tokens=chunk, kv_budget_tokens=kv_budget, kv_block=8,
+                      kv_tree_tokens=17)
     loop = StepLoop(pol, worker, max_resident=max_resident)
     out: dict[str, list[int]] = {}
 
@@ -96,3 +98,45 @@ def test_seeded_sampling_does_not_depend_on_batching_or_eviction(forward):
     batched = serve(forward, "las", 3, drafters(), max_resident=3, sampling=sampling)
     assert batched == alone
     assert len({tuple(v) for v in alone.values()}) == len(alone)   # not all the same text
+
+
+@pytest.mark.parametrize("policy,max_batch,max_resident,chunk", [
+    ("fcfs", 4, 4, 1), ("fcfs", 2, 2, 7), ("las", 2, 2, 16), ("las", 3, 6, 5), ("laps", 2, 3, 64),
+    ("sjf", 3, 3, 3)])
+def test_greedy_with_chunked_prefill_is_plain_greedy(forward, references, policy, max_batch,
+                                                     max_resident, chunk):
+    """Chunks of every size, beside trees, through preemption (las) and eviction (max_resident
+    at a batch), with prefix-cache hits (the odd prompts repeat a motif): plain greedy."""
+    from workers.prefix_cache import PrefixCache
+
+    truth = {f"r{i}": ref for i, ref in enumerate(references)}
+    drafters = {"oracle": OracleDrafter(truth, VOCAB, "mixed", seed=max_batch),
+                "none": create_drafter("none")}
+    out = serve(forward, policy, max_batch, drafters, max_resident=max_resident, chunk=chunk,
+                drafter_of=lambda i: "none" if i % 3 == 2 else None, prefix_cache=PrefixCache(64, block=4))
+    for i, ref in enumerate(references):
+        assert out[f"r{i}"] == ref, f"request r{i} differs with chunks of {chunk} under {policy}"
+
+
+def test_seeded_sampling_is_the_same_with_chunked_prefill(forward):
+    """Without drafts (chunks shrink the trees a step can afford, and a different tree draws
+    differently): each position's draw is the same whether its context came whole or in chunks."""
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=7)
+    whole = serve(forward, "las", 3, {"none": create_drafter("none")}, max_resident=3, sampling=sampling)
+    chunked = serve(forward, "las", 3, {"none": create_drafter("none")}, max_resident=3,
+                    sampling=sampling, chunk=6)
+    assert chunked == whole
+
+
+@pytest.mark.parametrize("policy,chunk", [("fcfs", 0), ("las", 0), ("las", 5), ("laps", 16)])
+def test_greedy_under_a_tight_kv_budget_is_plain_greedy(forward, references, policy, chunk):
+    """A budget of about two requests' KV: starts wait, growing requests are preempted and
+    re-prefilled (KV blocks of 8, so caches grow often), and the output is plain greedy."""
+    from workers.prefix_cache import PrefixCache
+
+    truth = {f"r{i}": ref for i, ref in enumerate(references)}
+    drafters = {"oracle": OracleDrafter(truth, VOCAB, "mixed", seed=2)}
+    out = serve(forward, policy, 3, drafters, max_resident=6, chunk=chunk, kv_budget=150,
+                prefix_cache=PrefixCache(64, block=4))
+    for i, ref in enumerate(references):
+        assert out[f"r{i}"] == ref, f"request r{i} differs under a KV budget ({policy}, chunks {chunk})"

@@ -1,0 +1,187 @@
+"""Chunked prefill through the planner and the step loop (fake worker): running streams keep
+getting tokens while a long prompt is prefilled, chunks resume where they stopped, the budget is
+filled in plan order, and nothing leaks when a request is cancelled, evicted or fails mid-prefill."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler.loop import Delta, StepLoop
+from scheduler.policies import make_policy
+from scheduler.request import Request, RequestStats
+from scheduler.state import SchedulerState
+from workers.contract import NO_SPECULATION
+from workers.fake_worker import FakeClock, FakeWorker, token_at
+
+CHUNK = 16
+
+
+def request(rid: str, prompt_len: int, max_tokens: int = 30, arrival: float = 0.0,
+            predicted: int | None = None) -> Request:
+    stats = RequestStats(rid, "t", arrival, prompt_len=prompt_len, max_tokens=max_tokens,
+                         predicted_len=predicted)
+    return Request(stats, prompt_ids=list(range(3, 3 + prompt_len)))
+
+
+class Steps:
+    """A sink that records, per loop step, which requests got tokens."""
+
+    def __init__(self):
+        self.tokens: dict[str, list[int]] = {}
+        self.got: set[str] = set()
+
+    def __call__(self, event):
+        if isinstance(event, Delta):
+            self.tokens.setdefault(event.request_id, []).extend(event.token_ids)
+            self.got.add(event.request_id)
+
+
+def make(policy="fcfs", *, max_batch=4, max_resident=8, chunk=CHUNK, worker=None, **cfg):
+    clock = FakeClock()
+    worker = worker or FakeWorker(alpha=0.5, clock=clock)
+    pol = make_policy(policy, max_batch=max_batch, token_budget=64, aging_bound_s=None,
+                      prefill_chunk_tokens=chunk, **cfg)
+    return StepLoop(pol, worker, max_resident=max_resident, clock=clock), worker
+
+
+def test_running_streams_get_a_token_every_step_while_a_long_prompt_is_prefilled():
+    loop, worker = make()
+    sink = Steps()
+    for rid in ("a", "b"):
+        loop.submit(request(rid, 8, max_tokens=200), sink)
+    for _ in range(3):
+        loop.step()
+    loop.submit(request("long", 500, max_tokens=5), sink)
+    steps_until_first = 0
+    while "long" not in sink.tokens:
+        sink.got.clear()
+        assert loop.step()
+        steps_until_first += 1
+        assert {"a", "b"} <= sink.got              # never stalled
+    # 499 context tokens, at most CHUNK a step, fewer as the context grows (its attention costs)
+    assert steps_until_first > -(-499 // CHUNK)
+    while loop.step():
+        pass
+    for rid, n in (("a", 200), ("b", 200), ("long", 5)):
+        assert sink.tokens[rid] == [token_at(rid, p) for p in range(n)]
+    assert worker.resident() == []
+
+
+def test_whole_prefill_is_kept_for_comparison():
+    loop, worker = make(chunk=0)
+    loop.submit(request("long", 500, max_tokens=3), Steps())
+    loop.step()
+    assert worker.prefills == [("long", 500)]
+    assert loop.state.requests["long"].committed >= 1   # prefilled whole, then its first step
+    assert loop.state.requests["long"].prefill_left == 0
+
+
+def test_the_budget_goes_to_chosen_requests_in_plan_order_and_one_left_without_waits():
+    pol = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=40,
+                      prefill_keys_per_row=float("inf"))
+    state = SchedulerState()
+    for i, (rid, n) in enumerate((("run", 10), ("p1", 30), ("p2", 100), ("p3", 50), ("p4", 20))):
+        s = RequestStats(rid, "t", float(i), prompt_len=n, max_tokens=10)
+        pol.add(state, s)
+    state.requests["run"].prefill_left = 0           # decoding already
+    plan = pol.plan(state, 10.0)
+    # run decodes, p1 takes its 29 (and decodes in the same step), p2 gets the last 11; p3 waits
+    assert plan.request_ids == ["run", "p1", "p2"]
+    assert plan.prefill == [0, 29, 11] and plan.warm == 0
+    assert plan.budgets[2] == NO_SPECULATION            # no root yet: no tree
+    assert plan.budgets[0].max_nodes > 0 and plan.budgets[1].max_nodes > 0
+
+
+def test_spare_budget_prefills_requests_admitted_ahead_of_their_turn():
+    pol = make_policy("fcfs", max_batch=1, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=32,
+                      prefill_keys_per_row=float("inf"))
+    state = SchedulerState()
+    for i, rid in enumerate(("first", "early", "later")):
+        pol.add(state, RequestStats(rid, "t", float(i), prompt_len=50, max_tokens=10))
+    state.requests["first"].prefill_left = 0
+    for rid in ("early", "later"):
+        state.requests[rid].prefill_left = 49
+        pol.prefilling(rid)
+    plan = pol.plan(state, 10.0)
+    assert plan.request_ids == ["first", "early"] and plan.prefill == [0, 32] and plan.warm == 1
+    state.requests["early"].prefill_left = 17
+    plan = pol.plan(state, 11.0)
+    assert plan.request_ids == ["first", "early", "later"] and plan.prefill == [0, 17, 15]
+    assert plan.warm == 2
+
+
+def test_a_request_cancelled_mid_prefill_frees_its_kv_and_its_slot():
+    loop, worker = make()
+    sink = Steps()
+    loop.submit(request("a", 5, max_tokens=50), sink)
+    loop.submit(request("long", 400), sink)
+    for _ in range(4):
+        loop.step()
+    assert "long" in worker.resident() and loop.state.requests["long"].prefill_left > 0
+    loop.cancel("long")
+    loop.step()
+    assert "long" not in worker.resident() and "long" not in loop.state.requests
+    assert loop.admission.live == 1
+    while loop.step():
+        pass
+    assert worker.resident() == [] and loop.admission.live == 0
+
+
+def test_a_chunk_deep_in_a_long_prompt_is_shorter():
+    """Its attention reads every earlier key: k tokens after o count k × (1 + o / keys_per_row)."""
+    pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=40,
+                      prefill_keys_per_row=1000)
+    state = SchedulerState()
+    for i, rid in enumerate(("run", "long")):
+        pol.add(state, RequestStats(rid, "t", float(i), prompt_len=4001, max_tokens=10))
+    state.requests["run"].prefill_left = 0
+    state.requests["long"].prefill_left = 4000
+    assert pol.plan(state, 1.0).prefill == [0, 40]
+    state.requests["long"].prefill_left = 1000          # 3,000 tokens in: each counts 4
+    assert pol.plan(state, 2.0).prefill == [0, 10]
+
+
+def test_a_step_in_which_nobody_decodes_prefills_larger_chunks():
+    loop, worker = make()
+    loop.submit(request("long", 1000, max_tokens=2), Steps())
+    loop.step()
+    assert loop.state.requests["long"].prefill_left == 999 - 8 * CHUNK
+
+
+def test_a_request_evicted_mid_prefill_starts_again_and_its_output_is_whole():
+    loop, worker = make("sjf", max_batch=2, max_resident=2)
+    sink = Steps()
+    loop.submit(request("run", 4, max_tokens=60, predicted=1), sink)
+    loop.step()                                          # decoding from here on
+    loop.submit(request("long", 300, max_tokens=6, predicted=100), sink)
+    for _ in range(3):
+        loop.step()
+    assert 0 < loop.state.requests["long"].prefill_left < 299 - 3 * 15
+    # two shorter newcomers outrank it, and the loop's KV limit makes room for them
+    for rid in ("x", "y"):
+        loop.submit(request(rid, 4, max_tokens=40, predicted=5), sink)
+    for _ in range(3):
+        loop.step()
+    assert "long" not in worker.resident() and loop.state.requests["long"].prefill_left is None
+    while loop.step():
+        pass
+    assert sink.tokens["long"] == [token_at("long", p) for p in range(6)]
+    assert [n for rid, n in worker.prefills if rid == "long"] == [300, 300]
+    assert worker.resident() == []
+
+
+def test_a_step_that_fails_mid_prefill_ends_its_batch_and_frees_everything():
+    clock = FakeClock()
+    worker = FakeWorker(clock=clock, fail_on=lambda items: any(i.prefill for i in items))
+    loop, _ = make(worker=worker)
+    sink = Steps()
+    loop.submit(request("long", 100), sink)
+    loop.submit(request("a", 5), sink)
+    loop.step()                                          # both prompts' chunks: the step fails
+    assert loop.state.requests == {} and worker.resident() == [] and loop.admission.live == 0
+
+
+@pytest.mark.parametrize("chunk", [-1])
+def test_a_negative_budget_is_refused(chunk):
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        make_policy("fcfs", prefill_chunk_tokens=chunk)
+
