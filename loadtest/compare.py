@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bursty", action="store_true", help="gamma arrivals (see specgate loadtest)")
     p.add_argument("--model", help="model for the gateways (default: serve's default)")
     p.add_argument("--max-batch", type=int, help="requests per verification step")
+    p.add_argument("--prefill-chunk-tokens", help="the gateways' --prefill-chunk-tokens; several "
+                   "(comma-separated, e.g. 0,32): every policy runs once per value, as "
+                   "POLICY@chunkN rows (chunked against whole prefill on the same load)")
     p.add_argument("--fake-worker", action="store_true",
                    help="no model: the scheduler's fake worker")
     p.add_argument("--fake-step-ms", type=float, default=10.0, help="fake worker sleep per step")
@@ -88,10 +91,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    chunks = [int(c) for c in (args.prefill_chunk_tokens or "").split(",") if c.strip()]
+    variants = {f"chunk{c}": {"prefill_chunk_tokens": c} for c in chunks} if len(chunks) > 1 else None
     report = compare(policies, gateway_settings(args), tenants=args.tenants, rate=args.rate,
                      duration=args.duration, seed=args.seed, workloads=args.workloads.split(","),
                      max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
-                     rounds=args.rounds, load=args.load)
+                     rounds=args.rounds, load=args.load, variants=variants)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     if args.plot:
@@ -107,6 +112,9 @@ def gateway_settings(args: argparse.Namespace) -> dict:
         s["model"] = args.model
     if args.max_batch:
         s["max_batch"] = args.max_batch
+    chunks = [c for c in (getattr(args, "prefill_chunk_tokens", None) or "").split(",") if c.strip()]
+    if len(chunks) == 1:
+        s["prefill_chunk_tokens"] = int(chunks[0])
     if args.fake_worker:
         s.update(fake_worker=True, fake_step_ms=args.fake_step_ms)
     return s
@@ -132,6 +140,8 @@ def policy_row(report: dict) -> dict:
             # completions a second over the run: near the server's capacity when the rate
             # saturates it, which is how "~85% of capacity" is found
             "completed_per_s": o["completed_per_s"],
+            # time between a stream's token events (one round only: rounds keep no samples)
+            "itl_p99_s": (o.get("itl_s") or {}).get("p99"),
             "generator_lag_p99_ms": report["generator_lag_ms"]["p99"],
             **latency_split(report.get("server"))}
 
@@ -267,10 +277,12 @@ def tenant_keys(n: int) -> list[tuple[str, str]]:
 def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: float,
             duration: float, seed: int = 0, workloads: list[str] = ("chat",),
             max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0,
-            rounds: int = 1, load: float | None = None) -> dict:
+            rounds: int = 1, load: float | None = None,
+            variants: dict[str, dict] | None = None) -> dict:
     """Run the same load against one fresh gateway per policy (per round); the comparison.
     `load`: first measure capacity with one fcfs pass at `rate` (its completions per second, a
-    seed of its own), then offer `load` × capacity instead of `rate`."""
+    seed of its own), then offer `load` × capacity instead of `rate`. `variants`: settings to
+    run every policy under, by name: the rows are then POLICY@NAME."""
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ValueError(f"unknown policy {bad[0] if bad else ''!r}; from: {', '.join(POLICIES)}")
@@ -289,8 +301,10 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
         oracle.save(path)
         per_policy["srpt"] = {**settings, "length_oracle": str(path)}
 
-    def one(policy: str, at: float, run_seed: int) -> dict:
-        report = _one_gateway(per_policy.get(policy, settings), policy, keys, rate=at,
+    def one(name: str, at: float, run_seed: int) -> dict:
+        policy, _, variant = name.partition("@")
+        run = {**per_policy.get(policy, settings), **(variants or {}).get(variant, {})}
+        report = _one_gateway(run, policy, keys, rate=at,
                               duration=duration, seed=run_seed, workloads=workloads,
                               max_tokens=max_tokens, bursty=bursty, timeout=timeout)
         if policy == "srpt" and oracle is not None:
@@ -310,22 +324,23 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
         rate = load * done_per_s
         print(f"compare: capacity {done_per_s:.3f}/s; offering {rate:.3f}/s",
               file=sys.stderr, flush=True)
+    names = [f"{p}@{v}" for p in policies for v in variants] if variants else list(policies)
     by_round: list[tuple[list[str], dict[str, dict]]] = []
     for r in range(rounds):
-        order, reports = round_order(policies, r), {}
+        order, reports = round_order(names, r), {}
         for policy in order:
             print(f"compare: round {r + 1}/{rounds}, policy {policy}: starting a gateway",
                   file=sys.stderr, flush=True)
             reports[policy] = one(policy, rate, seed + r)
         by_round.append((order, reports))
-    run_settings = {"policies": list(policies), "rate": rate, "duration": duration, "seed": seed,
+    run_settings = {"policies": list(names), "rate": rate, "duration": duration, "seed": seed,
                     "capacity": capacity,
                     "rounds": rounds,
                     "workloads": list(workloads), "max_tokens": max_tokens_label(max_tokens),
                     "tenants": tenants,
                     "bursty": bursty, "gateway": {k: v for k, v in settings.items()
                                                   if k not in ("redis_url", "tenants_file")}}
-    out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in policies}, run_settings)
+    out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in names}, run_settings)
     out["rounds"] = [round_summary(order, reps) for order, reps in by_round]
     rows = out["policies"]
     if {"fcfs", "laps", "srpt"} <= set(rows):
@@ -463,13 +478,15 @@ def table(report: dict) -> str:
     pct = lambda x: "-" if x is None else f"{100 * x:+.1f}%"        # noqa: E731
     red = report.get("laps_reduction_vs", {})
     per_s = lambda x: "-" if x is None else f"{x:.2f}"              # noqa: E731
-    lines = [f"{'policy':<8}{'done':>7}{'done/s':>8}{'errors':>7}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
-             f"{'ttft p50':>10}{'ttft p99':>10}{'wait ms':>10}{'steps ms':>10}{'laps vs':>10}"]
+    w = max([8, *(len(n) + 1 for n in report["policies"])])
+    lines = [f"{'policy':<{w}}{'done':>7}{'done/s':>8}{'errors':>7}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}"
+             f"{'ttft p50':>10}{'ttft p99':>10}{'itl p99':>10}{'wait ms':>10}{'steps ms':>10}"
+             f"{'laps vs':>10}"]
     for name, r in report["policies"].items():
-        lines.append(f"{name:<8}{r['completed']:>7}{per_s(r['completed_per_s']):>8}{r['errors']:>7}"
+        lines.append(f"{name:<{w}}{r['completed']:>7}{per_s(r['completed_per_s']):>8}{r['errors']:>7}"
                      f"{ms(r['mean_latency_s']):>10}"
                      f"{ms(r['p50_latency_s']):>10}{ms(r['p99_latency_s']):>10}"
-                     f"{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}"
+                     f"{ms(r['ttft_p50_s']):>10}{ms(r['ttft_p99_s']):>10}{ms(r.get('itl_p99_s')):>10}"
                      f"{ms(r.get('mean_wait_s')):>10}{ms(r.get('mean_in_steps_s')):>10}"
                      f"{pct(red[name]) if name in red else '':>10}")
     rounds = report.get("rounds", [])

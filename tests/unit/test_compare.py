@@ -195,3 +195,23 @@ def test_srpt_gets_a_truth_pass_and_knows_every_length(tmp_path):
     assert srpt["errors"] == 0 and srpt["completed"] == srpt["requests"] > 6
     assert srpt["oracle_exact"] == 1.0
     assert "laps_share_of_srpt" in rep and "srpt" in table(rep)
+
+
+def test_chunk_variants_run_every_policy_under_each_value(tmp_path):
+    """`--prefill-chunk-tokens 0,16`: chunked against whole prefill on the same arrivals."""
+    from loadtest.compare import add_arguments, run, table
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "cmp.json"
+    args = p.parse_args(["--policies", "fcfs", "--fake-worker", "--fake-step-ms", "2",
+                         "--rate", "8", "--duration", "1.5", "--max-tokens", "8",
+                         "--prefill-chunk-tokens", "0,16", "--json", str(out)])
+    assert run(args) == 0
+    rep = json.loads(out.read_text())
+    assert list(rep["policies"]) == ["fcfs@chunk0", "fcfs@chunk16"]
+    for row in rep["policies"].values():
+        assert row["errors"] == 0 and row["completed"] == row["requests"] > 3
+        assert row["itl_p99_s"] is None or row["itl_p99_s"] > 0
+    assert len({r["requests"] for r in rep["policies"].values()}) == 1      # the same arrivals
+    assert "fcfs@chunk16" in table(rep)
