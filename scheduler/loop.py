@@ -242,12 +242,16 @@ class StepLoop:
         plan = self.policy.plan(self.state, start)
         for rid in plan.evict:                         # the KV budget: room for this step
             self._evict(rid)
+        if not plan.request_ids:
+            return False                                # nothing runnable now: wait a little
         keep = set(plan.request_ids)
-        planned = [rid for rid in plan.request_ids if self._ensure_resident(rid, keep)]
+        first_warm = len(plan) - plan.warm
+        # requests prefilled ahead of their turn are stepped only while they hold their KV
+        planned = [rid for i, rid in enumerate(plan.request_ids)
+                   if (rid in self._resident if i >= first_warm else self._ensure_resident(rid, keep))]
         if not planned:
             return True
         chunks = plan.prefill or [0] * len(plan)
-        first_warm = len(plan) - plan.warm
         items = [WorkItem(rid, b, chunk, i < first_warm)
                  for i, (rid, b, chunk) in enumerate(zip(plan.request_ids, plan.budgets, chunks))
                  if rid in self._resident]

@@ -139,12 +139,17 @@ class RequestStats:
         self.last_served_s = self.arrival_s
 
     @property
+    def unprefilled_context(self) -> int:
+        """Context tokens but the root: what a prefill from nothing computes."""
+        return max(self.prompt_len + self.committed - 1, 0)
+
+    @property
     def unprefilled(self) -> int:
         """Context tokens a prefill would still compute: what it has left while it holds KV,
         else its whole context but the root (the prefix cache may then skip some)."""
         if self.prefill_left is not None:
             return self.prefill_left
-        return max(self.prompt_len + self.committed - 1, 0)
+        return self.unprefilled_context
 
     @property
     def mean_tau(self) -> float | None:

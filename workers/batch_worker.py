@@ -108,7 +108,12 @@ class BatchWorker:
                                         for it, tree in zip(items, trees)])
         out = []
         for step, tree, share in zip(results, trees, shares):
-            self._resident[step.request_id].context.extend(step.tokens)
+            res = self._resident[step.request_id]
+            res.context.extend(step.tokens)
+            if step.prefilled and step.pending:        # mid-prefill: index what is computed
+                res.drafter.observe(DraftContext(step.request_id, res.tenant,
+                                                 res.context[:len(res.context) - step.pending],
+                                                 res.prompt_len))
             out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0)))
         # Let drafters start drafting the next step now (remote ones do, while the step's results
         # travel), for these requests at this step's budgets. The contexts are the ones just

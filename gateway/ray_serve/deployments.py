@@ -110,6 +110,7 @@ class VerifierServer:
                                        defer=defer)
             return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0,
                     "cached": done.cached, "features": done.features, "pending": done.pending,
+                    "kv_tokens": done.kv_tokens,
                     "prefix_cache": self.worker.prefix_cache_usage()}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:

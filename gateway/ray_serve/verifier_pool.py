@@ -173,7 +173,7 @@ class VerifierPool:
         self.calls[replica] += 1
         features = answer.get("features")
         return Prefilled(int(answer.get("cached") or 0), None if features is None else tuple(features),
-                         int(answer.get("pending") or 0))
+                         int(answer.get("pending") or 0), int(answer.get("kv_tokens") or 0))
 
     def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
         """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""

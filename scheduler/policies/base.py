@@ -227,8 +227,11 @@ class Policy:
         if total <= budget:
             return chosen, []
         kept = set(chosen)
+        # untouched arrivals first (only their first allocation is lost), then prompts partly
+        # prefilled, then requests served before; within each, the worst ranked first
         others = sorted((s for s in requests.values() if s.kv_tokens and s.request_id not in kept),
-                        key=lambda s: (s.n_steps > 0, -self._keys.get(s.request_id, 0.0)))
+                        key=lambda s: (s.n_steps > 0, s.prefill_left != s.unprefilled_context,
+                                       -self._keys.get(s.request_id, 0.0)))
         evict = []
         for s in others:
             if total <= budget:
@@ -242,6 +245,8 @@ class Policy:
             if s.kv_tokens:
                 evict.append(s.request_id)
         self._started.difference_update(evict)
+        for rid in evict:
+            self._warming.pop(rid, None)
         return keep, evict
 
     def _budgets(self, stats: list[RequestStats], nodes: int | None = None) -> list[TreeBudget]:
@@ -272,7 +277,8 @@ class Policy:
             s = requests[rid]
             need = s.unprefilled
             weight = 1.0 + max(s.prompt_len + s.committed - 1 - need, 0) / c.prefill_keys_per_row
-            take = min(need, int(left / weight + 1e-9))
+            # at least a token while any budget is left, however heavy: a prompt always advances
+            take = min(need, max(int(left / weight + 1e-9), 1 if left >= 1 else 0))
             if need and not take:
                 continue                        # no budget left: it waits, still ranked
             if need:
@@ -296,15 +302,15 @@ class Policy:
         out = []
         for rid in list(self._warming):
             s = requests.get(rid)
-            if s is None or s.n_steps or not s.prefill_left:
-                del self._warming[rid]
+            if s is None or s.n_steps or not s.prefill_left or not s.kv_tokens:
+                del self._warming[rid]          # served, ended, ready, or no longer holding KV
                 continue
             if rid in chosen:
                 continue
-            weight = 1.0 + (s.prompt_len + s.committed - 1 - s.prefill_left) / self.config.prefill_keys_per_row
-            take = min(s.prefill_left, int(left / weight + 1e-9))
-            if not take:
+            if left < 1:
                 break
+            weight = 1.0 + (s.prompt_len + s.committed - 1 - s.prefill_left) / self.config.prefill_keys_per_row
+            take = min(s.prefill_left, max(int(left / weight + 1e-9), 1))
             left -= take * weight
             out.append((rid, take))
         return out
@@ -366,8 +372,7 @@ class Policy:
                 if room <= 0:
                     continue
                 room -= 1
-            if not self._kv_start(rid):
-                continue
+            self._kv_start(rid, force=True)     # aging's bound holds: _fit_kv makes room
             out.append(rid)
         self._kv_room = kv_room                 # _choose takes the promoted ones' room again
         return out
@@ -378,7 +383,7 @@ class Policy:
         if c.kv_budget_tokens is not None:     # slots left once the promoted ones start
             self._kv_room = c.kv_budget_tokens - state.kv_tokens
             for rid in promoted:
-                self._kv_start(rid)
+                self._kv_start(rid, force=True)
         cap = self.config.max_resident
         if cap is not None:                     # KV room for requests that have not started
             self._room = cap - len(self._started) - sum(
@@ -535,10 +540,12 @@ class Policy:
         chosen.append(rid)
         return True
 
-    def _kv_start(self, rid: str) -> bool:
+    def _kv_start(self, rid: str, force: bool = False) -> bool:
         """Whether `rid` holds KV or its start fits the KV budget's room (then taken from it).
         With nothing held and nothing taken yet, any start fits: a request larger than the
-        budget still runs, alone."""
+        budget still runs, alone. `force` (aging's promotions): it starts, taking the room even
+        past the budget (`_fit_kv` then frees residents' KV for it), so a large request cannot
+        be passed over past the aging bound by smaller ones that fit."""
         room = self._kv_room
         if room is None:
             return True
@@ -548,7 +555,7 @@ class Policy:
             return True
         c = self.config
         need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
-        if need > room and room < c.kv_budget_tokens:
+        if need > room and room < c.kv_budget_tokens and not force:
             return False
         self._kv_room = room - need
         return True

@@ -162,3 +162,22 @@ def test_blocks_computed_mid_prefill_are_in_the_prefix_cache_before_the_prompt_c
     assert second.cached == 48                          # the 3 whole blocks of 50 computed tokens
     assert decode(v, "two", 6, 64)[0] == hf_greedy(tiny_model, p2, 6, eos=None)
     assert decode(v, "one", 6, 64)[0] == hf_greedy(tiny_model, p1, 6, eos=None)
+
+
+def test_the_ngram_drafter_indexes_a_chunked_prompt_as_its_chunks_complete(tiny_model, forward):
+    """So its first proposal does not index the whole prompt inside one step (~70 ms for 4,000
+    tokens); the output stays plain greedy."""
+    from workers.batch_worker import BatchWorker
+    from workers.contract import NO_SPECULATION, TreeBudget, WorkItem
+
+    p = prompt(300, 14)
+    w = BatchWorker(Verifier(forward), default_drafter="ngram")
+    w.prefill("r", p, prompt_len=300, sampling=GREEDY, max_new_tokens=6, defer=True)
+    w.step([WorkItem("r", NO_SPECULATION, prefill=100)])
+    assert len(w.drafter(None)._indexes["r"].tokens) == 300 - (299 - 100)
+    w.step([WorkItem("r", NO_SPECULATION, prefill=100)])
+    assert len(w.drafter(None)._indexes["r"].tokens) == 201
+    out = []
+    while len(out) < 6:
+        out += w.step([WorkItem("r", TreeBudget(8, 4), prefill=100)])[0].tokens
+    assert out[:6] == hf_greedy(tiny_model, p, 6, eos=None)

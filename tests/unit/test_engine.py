@@ -187,3 +187,29 @@ def test_grown_kv_keeps_the_committed_slots():
     assert torch.equal(c.k[:, :, :3], before_k) and torch.equal(c.v[:, :, :3], before_v)
     c.grow(4)                                                   # never shrinks
     assert c.capacity == 12
+
+
+def test_requests_in_step_grow_their_kv_one_a_step_ahead_of_need(forward):
+    """Four requests of equal length, one token a step: without growing ahead they would all
+    outgrow their KV in the same step; with it, no step grows more than one, and the output is
+    the same as one request's alone."""
+    rng = np.random.default_rng(5)
+    p = rng.integers(3, 128, size=20).tolist()
+    ver = Verifier(forward, max_tree_tokens=16, kv_block=32)
+    for i in range(4):
+        ver.prefill(f"s{i}", p, SamplingParams(), max_new_tokens=400)
+    alone = Verifier(forward, max_tree_tokens=16, kv_block=32)
+    alone.prefill("a", p, SamplingParams(), max_new_tokens=400)
+    from workers.tree import TokenTree
+    from workers.verifier import VerifyItem
+    outs: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
+    solo, grown = [], []
+    for _ in range(150):
+        before = [ver._slots[r].cache.capacity for r in outs]
+        for res in ver.verify([VerifyItem(r, TokenTree.empty()) for r in outs]):
+            outs[res.request_id] += res.tokens
+            assert res.kv_tokens == ver._slots[res.request_id].cache.capacity
+        grown.append(sum(ver._slots[r].cache.capacity > b for r, b in zip(outs, before)))
+        solo += alone.verify([VerifyItem("a", TokenTree.empty())])[0].tokens
+    assert max(grown) == 1 and sum(grown) >= 8           # every request grew, one a step
+    assert all(o == solo for o in outs.values())

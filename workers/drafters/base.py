@@ -45,6 +45,12 @@ class Drafter:
     def prefetch_batch(self, items: Sequence[DraftItem]) -> None:
         return None
 
+    def observe(self, ctx: DraftContext) -> None:
+        """The request's context grew without a proposal (a prompt prefilled in chunks): a
+        drafter with an index per request may extend it now, so that its first proposal does
+        not index the whole prompt inside one step. `ctx.tokens` still only grows."""
+        return None
+
     def release(self, request_id: str) -> None:
         return None
 

@@ -89,6 +89,10 @@ class NgramDrafter(Drafter):
             return TokenTree.empty()
         return _best_first_tree(index.tokens, matches, budget)
 
+    def observe(self, ctx: DraftContext) -> None:
+        # a 4,000-token prompt takes ~70 ms to index: spread over its chunks' steps instead
+        self._update(ctx)
+
     def release(self, request_id: str) -> None:
         self._indexes.pop(request_id, None)
 

@@ -100,6 +100,7 @@ def test_spare_budget_prefills_requests_admitted_ahead_of_their_turn():
     state.requests["first"].prefill_left = 0
     for rid in ("early", "later"):
         state.requests[rid].prefill_left = 49
+        state.requests[rid].kv_tokens = 64               # resident: the loop admitted it
         pol.prefilling(rid)
     plan = pol.plan(state, 10.0)
     assert plan.request_ids == ["first", "early"] and plan.prefill == [0, 32] and plan.warm == 1
@@ -185,3 +186,62 @@ def test_a_negative_budget_is_refused(chunk):
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         make_policy("fcfs", prefill_chunk_tokens=chunk)
 
+
+
+def test_a_heavy_chunk_still_advances_by_a_token_when_the_budget_is_nearly_spent():
+    """token_budget 2 with one request decoding leaves 1 token a step, and a chunk's weight is
+    above 1 after its first token: it must still advance (it waited until the other finished)."""
+    clock = FakeClock()
+    worker = FakeWorker(alpha=0.5, clock=clock)
+    pol = make_policy("fcfs", max_batch=2, token_budget=2, aging_bound_s=None, prefill_chunk_tokens=24)
+    loop = StepLoop(pol, worker, max_resident=8, clock=clock)
+    sink = Steps()
+    loop.submit(request("a", 10, max_tokens=400), sink)
+    loop.step()
+    loop.step()
+    loop.submit(request("b", 50, max_tokens=5), sink)
+    for _ in range(60):
+        loop.step()
+    assert sink.tokens.get("b") == [token_at("b", p) for p in range(5)]
+    assert len(sink.tokens["a"]) < 400                   # b did not wait for a to finish
+
+
+def test_a_plan_with_nothing_runnable_lets_the_loop_wait_instead_of_spinning():
+    clock = FakeClock()
+    worker = FakeWorker(clock=clock, context_limit=16384)
+    loop, _ = make(chunk=1, worker=worker)
+    loop.submit(request("long", 9000, max_tokens=2), Steps())
+    steps = 0
+    while loop.step():
+        steps += 1
+        assert steps < 20_000
+    assert "long" not in loop.state.requests             # it finished, a token at least a step
+
+
+class _Lengths:
+    """A length learner stand-in with weights, so the loop prefills arrivals ahead of their turn."""
+    weights = object()
+
+    def start(self): pass
+    def stop(self): pass
+    def note(self, *a): pass
+    def belief(self, *a): return None
+    def finish(self, *a, **k): pass
+    def forget(self, *a): pass
+
+
+def test_a_request_prefilled_ahead_of_its_turn_and_evicted_is_not_prefilled_again_in_that_step():
+    clock = FakeClock()
+    worker = FakeWorker(alpha=0.5, clock=clock, kv_block=16)
+    pol = make_policy("fcfs", max_batch=1, token_budget=64, aging_bound_s=None, kv_budget_tokens=290,
+                      kv_block=16, kv_tree_tokens=16, prefill_chunk_tokens=8)
+    loop = StepLoop(pol, worker, max_resident=64, clock=clock, lengths=_Lengths())
+    sink = Steps()
+    loop.submit(request("a", 40, max_tokens=300), sink)
+    for _ in range(3):
+        loop.step()
+    loop.submit(request("warm", 200, max_tokens=10), sink)     # fits now; a's growth later evicts it
+    while loop.step():
+        pass
+    assert [n for rid, n in worker.prefills].count(200) <= 3    # was: re-prefilled every step
+    assert sink.tokens["warm"] == [token_at("warm", p) for p in range(10)]

@@ -141,3 +141,29 @@ def test_a_start_waits_unless_it_fits_and_residents_fill_the_batch_meanwhile(bud
     state.kv_tokens = 200
     plan = pol.plan(state, 1.0)
     assert plan.request_ids == want and plan.evict == []
+
+
+def test_a_large_start_is_not_passed_over_past_the_aging_bound_by_smaller_ones():
+    """Smaller arrivals keep fitting where a large one does not; aging's promotion starts it
+    anyway, and the planner frees residents' KV for it."""
+    clock = FakeClock()
+    worker = FakeWorker(alpha=0.5, clock=clock, kv_block=BLOCK)
+    pol = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=1.0,
+                      kv_budget_tokens=300, kv_block=BLOCK, kv_tree_tokens=TREE)
+    loop = StepLoop(pol, worker, max_resident=64, clock=clock)
+    sink = Tokens()
+    loop.submit(request("s0", 30, 20), sink)
+    loop.submit(request("s1", 30, 20), sink)
+    loop.step()
+    loop.submit(request("big", 200, 5), sink)
+    n, t0 = 2, clock.now
+    for i in range(2000):
+        if i % 4 == 0:
+            while loop.admission.live < 8:
+                loop.submit(request(f"s{n}", 30, 10 + (n * 7) % 31), sink)
+                n += 1
+        loop.step()
+        if "big" not in loop.state.requests:
+            break
+    assert sink["big"] == [token_at("big", p) for p in range(5)]
+    assert clock.now - t0 < 4.0                          # was ~27 s of simulated time
