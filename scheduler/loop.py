@@ -32,7 +32,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
-from scheduler.kv_budget import start_slots
 from scheduler.length_learner import LengthLearner, better
 from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
@@ -348,14 +347,6 @@ class StepLoop:
         s.prefill_left = None
         self._hold(s, 0)
 
-    def _kv_room(self, s: RequestStats) -> bool:
-        """Whether starting `s` now keeps the KV held within the planner's budget (if any)."""
-        c = self.policy.config
-        if c.kv_budget_tokens is None:
-            return True
-        need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
-        return self.state.kv_tokens + need <= c.kv_budget_tokens
-
     def _hold(self, s: RequestStats, kv_tokens: int) -> None:
         """Record the KV slots a request holds (and the total the planner budgets by)."""
         self.state.kv_tokens += kv_tokens - s.kv_tokens
@@ -393,7 +384,7 @@ class StepLoop:
                 self.policy.add(self.state, req.stats)
                 if (self.lengths is not None and self.lengths.weights is not None
                         and len(self._resident) < self.max_resident - self.policy.config.max_batch
-                        and self._kv_room(req.stats)):
+                        and self.policy.kv_fits(self.state, req.stats)):
                     # ranked with a prediction from now; with chunks, from when steps have
                     # prefilled it with what their chosen requests leave of the budget
                     if self._ensure_resident(rid, set()) and req.stats.prefill_left:

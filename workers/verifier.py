@@ -152,18 +152,12 @@ class Verifier:
         slot.to_store = (tenant, context, chain) if pc is not None else None
         self._slots[request_id] = slot
         self._yield_pool()
-        if defer:
-            features = None
-            if not slot.pending:                 # a whole-context hit: ready, as a prefill is
-                if self.features:
-                    (features,) = self._prefill_pass(slot)
-                self._complete(slot)
-            return Prefilled(done, features, len(slot.pending), cache.capacity)
         features = None
-        if slot.pending or self.features:
-            (features,) = self._prefill_pass(slot)
-        self._complete(slot)
-        return Prefilled(done, features, 0, cache.capacity)
+        if not (defer and slot.pending):         # whole prefill, or a whole-context cache hit
+            if slot.pending or self.features:
+                (features,) = self._prefill_pass(slot)
+            self._complete(slot)
+        return Prefilled(done, features, len(slot.pending), cache.capacity)
 
     def _prefill_pass(self, slot: _Slot) -> tuple:
         """Compute every pending context token in one pass of its own (whole prefill); with
@@ -306,8 +300,8 @@ class Verifier:
         """Grow, at most, the one request of this step nearest to needing it, once it is within
         half a block of the room a full tree takes. Requests that run in step (equal lengths,
         equal pace) would otherwise all grow in one step, each grow a copy into fresh memory
-        (~26 ms at 1,500 tokens for the default model): that step stalled every stream
-        (README, "Chunked prefill"). Only with room in the KV pool. Returns its index."""
+        (mostly page faults): that step stalled every stream (README, "Chunked prefill").
+        Only with room in the KV pool. Returns its index."""
         best, best_room = None, self.kv_block // 2
         for i, slot in enumerate(slots):
             cache = slot.cache
@@ -318,14 +312,23 @@ class Verifier:
                 best, best_room = i, room
         if best is None:
             return None
-        cache = slots[best].cache
-        new = min(slots[best].max_positions, cache.capacity + max(self.kv_block, cache.capacity // 2))
+        slot = slots[best]
+        new = self._grown(slot)
         if self.kv_pool_bytes is not None and \
-                (self.kv_tokens() + new - cache.capacity) * self.slot_bytes > self.kv_pool_bytes:
+                (self.kv_tokens() + new - slot.cache.capacity) * self.slot_bytes > self.kv_pool_bytes:
             return None
-        cache.grow(new)
-        self._yield_pool()
+        self._grow(slot, new)
         return best
+
+    def _grown(self, slot: _Slot, wanted: int = 0) -> int:
+        """The capacity a request's KV grows to: by a block or by half of what it holds,
+        whichever is more (at least `wanted`), never past the model's positions."""
+        cache = slot.cache
+        return min(slot.max_positions, max(wanted, cache.capacity + max(self.kv_block, cache.capacity // 2)))
+
+    def _grow(self, slot: _Slot, capacity: int) -> None:
+        slot.cache.grow(capacity)
+        self._yield_pool()
 
     def _fit(self, slot: _Slot, tree: TokenTree, chunk: int = 0) -> TokenTree:
         # The chunk and the root take a KV slot and a position each; the tree gets what is left.
@@ -333,9 +336,7 @@ class Verifier:
         length = cache.length + chunk
         wanted = length + 1 + min(len(tree), self.max_tree_tokens)
         if wanted > cache.capacity and cache.capacity < slot.max_positions:
-            step = max(self.kv_block, cache.capacity // 2)
-            cache.grow(min(slot.max_positions, max(wanted, cache.capacity + step)))
-            self._yield_pool()
+            self._grow(slot, self._grown(slot, wanted))
         room = min(cache.capacity, slot.max_positions) - length - 1
         max_nodes = min(self.max_tree_tokens, room)
         if len(tree) <= max_nodes and (len(tree) == 0 or max(depths(tree)) <= room):

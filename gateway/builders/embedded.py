@@ -8,7 +8,6 @@ its verifier replicas (`gateway.builders.ray_app`).
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -48,11 +47,6 @@ class Embedded:
     kv_note: str | None = None          # the KV budget, as reported at start
 
     def start(self) -> None:
-        # Everything built so far (model, tokenizer, app) lives as long as the process: out of
-        # the cyclic collector's sight, a full collection no longer walks it on the step thread
-        # (such pauses showed up as 100+ ms gaps in running streams: README, "Chunked prefill").
-        gc.collect()
-        gc.freeze()
         self.thread = self.step_loop.start()
 
     def stop(self) -> None:

@@ -159,6 +159,13 @@ class Policy:
         if request_id in self._live:
             self._warming[request_id] = None
 
+    def kv_fits(self, state: SchedulerState, s: RequestStats) -> bool:
+        """Whether starting `s` now keeps the KV held within the budget (always, without one):
+        the loop asks before prefilling an arrival ahead of its turn."""
+        c = self.config
+        return (c.kv_budget_tokens is None or state.kv_tokens
+                + start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens) <= c.kv_budget_tokens)
+
     def touch(self, request_id: str) -> None:
         """A live request's stats changed between steps (a length prediction came in): rank it
         again at the next plan."""
@@ -276,14 +283,12 @@ class Policy:
         for rid in chosen:
             s = requests[rid]
             need = s.unprefilled
-            weight = 1.0 + max(s.prompt_len + s.committed - 1 - need, 0) / c.prefill_keys_per_row
-            # at least a token while any budget is left, however heavy: a prompt always advances
-            take = min(need, max(int(left / weight + 1e-9), 1 if left >= 1 else 0))
+            take, cost = self._chunk(s, need, left)
             if need and not take:
                 continue                        # no budget left: it waits, still ranked
             if need:
                 self._started.add(rid)          # holds KV from this step on
-            left -= take * weight
+            left -= cost
             ids.append(rid)
             chunks.append(take)
             completes.append(take == need)
@@ -293,6 +298,14 @@ class Policy:
         warm = self._warm(requests, set(ids), left)
         return Plan(ids + [r for r, _ in warm], budgets + [NO_SPECULATION] * len(warm), aged,
                     chunks + [n for _, n in warm], len(warm))
+
+    def _chunk(self, s: RequestStats, need: int, left: float) -> tuple[int, float]:
+        """(tokens, budget they cost) of a chunk of `s`'s `need` pending context tokens within
+        `left`: each counts 1 + (context already computed) / prefill_keys_per_row, and at least
+        one token is taken while any budget is left, however heavy: a prompt always advances."""
+        weight = 1.0 + max(s.unprefilled_context - need, 0) / self.config.prefill_keys_per_row
+        take = min(need, max(int(left / weight + 1e-9), 1 if left >= 1 else 0))
+        return take, take * weight
 
     def _warm(self, requests: Mapping[str, RequestStats], chosen: set[str],
               left: float) -> list[tuple[str, int]]:
@@ -309,9 +322,8 @@ class Policy:
                 continue
             if left < 1:
                 break
-            weight = 1.0 + (s.prompt_len + s.committed - 1 - s.prefill_left) / self.config.prefill_keys_per_row
-            take = min(s.prefill_left, max(int(left / weight + 1e-9), 1))
-            left -= take * weight
+            take, cost = self._chunk(s, s.prefill_left, left)
+            left -= cost
             out.append((rid, take))
         return out
 

@@ -110,18 +110,22 @@ def test_tenant_keys_are_fixed():
         tenant_keys(0)
 
 
-def test_fake_worker_compare_writes_json_and_plot(tmp_path):
+def run_compare(tmp_path, *argv: str) -> dict:
+    """`specgate loadtest compare ARGV --json FILE` through its own argument parser; the report."""
     from loadtest.compare import add_arguments, run
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
-    args = p.parse_args(["--policies", "fcfs,laps", "--fake-worker", "--fake-step-ms", "2",
-                         "--rate", "8", "--duration", "1.5", "--seed", "3", "--max-tokens", "8",
-                         "--workloads", "chat,copy", "--rounds", "2", "--json", str(out),
-                         "--plot", str(png)])
-    assert run(args) == 0
-    rep = json.loads(out.read_text())
+    out = tmp_path / "cmp.json"
+    assert run(p.parse_args([*argv, "--json", str(out)])) == 0
+    return json.loads(out.read_text())
+
+
+def test_fake_worker_compare_writes_json_and_plot(tmp_path):
+    png = tmp_path / "cmp.png"
+    rep = run_compare(tmp_path, "--policies", "fcfs,laps", "--fake-worker", "--fake-step-ms", "2",
+                      "--rate", "8", "--duration", "1.5", "--seed", "3", "--max-tokens", "8",
+                      "--workloads", "chat,copy", "--rounds", "2", "--plot", str(png))
     assert list(rep["policies"]) == ["fcfs", "laps"] and rep["settings"]["rounds"] == 2
     assert [r["order"] for r in rep["rounds"]] == [["fcfs", "laps"], ["laps", "fcfs"]]
     requests = {r["requests"] for r in rep["policies"].values()}
@@ -148,16 +152,10 @@ def test_fake_worker_compare_writes_json_and_plot(tmp_path):
 def test_load_measures_capacity_first_and_offers_that_share_of_it(tmp_path):
     """`--load F`: one fcfs pass at --rate (saturating the paced fake worker) measures capacity,
     then every policy gets F x capacity."""
-    from loadtest.compare import add_arguments, run, table
+    from loadtest.compare import table
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    out = tmp_path / "cmp.json"
-    args = p.parse_args(["--policies", "fcfs", "--fake-worker", "--fake-step-ms", "20",
-                         "--rate", "60", "--duration", "2", "--max-tokens", "16",
-                         "--load", "0.5", "--json", str(out)])
-    assert run(args) == 0
-    rep = json.loads(out.read_text())
+    rep = run_compare(tmp_path, "--policies", "fcfs", "--fake-worker", "--fake-step-ms", "20",
+                      "--rate", "60", "--duration", "2", "--max-tokens", "16", "--load", "0.5")
     cap = rep["settings"]["capacity"]
     assert cap["probe_rate"] == 60 and cap["load"] == 0.5
     assert 0 < cap["completed_per_s"] < 60                  # saturated: fewer done than offered
@@ -199,16 +197,11 @@ def test_srpt_gets_a_truth_pass_and_knows_every_length(tmp_path):
 
 def test_chunk_variants_run_every_policy_under_each_value(tmp_path):
     """`--prefill-chunk-tokens 0,16`: chunked against whole prefill on the same arrivals."""
-    from loadtest.compare import add_arguments, run, table
+    from loadtest.compare import table
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    out = tmp_path / "cmp.json"
-    args = p.parse_args(["--policies", "fcfs", "--fake-worker", "--fake-step-ms", "2",
-                         "--rate", "8", "--duration", "1.5", "--max-tokens", "8",
-                         "--prefill-chunk-tokens", "0,16", "--json", str(out)])
-    assert run(args) == 0
-    rep = json.loads(out.read_text())
+    rep = run_compare(tmp_path, "--policies", "fcfs", "--fake-worker", "--fake-step-ms", "2",
+                      "--rate", "8", "--duration", "1.5", "--max-tokens", "8",
+                      "--prefill-chunk-tokens", "0,16")
     assert list(rep["policies"]) == ["fcfs@chunk0", "fcfs@chunk16"]
     for row in rep["policies"].values():
         assert row["errors"] == 0 and row["completed"] == row["requests"] > 3

@@ -90,7 +90,8 @@ class NgramDrafter(Drafter):
         return _best_first_tree(index.tokens, matches, budget)
 
     def observe(self, ctx: DraftContext) -> None:
-        # a 4,000-token prompt takes ~70 ms to index: spread over its chunks' steps instead
+        # indexing a long prompt at its first proposal would cost one step all of it: spread
+        # it over its chunks' steps instead (README, "Chunked prefill")
         self._update(ctx)
 
     def release(self, request_id: str) -> None:
