@@ -25,6 +25,14 @@ A profile may also hold a `"prefill"` curve, prompt tokens → seconds of one re
 one, extends the batch-1 curve. Other keys (`device`, `date`, `note`, a curve's `nodes`, …) are
 descriptive and ignored here.
 
+A profile may hold a `"chunk"` entry too (chunked prefill: `workers.profiling.measure_chunks`):
+what a prefill chunk of k context tokens, after o tokens of its prompt already computed, adds to
+a step, fitted as `row_s · k + key_s · k · (o + (k − 1) / 2)` (its rows' linears, then attention
+over every earlier key). `StepCostModel.chunk(k, o)` reads it, or, without one, charges the
+prefill curve's difference prefill(o + k) − prefill(o) (its slope: a pass's fixed cost is the
+step's own); `keys_per_row` (row_s ÷ key_s) is how
+many earlier keys cost what a row does, which the planner weighs chunks by.
+
 >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08]), (8, [8, 64], [0.09, 0.17])])
 >>> round(m(1, 5), 3), round(m(8, 36), 3)
 (0.06, 0.13)
@@ -55,6 +63,35 @@ def prefill_steps(cost, prompt_len: int, batch: int) -> float:
     6.25
     """
     return cost.prefill(prompt_len) / cost(batch, batch)
+
+
+def fit_chunk_cost(points: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """(row_s, key_s) ≥ 0, the least-squares fit of extra_s = row_s·k + key_s·k·(o + (k − 1)/2)
+    to measured (o, k, extra_s) points. A coefficient the data would make negative (noise) is
+    held at 0 and the other refitted alone.
+
+    >>> pts = [(o, k, 1e-3 * k + 1e-6 * k * (o + (k - 1) / 2)) for o in (0, 1000) for k in (8, 32)]
+    >>> [round(x, 9) for x in fit_chunk_cost(pts)]
+    [0.001, 1e-06]
+    >>> fit_chunk_cost([(0, 8, 0.008), (500, 8, 0.006)])[1]
+    0.0
+    """
+    rows = [(float(k), float(k) * (o + (k - 1) / 2), float(y)) for o, k, y in points]
+    if not rows:
+        raise ValueError("no chunk points to fit")
+    aa = sum(a * a for a, _, _ in rows)
+    bb = sum(b * b for _, b, _ in rows)
+    ab = sum(a * b for a, b, _ in rows)
+    ay = sum(a * y for a, _, y in rows)
+    by = sum(b * y for _, b, y in rows)
+    det = aa * bb - ab * ab
+    if det > 1e-12 * aa * bb:
+        row_s, key_s = (ay * bb - by * ab) / det, (by * aa - ay * ab) / det
+        if row_s >= 0 and key_s >= 0:
+            return row_s, key_s
+    # one coefficient alone: whichever leaves the smaller error
+    alone = [(max(ay / aa, 0.0), 0.0)] + ([(0.0, max(by / bb, 0.0))] if bb else [])
+    return min(alone, key=lambda c: sum((y - c[0] * a - c[1] * b) ** 2 for a, b, y in rows))
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -95,9 +132,11 @@ class StepCostModel:
     def __init__(self, curves: Sequence[Curve], source: str = "",
                  prefill: tuple[Sequence[float], Sequence[float]] | None = None, *,
                  context: int | None = None,
-                 contexts: Sequence[tuple[int, Sequence[Curve]]] = ()) -> None:
+                 contexts: Sequence[tuple[int, Sequence[Curve]]] = (),
+                 chunk: tuple[float, float] | None = None) -> None:
         """`curves` at context `context` (the profile's prompt_len; may be None when there are
-        no other `contexts`), plus (context, curves) sets measured at other contexts."""
+        no other `contexts`), plus (context, curves) sets measured at other contexts; `chunk`:
+        the (row_s, key_s) of a prefill chunk's fit."""
         base = _Grid(curves)
         self.batches, self.curves = base.batches, base.curves   # the top-level curves
         self.source = source
@@ -117,6 +156,9 @@ class StepCostModel:
                 raise ValueError("prefill curve: tokens must be ascending, one step_s each")
             prefill = (list(map(float, xs)), list(map(float, ys)))
         self._prefill = prefill
+        if chunk is not None and (chunk[0] < 0 or chunk[1] < 0 or chunk[0] + chunk[1] <= 0):
+            raise ValueError("chunk cost: row_s and key_s must be ≥ 0, not both 0")
+        self._chunk = chunk
         self._cache: dict[tuple[int, int, int | None], float] = {}
 
     @classmethod
@@ -135,12 +177,13 @@ class StepCostModel:
         def curves(cs: list[dict]) -> list[Curve]:
             return [(c["batch"], c["tokens"], c["step_s"]) for c in cs]
 
-        pre = doc.get("prefill")
+        pre, chunk = doc.get("prefill"), doc.get("chunk")
         return cls(curves(doc["curves"]), doc.get("source", ""),
                    None if pre is None else (pre["tokens"], pre["step_s"]),
                    context=doc.get("prompt_len"),
                    contexts=[(c["context"], curves(c["curves"])) for c in doc.get("contexts", ())
-                             if c["context"] != doc.get("prompt_len")])
+                             if c["context"] != doc.get("prompt_len")],
+                   chunk=None if not chunk else (chunk["row_s"], chunk["key_s"]))
 
     def __call__(self, batch: int, tokens: int, context: int | None = None) -> float:
         """Seconds of one step of `batch` requests verifying `tokens` tree tokens in all, each
@@ -169,6 +212,33 @@ class StepCostModel:
                 hit = max(_interp(*self._prefill, tokens), MIN_STEP_S)
             self._cache[key] = hit
         return hit
+
+    def chunk(self, tokens: int, offset: int) -> float:
+        """Seconds a prefill chunk of `tokens` context tokens, after `offset` tokens of its
+        context already hold KV, adds to a step (module docstring).
+
+        >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08])], chunk=(1e-3, 1e-6))
+        >>> round(m.chunk(10, 1000), 5), round(m.keys_per_row)
+        (0.02005, 1000)
+        >>> p = StepCostModel([(1, [1, 9], [0.04, 0.08])], prefill=([100, 200], [0.2, 0.3]))
+        >>> round(p.chunk(50, 100), 3), p.keys_per_row is None
+        (0.05, True)
+        """
+        if tokens <= 0:
+            return 0.0
+        if self._chunk is not None:
+            row_s, key_s = self._chunk
+            return row_s * tokens + key_s * tokens * (offset + (tokens - 1) / 2)
+        # the curve's slope, not prefill(tokens): a pass's fixed cost is the step's already
+        return max(self.prefill(offset + tokens) - self.prefill(offset), MIN_STEP_S)
+
+    @property
+    def keys_per_row(self) -> float | None:
+        """Earlier keys whose attention costs what one chunk row's linears do (the measured
+        chunk fit's row_s ÷ key_s); None without a fit that has both."""
+        if self._chunk is None or not self._chunk[0] or not self._chunk[1]:
+            return None
+        return self._chunk[0] / self._chunk[1]
 
     def _compute(self, batch: int, tokens: int, context: int | None) -> float:
         if context is None:

@@ -12,6 +12,9 @@ these lengths instead of `prompt_len`, written as `"contexts": [{"context": c, "
 beside the top-level curves (which stay those at `prompt_len`); the step-cost model interpolates
 between contexts. Off by default: each context costs as much as the default grid.
 
+The `"chunk"` entry (`--chunk-tokens`, `--chunk-offsets`; '' to skip) is what a prefill chunk adds
+to a step, by its size and how deep into its prompt it starts (`workers.profiling.measure_chunks`).
+
 Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
 is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
 README, "Tree budgets".
@@ -23,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workers.profiling import (DEFAULT_BATCHES, DEFAULT_NODES, DEFAULT_PREFILL, describe_device,
+from workers.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
+                               DEFAULT_NODES, DEFAULT_PREFILL, describe_device, measure_chunks,
                                measure_profile, profile_document)
 
 
@@ -41,6 +45,13 @@ def table(doc: dict[str, Any]) -> str:
             for n, t, s in zip(c["nodes"], c["tokens"], c["step_s"]):
                 rows.append(f"| {context} | {c['batch']} | {n} | {t} | {1000 * s:.1f} | "
                             f"{1000 * s / c['batch']:.1f} |")
+    chunk = doc.get("chunk")
+    if chunk:
+        rows.append("")
+        rows.append(f"chunk (beside a batch of {chunk['batch']}): "
+                    + ", ".join(f"{k} tokens at {o} {1000 * x:.1f} ms" for o, k, x in chunk["points"])
+                    + f"; fit {1e3 * chunk['row_s']:.3f} ms a row + {1e6 * chunk['key_s']:.3f} µs "
+                      "a row per earlier key")
     pre = doc.get("prefill")
     if pre:
         rows.append("")
@@ -65,6 +76,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--contexts", default="",
                         help="comma-separated further context lengths to measure the same grid at "
                              "(default: none, only --prompt-len)")
+    parser.add_argument("--chunk-tokens", default=",".join(map(str, DEFAULT_CHUNK_TOKENS)),
+                        help="comma-separated prefill chunk sizes to time beside a batch "
+                             "('' to skip the chunk measurement)")
+    parser.add_argument("--chunk-offsets", default=",".join(map(str, DEFAULT_CHUNK_OFFSETS)),
+                        help="comma-separated context already computed when the chunks start")
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per point (median)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's choice)")
@@ -90,6 +106,12 @@ def run(args) -> int:
                                prompt_len=args.prompt_len, repeats=args.repeats,
                                prefill_tokens=_ints(args.prefill_tokens),
                                contexts=_ints(args.contexts))
+    if _ints(args.chunk_tokens):
+        chunk = measure_chunks(verifier, chunk_tokens=_ints(args.chunk_tokens),
+                               offsets=_ints(args.chunk_offsets) or (0,),
+                               batch=min(4, max(_ints(args.batches))), repeats=args.repeats)
+        if chunk:
+            measured["chunk"] = chunk
     doc = profile_document(measured, model=os.path.basename(str(model)), dtype=args.dtype,
                            device=describe_device(verifier.target), prompt_len=args.prompt_len,
                            repeats=args.repeats)

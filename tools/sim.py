@@ -17,6 +17,13 @@ least-attained-service ordering thrash the cache once more than 32 requests are 
 aging promotion of an evicted request is a re-prefill that lengthens the step, which puts more
 requests at risk: the engine ends up doing nothing but prefills).
 
+**Chunked prefill** (`--prefill-chunk-tokens N`, as the gateway's flag): a planned request
+without KV claims it without a pass of its own; the policy plans chunks of its context beside the
+other requests' trees (`Plan.prefill`), and the step that completes the context verifies its
+root and tree. Such a step costs profile(batch of the decoding requests, their tree tokens) plus
+each chunk's measured cost (`StepCostModel.chunk`: its rows, and its attention over the keys
+before it), the mixed step as the verifier runs it.
+
 **Load** is defined as load = λ · E[L] ÷ C: λ the arrival rate (requests/s), E[L] the mean output
 length of the generated requests, and C the engine's saturated goodput, i.e. committed output
 tokens per second over the steps that ran at full batch when every request of an independent
@@ -95,6 +102,7 @@ class SimSettings:
     calibration_requests: int = 1000
     calibration_steps: int = 20_000
     max_resident: int | None = 32              # requests holding KV at once (the step loop's)
+    prefill_chunk_tokens: int = 0              # 0: whole prefills, each in a pass of its own
 
 
 @dataclass
@@ -109,16 +117,19 @@ class RunOutcome:
     committed: int
     prefill_s: float = 0.0
     reprefills: int = 0
+    max_step_s: float = 0.0       # the longest step: the longest a decoding stream waits for a token
 
 
 class KVResidency:
     """Which requests hold KV, as the step loop keeps it (scheduler/loop.py): at most `limit` at
     once, least recently served evicted first (never one planned for this step); a planned
     request without KV is prefilled first, with its prompt plus the output it has committed, in a
-    pass of its own at batch 1 (`Verifier.prefill`), and the step waits for it."""
+    pass of its own at batch 1 (`Verifier.prefill`), and the step waits for it. `chunked`: it
+    only claims the KV (`prefill_left` set to its whole context), its steps' chunks compute it."""
 
-    def __init__(self, cost: StepCostModel, limit: int | None, enabled: bool = True) -> None:
-        self.cost, self.limit, self.enabled = cost, limit, enabled
+    def __init__(self, cost: StepCostModel, limit: int | None, enabled: bool = True,
+                 chunked: bool = False) -> None:
+        self.cost, self.limit, self.enabled, self.chunked = cost, limit, enabled, chunked
         self._held: dict[str, None] = {}
         self.prefill_s = 0.0                  # time spent prefilling, in all
         self.reprefills = 0                   # prefills of evicted requests (preemption's cost)
@@ -136,12 +147,17 @@ class KVResidency:
                     if victim is None:
                         break
                     del held[victim]
+                    if victim in live:
+                        live[victim].prefill_left = None
             held[rid] = None
             if self.enabled:
                 s = live[rid]
                 if s.n_steps:
                     self.reprefills += 1
-                dt += self.cost.prefill(max(1, s.prompt_len + s.committed - 1))
+                if self.chunked:
+                    s.prefill_left = s.unprefilled_context
+                else:
+                    dt += self.cost.prefill(max(1, s.unprefilled_context))
         self.prefill_s += dt
         return dt
 
@@ -157,11 +173,13 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
     `max_resident`: requests holding KV at once (None: no limit), as the step loop's."""
     state = SchedulerState()
     ac = AdmissionControl(admission)
-    kv = KVResidency(cost, max_resident, spec.prefill)
+    chunked = policy.config.prefill_chunk_tokens > 0 and spec.prefill
+    kv = KVResidency(cost, max_resident, spec.prefill, chunked)
     truth: dict[str, tuple[SimRequest, random.Random]] = {}
     finished: list[RequestStats] = []
     now = busy = 0.0
     i = refused = steps = aged = batch_sum = committed_total = 0
+    max_step = 0.0
     n = len(requests)
     fade = [math.exp(-k / spec.early_steps) for k in range(int(12 * spec.early_steps))]
     while i < n or state.requests:
@@ -180,18 +198,27 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
         if not state.requests:
             now = requests[i].arrival_s
             continue
+        if stop_when_not_full and len(state.requests) < policy.config.max_batch:
+            break                               # too few left for a full batch
         plan = policy.plan(state, now)
-        if stop_when_not_full and len(plan) < policy.config.max_batch:
-            break
         if max_steps is not None and steps >= max_steps:
             break
         live = state.requests
         dt = kv.admit(plan.request_ids, live)
-        records, tokens = [], 0
-        for rid, budget in zip(plan.request_ids, plan.budgets):
+        records, tokens, chunk_s = [], 0, 0.0
+        chunks = plan.prefill if chunked and plan.prefill else [0] * len(plan)
+        first_warm = len(plan) - plan.warm
+        for j, (rid, budget, k) in enumerate(zip(plan.request_ids, plan.budgets, chunks)):
             r, rng = truth[rid]
-            tokens += 1 + budget.max_nodes
             s = live[rid]
+            if k:                               # a chunk of its context, in this step's pass
+                left = s.unprefilled
+                k = min(k, left)
+                chunk_s += cost.chunk(k, s.unprefilled_context - left)
+                s.prefill_left = left - k
+                if s.prefill_left or j >= first_warm:
+                    continue                    # no root yet: nothing verified, nothing committed
+            tokens += 1 + budget.max_nodes
             rec = _sample_step(r, s, budget.max_nodes, budget.max_depth, rng, fade)
             if spec.repredict is not None and rec.finish is None:
                 at = spec.repredict_at(s.committed + rec.committed)[0]
@@ -202,7 +229,9 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
                         s.length_belief = new
             committed_total += rec.committed
             records.append(rec)
-        dt += cost(len(records), tokens)
+        dt += cost(max(len(records), 1), max(tokens, 1)) + chunk_s
+        kv.prefill_s += chunk_s
+        max_step = max(max_step, dt)
         now += dt
         busy += dt
         steps += 1
@@ -214,7 +243,7 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             finished.append(s)
             del truth[s.request_id]
     return RunOutcome(finished, refused, steps, busy, now, aged, batch_sum, committed_total,
-                      kv.prefill_s, kv.reprefills)
+                      kv.prefill_s, kv.reprefills, max_step)
 
 
 def _belief(r: SimRequest, spec: WorkloadSpec, committed: int) -> tuple[float, float, int]:
@@ -274,7 +303,8 @@ def arrival_rate(settings: SimSettings, cost: StepCostModel) -> tuple[float, flo
 def _config(settings: SimSettings, cost: StepCostModel) -> PolicyConfig:
     return PolicyConfig(max_batch=settings.max_batch, token_budget=settings.token_budget,
                         aging_bound_s=settings.aging_bound_s, step_cost=cost,
-                        max_resident=settings.max_resident)
+                        max_resident=settings.max_resident,
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens)
 
 
 def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepCostModel):
@@ -339,6 +369,7 @@ def summarize(name: str, out: RunOutcome, policy: Policy, wall_s: float) -> dict
         "utilization": out.busy_s / out.end_s if out.end_s else 0.0,
         "prefill_share": out.prefill_s / out.busy_s if out.busy_s else 0.0,
         "reprefills": out.reprefills,
+        "max_step_s": out.max_step_s,
         "committed_tokens_per_s": out.committed / out.end_s if out.end_s else 0.0,
         "aged_promotions": out.aged,
         "aging_bound_s": policy.config.aging_bound_s,
@@ -366,6 +397,7 @@ def run_sim(policies: list[str], settings: SimSettings, jobs: int = 1) -> dict[s
                      "token_budget": settings.token_budget,
                      "aging_bound_s": settings.aging_bound_s,
                      "max_resident": settings.max_resident,
+                     "prefill_chunk_tokens": settings.prefill_chunk_tokens,
                      "arrival_cv": settings.workload.arrival_cv,
                      "predictor_sigma": settings.workload.predictor_sigma,
                      "repredict": settings.workload.repredict,
@@ -438,6 +470,9 @@ def add_arguments(parser) -> None:
                         help="seconds; a negative value disables aging")
     parser.add_argument("--max-resident", type=int, default=32,
                         help="requests holding KV at once (the step loop's); 0: no limit")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                        help="chunked prefill, as `specgate serve`'s flag (0: whole prefills, "
+                             "each in a pass of its own)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
                         help="default: four tenants with a length predictor; loadtest: what "
                              "`loadtest compare --max-tokens 8-256` sends (no predictor)")
@@ -469,7 +504,7 @@ def run(args) -> int:
                            aging_bound_s=None if args.aging_bound < 0 else args.aging_bound,
                            max_resident=(max(args.max_resident, args.max_batch)
                                          if args.max_resident > 0 else None),
-                           workload=workload,
+                           workload=workload, prefill_chunk_tokens=args.prefill_chunk_tokens,
                            calibration_requests=min(1000, max(200, args.requests)))
     if args.laps:
         settings = replace(settings, policy_options={"laps": json.loads(args.laps)})

@@ -21,6 +21,17 @@ free.
 verifier replica, the generation loop of `specgate generate` and the benches): tree sizing is
 only as good as its costs, and a shipped profile's machine is rarely the one serving. It is the
 one start-up measurement: the planner sizes every request's tree from it.
+
+`measure_chunks` measures what a prefill chunk adds to a step (chunked prefill): a step of
+`batch` decoding requests is timed with and without a chunk of k context tokens of another
+request, whose KV already holds o tokens, alternately (adjacent pairs see the same machine
+state). The chunk's rows cost about the same each (the linears, no logits), and its attention
+reads every earlier key, so the pairs' differences are fitted to
+
+    extra_s(k, o) = row_s · k + key_s · k · (o + (k − 1) / 2)
+
+(`scheduler.profile.fit_chunk_cost`): the profile's `"chunk"` entry, which the planner weighs
+chunks by and the simulator charges mixed steps from.
 """
 from __future__ import annotations
 
@@ -42,6 +53,10 @@ STARTUP_NODES = (0, 1, 3, 7)
 STARTUP_BATCH1_NODES = (0, 1, 3, 7, 11, 15, 23, 31)
 STARTUP_PROMPT_LEN = 128
 STARTUP_REPEATS = 5
+DEFAULT_CHUNK_TOKENS = (8, 24, 64)
+DEFAULT_CHUNK_OFFSETS = (0, 1024, 3072)
+STARTUP_CHUNK_TOKENS = (8, 32)
+STARTUP_CHUNK_OFFSETS = (0, 768)
 
 
 def _monotone(ys: Sequence[float]) -> list[float]:
@@ -182,11 +197,77 @@ def startup_profile(runtime, max_batch: int, max_tree_tokens: int = 31) -> dict[
         measured["curves"] += measure_profile(verifier, batches=wider, nodes=nodes,
                                               prompt_len=prompt_len, repeats=STARTUP_REPEATS,
                                               prefill_tokens=(), interleaved=True)["curves"]
+    chunk = measure_chunks(verifier, chunk_tokens=STARTUP_CHUNK_TOKENS,
+                           offsets=STARTUP_CHUNK_OFFSETS, batch=min(max_batch, 4),
+                           prompt_len=prompt_len, repeats=STARTUP_REPEATS)
+    if chunk:
+        measured["chunk"] = chunk
     doc = profile_document(measured, model="serving", dtype=str(verifier.target.dtype).replace("torch.", ""),
                            device=describe_device(verifier.target), prompt_len=prompt_len,
                            repeats=STARTUP_REPEATS)
     doc["source"] = "measured at start-up (workers/profiling.py startup_profile)"
     return doc
+
+
+def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKENS,
+                   offsets: Sequence[int] = DEFAULT_CHUNK_OFFSETS, batch: int = 4, nodes: int = 3,
+                   prompt_len: int = 128, repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+    """The profile's `"chunk"` entry: for each offset o and chunk size k, `repeats` pairs of
+    steps of `batch` requests with `nodes`-node chains, one pair member also computing k pending
+    context tokens of a request whose KV holds o (+ the chunks before it in the series) tokens.
+    `points` are (offset at the chunk's start, k, median extra seconds); `row_s` and `key_s` the
+    fit (module docstring). Offsets that leave no room in the model's context are skipped."""
+    from scheduler.profile import fit_chunk_cost
+    from workers.contract import SamplingParams
+    from workers.tree import TokenTree
+    from workers.verifier import VerifyItem
+
+    if batch < 1 or nodes < 0 or repeats < 1 or not chunk_tokens or min(chunk_tokens) < 1:
+        raise ValueError("need batch ≥ 1, nodes ≥ 0, repeats ≥ 1 and chunks ≥ 1 token")
+    rng = random.Random(seed)
+    vocab = verifier.target.vocab_size
+    greedy = SamplingParams()
+    # the decoders commit up to nodes + 1 tokens a step, over every series' steps
+    series = [(o, k) for o in sorted(set(offsets)) for k in sorted(set(chunk_tokens))]
+    headroom = (2 * repeats + 1) * (nodes + 1) * len(series) + 1
+    series = [(o, k) for o, k in series if o + k * (repeats + 1) + 2 <= verifier.context_limit]
+    if not series or prompt_len + headroom > verifier.context_limit:
+        return {}
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    ids = [f"chunk-b{i}" for i in range(batch)]
+    for rid in ids:
+        verifier.prefill(rid, tokens(prompt_len), greedy, headroom)
+
+    def step(k: int = 0) -> float:
+        items = [VerifyItem(rid, TokenTree.chain(tokens(nodes))) for rid in ids]
+        if k:
+            items.append(VerifyItem("chunk", TokenTree.chain([]), prefill=k, decode=False))
+        t0 = time.perf_counter()
+        verifier.verify(items)
+        return time.perf_counter() - t0
+
+    points = []
+    for o, k in series:
+        verifier.release("chunk")
+        # pending context: o to reach the offset, then every timed chunk, never the whole (a
+        # chunk that completes the context would add the root's row)
+        verifier.prefill("chunk", tokens(o + k * (repeats + 1) + 2), greedy, 1, defer=True)
+        if o:
+            verifier.verify([VerifyItem("chunk", TokenTree.chain([]), prefill=o, decode=False)])
+        step(k)                                             # warm-up, at this size
+        extra = []
+        for _ in range(repeats):
+            with_chunk = step(k)
+            extra.append(with_chunk - step())
+        points.append((o + k * (1 + repeats // 2), k, statistics.median(extra)))
+    for rid in (*ids, "chunk"):
+        verifier.release(rid)
+    row_s, key_s = fit_chunk_cost(points)
+    return {"row_s": row_s, "key_s": key_s, "batch": batch, "nodes": nodes,
+            "points": [list(p) for p in points]}
 
 
 def describe_device(forward) -> str:
@@ -227,7 +308,8 @@ def profile_document(measured: dict[str, Any], *, model: str, dtype: str, device
         "note": ("step_s = median wall time of one Verifier.verify over the batch (chain trees); "
                  "tokens = batch × (1 + nodes); prefill = one request's Verifier.prefill; "
                  "contexts = the same curves with every request holding `context` tokens "
-                 "(the top-level curves: `prompt_len`)"),
+                 "(the top-level curves: `prompt_len`); chunk = what a prefill chunk of k "
+                 "tokens at offset o adds to a step, row_s·k + key_s·k·(o + (k − 1)/2)"),
         **measured,
     }
 

@@ -51,6 +51,9 @@ BAND = 1e12   # keys of the form band · BAND + value order by band first (level
 
 Entry = tuple[float, int, str]   # (key, seq, request id)
 IDLE_CHUNKS = 8   # a step in which no request decodes prefills up to this many chunks' tokens
+# keys per row without a measured chunk fit: the order of the default model's on CPU (README,
+# "Chunked prefill")
+DEFAULT_KEYS_PER_ROW = 1000.0
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,9 @@ class PolicyConfig:
     prefill_chunk_tokens: int = 0
     # attention over this many keys costs about what one row's linears do: a chunk of k tokens
     # after o tokens of context counts k × (1 + o / this) against prefill_chunk_tokens, so a
-    # step with a chunk costs about the same early and late in a long prompt
-    prefill_keys_per_row: float = 1000.0
+    # step with a chunk costs about the same early and late in a long prompt. None: the step
+    # cost's measured chunk fit (`StepCostModel.keys_per_row`), else DEFAULT_KEYS_PER_ROW
+    prefill_keys_per_row: float | None = None
     # KV slots every live request together may hold (the worker's KV budget in slots); None: no
     # byte limit. The planner defers starts and preempts by it (`_fit_kv`, scheduler/kv_budget.py),
     # with the verifier's block and tree sizes (a request's first allocation and growth)
@@ -124,8 +128,10 @@ class Policy:
             raise ValueError("max_resident must hold at least one full batch")
         if c.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0: whole prefills)")
-        if not c.prefill_keys_per_row > 0:
+        if c.prefill_keys_per_row is not None and not c.prefill_keys_per_row > 0:
             raise ValueError("prefill_keys_per_row must be > 0")
+        self.keys_per_row = (c.prefill_keys_per_row
+                             or getattr(c.step_cost, "keys_per_row", None) or DEFAULT_KEYS_PER_ROW)
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
         self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
         self.sizer = TreeSizer(c.step_cost, c.sizing)
@@ -303,7 +309,7 @@ class Policy:
         """(tokens, budget they cost) of a chunk of `s`'s `need` pending context tokens within
         `left`: each counts 1 + (context already computed) / prefill_keys_per_row, and at least
         one token is taken while any budget is left, however heavy: a prompt always advances."""
-        weight = 1.0 + max(s.unprefilled_context - need, 0) / self.config.prefill_keys_per_row
+        weight = 1.0 + max(s.unprefilled_context - need, 0) / self.keys_per_row
         take = min(need, max(int(left / weight + 1e-9), 1 if left >= 1 else 0))
         return take, take * weight
 
@@ -419,8 +425,12 @@ class Policy:
         # with chunks, a step prefills at most its budget
         prefill = getattr(cost, "prefill", None) or (lambda t: cost(1, t))
         chunk = self.config.prefill_chunk_tokens
-        est = cost(len(chosen), self.config.token_budget) + (
-            prefill(min(sum(prompts), chunk)) if chunk else sum(prefill(p) for p in prompts))
+        if chunk:
+            charge = getattr(cost, "chunk", None)
+            extra = charge(min(sum(prompts), chunk), 0) if charge else prefill(min(sum(prompts), chunk))
+        else:
+            extra = sum(prefill(p) for p in prompts)
+        est = cost(len(chosen), self.config.token_budget) + extra
         return est if est > state.step_s_max else None
 
 

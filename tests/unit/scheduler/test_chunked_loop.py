@@ -141,6 +141,27 @@ def test_a_chunk_deep_in_a_long_prompt_is_shorter():
     assert pol.plan(state, 2.0).prefill == [0, 10]
 
 
+def test_the_chunk_weight_comes_from_the_measured_chunk_cost():
+    """Without a keys-per-row setting, the step cost's measured chunk fit sets it: attention
+    four times dearer per key (row_s ÷ key_s = 250) makes a chunk 3,000 tokens in count 13."""
+    from scheduler.profile import StepCostModel
+
+    cost = StepCostModel([(1, [1, 64], [0.01, 0.05]), (2, [2, 64], [0.012, 0.055])],
+                         chunk=(1e-3, 4e-6))
+    pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None,
+                      prefill_chunk_tokens=40, step_cost=cost)
+    assert pol.keys_per_row == pytest.approx(250)
+    state = SchedulerState()
+    for i, rid in enumerate(("run", "long")):
+        pol.add(state, RequestStats(rid, "t", float(i), prompt_len=4001, max_tokens=10))
+    state.requests["run"].prefill_left = 0
+    state.requests["long"].prefill_left = 1000
+    assert pol.plan(state, 1.0).prefill == [0, 3]        # 40 // 13
+    unmeasured = make_policy("fcfs", max_batch=2, prefill_chunk_tokens=40,
+                             step_cost=StepCostModel([(1, [1, 64], [0.01, 0.05])]))
+    assert unmeasured.keys_per_row == 1000               # DEFAULT_KEYS_PER_ROW
+
+
 def test_a_step_in_which_nobody_decodes_prefills_larger_chunks():
     loop, worker = make()
     loop.submit(request("long", 1000, max_tokens=2), Steps())

@@ -144,3 +144,37 @@ def test_a_runtime_measures_its_profile_once_per_shape(tiny_model):
     first = rt.step_profile(2, 7)
     assert rt.step_profile(2, 7) is first
     assert rt.step_profile(1, 7) is not first
+
+
+def test_measures_what_a_prefill_chunk_adds_to_a_step(verifier):
+    got = profiling.measure_chunks(verifier, chunk_tokens=(4, 16), offsets=(0, 200), batch=2,
+                                   nodes=1, prompt_len=16, repeats=3)
+    assert [(k) for _, k, _ in got["points"]] == [4, 16, 4, 16]
+    # each point's offset is where its median chunk started: past the series' offset
+    assert [o >= base for (o, _, _), base in zip(got["points"], (0, 0, 200, 200))] == [True] * 4
+    assert got["row_s"] >= 0 and got["key_s"] >= 0 and got["row_s"] + got["key_s"] > 0
+    assert got["batch"] == 2 and got["nodes"] == 1
+    assert verifier.active() == []
+    # offsets with no room for their chunks in the context are left out, not failed
+    none_fit = profiling.measure_chunks(verifier, chunk_tokens=(64,), offsets=(500,), repeats=2)
+    assert none_fit == {}
+    model = StepCostModel([(1, [1, 9], [0.04, 0.08])], chunk=(got["row_s"], got["key_s"]))
+    assert model.chunk(16, 200) >= model.chunk(16, 0) > 0
+
+
+def test_a_profile_with_a_chunk_entry_charges_chunks_from_its_fit(tmp_path):
+    doc = {"curves": [{"batch": 1, "tokens": [1, 9], "step_s": [0.04, 0.08]}],
+           "prefill": {"tokens": [64, 1024], "step_s": [0.1, 1.0]},
+           "chunk": {"row_s": 0.002, "key_s": 4e-6, "points": []}}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    m = StepCostModel.from_json(path)
+    assert m.chunk(10, 500) == pytest.approx(0.002 * 10 + 4e-6 * 10 * 504.5)
+    assert m.keys_per_row == pytest.approx(500)
+    del doc["chunk"]                            # none measured: the prefill curve's slope
+    path.write_text(json.dumps(doc))
+    old = StepCostModel.from_json(path)
+    assert old.keys_per_row is None
+    assert old.chunk(96, 128) == pytest.approx(96 * 0.9 / 960)
+    with pytest.raises(ValueError, match="chunk"):
+        StepCostModel([(1, [1, 9], [0.04, 0.08])], chunk=(-1.0, 0.0))

@@ -202,3 +202,35 @@ def test_re_prediction_helps_laps_and_not_sjf():
     with_ = run_sim(["sjf", "laps"], replace(base, workload=spec))["policies"]
     assert with_["sjf"]["mean_latency_s"] == pytest.approx(without["sjf"]["mean_latency_s"])
     assert with_["laps"]["mean_latency_s"] < without["laps"]["mean_latency_s"]
+
+
+def _stream_and_long_prompt(chunk: int):
+    """A stream decoding 300 tokens and a 4,000-token prompt arriving 2 s in, one FCFS engine."""
+    from scheduler.policies import make_policy
+    from scheduler.profile import StepCostModel
+    from tools.workload_gen import SimRequest, WorkloadSpec
+
+    def req(i, rid, arrival, prompt, out):
+        return SimRequest(i, rid, "t", 0, arrival, prompt, out, out, True, None, 0.5, 0.5, seed=i)
+
+    cost = StepCostModel.from_json(None)
+    policy = make_policy("fcfs", sim._config(replace(SMALL, prefill_chunk_tokens=chunk), cost))
+    out = sim.simulate(policy, [req(0, "stream", 0.0, 20, 300), req(1, "long", 2.0, 4000, 4)],
+                       cost, WorkloadSpec())
+    return {s.request_id: s for s in out.finished}, out, cost
+
+
+def test_a_long_prompt_stalls_a_stream_only_with_whole_prefills():
+    """The simulator charges a chunk beside the trees (the mixed step), not a pass of its own."""
+    whole, out0, cost = _stream_and_long_prompt(0)
+    chunked, out24, _ = _stream_and_long_prompt(24)
+    assert set(whole) == set(chunked) == {"stream", "long"}
+    # whole: a step waits out the 3,999-token prefill, and the stream's token with it
+    assert out0.max_step_s >= cost.prefill(3999)
+    # chunked: no step is longer than a full step plus a 24-token chunk deep in the prompt
+    assert out24.max_step_s <= cost(2, 64) + cost.chunk(24, 3975)
+    assert out24.max_step_s < out0.max_step_s / 10
+    # the prompt's prefill is charged either way, in chunks that add up to about its pass
+    assert out24.prefill_s == pytest.approx(sum(cost.chunk(24, o) for o in range(0, 3999, 24)),
+                                            rel=0.05)
+    assert out0.prefill_s >= cost.prefill(3999)
