@@ -8,6 +8,7 @@ its verifier replicas (`gateway.builders.ray_app`).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -148,6 +149,18 @@ def kv_budget(worker: Any) -> tuple[dict[str, int], str | None]:
             f"(requests and prefix cache; --kv-cache-mb)")
     return {"kv_budget_tokens": slots, "kv_block": verifier.kv_block,
             "kv_tree_tokens": verifier.max_tree_tokens + 1}, note
+
+
+def freeze_heap() -> None:
+    """Call once a serving process has loaded its model and built its app: collect, then move
+    every object that survives into the collector's permanent generation (`gc.freeze`). A full
+    collection walks every tracked object, and a loaded model and web stack are hundreds of
+    thousands of them, all alive for good: walked, such a collection holds the GIL long enough
+    to stall every stream for a step or more, at moments nobody chooses. Frozen, they are never
+    walked again; collections see only what serving creates. Not for a process that builds and
+    drops many apps (tests): what is frozen is never freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def default_kv_cache_mb() -> float:

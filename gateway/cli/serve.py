@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.builders.embedded import Embedded, build_embedded
+from gateway.builders.embedded import Embedded, build_embedded, freeze_heap
 from gateway.http.server import run_on, uvicorn_config
 from gateway.settings import Settings
 
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     emb = build_embedded(settings)
+    freeze_heap()
     if emb.recovered:
         log.info("recovered %d request(s) from the state store", len(emb.recovered))
     if emb.dev_key:
