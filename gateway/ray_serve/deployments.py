@@ -271,6 +271,12 @@ class SchedulerServer:
     def calls(self) -> dict[str, int]:
         return dict(self.pool.calls)
 
+    def kv_budgets(self) -> dict[str, dict]:
+        """The verifier replicas' KV pools as last reported (`reported`: replica -> (budget,
+        held) in slots) and the budgets the planner last planned by (`planned`; a diagnostic)."""
+        return {"reported": self.pool.kv_budgets(),
+                "planned": dict(self.embedded.step_loop.state.kv_budgets)}
+
     def timing(self) -> dict[str, float]:
         """Where the scheduler's time went: `loop_s` (iterations that verified something, whole),
         `compute_s` (inside the verifier replicas' prefills and steps), `draft_s` (of that, drafting,
