@@ -142,7 +142,8 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
 def kv_budget(worker: Any) -> tuple[dict[str, int], str | None]:
     """The policy's KV budget fields for a worker whose verifier has a KV pool, and the line
     reported at start; ({}, None) for workers without one (the fake worker, Ray mode's pool of
-    verifier replicas, each of which keeps its own prefix cache within its own pool)."""
+    verifier replicas: there each replica computes this for its own pool and the scheduler turns
+    it into a budget per replica, `replica_kv_budget`)."""
     verifier = getattr(worker, "verifier", None)
     pool = getattr(verifier, "kv_pool_bytes", None)
     if pool is None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, NamedTuple
 
 from scheduler.policies.aging import AgingIndex
-from scheduler.kv_budget import growth_slots, start_slots
+from scheduler.kv_budget import growth_slots, kv_homes, kv_rooms, most_room, start_slots
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.sizing import SizingConfig, StepCost, TreeSizer
@@ -114,42 +114,6 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.request_ids)
-
-
-def kv_homes(state: SchedulerState, budget: int | None) -> dict[str | None, tuple[int, int]] | None:
-    """Each KV budget as (budget, slots held), by home: one per home where the state carries
-    them (Ray mode: verifier replicas), else the one budget under home None; None: no budget.
-
-    >>> kv_homes(SchedulerState(kv_tokens=70), 100)
-    {None: (100, 70)}
-    >>> kv_homes(SchedulerState(kv_budgets={"a": 100, "b": 80}, kv_held={"a": 90}), 100)
-    {'a': (100, 90), 'b': (80, 0)}
-    """
-    if state.kv_budgets:
-        held = state.kv_held
-        return {home: (b, held.get(home, 0)) for home, b in state.kv_budgets.items()}
-    return None if budget is None else {None: (budget, state.kv_tokens)}
-
-
-def kv_rooms(homes: Mapping[str | None, tuple[int, int]] | None) -> dict[str | None, int] | None:
-    """Slots left under each budget.
-
-    >>> kv_rooms({"a": (100, 90), "b": (80, 0)})
-    {'a': 10, 'b': 80}
-    """
-    return None if homes is None else {home: b - held for home, (b, held) in homes.items()}
-
-
-def most_room(rooms: Mapping) -> str | None:
-    """The home a start goes to: the most room, ties to the first by name (the router's rule,
-    gateway/ray_serve/routing.py `rank_replicas`).
-
-    >>> most_room({"b": 50, "a": 50, "c": 10}), most_room({None: 5})
-    ('a', None)
-    """
-    if len(rooms) == 1:
-        return next(iter(rooms))
-    return min(rooms, key=lambda home: (-rooms[home], home))
 
 
 class Policy:

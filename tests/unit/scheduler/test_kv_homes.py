@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 
 from scheduler.loop import Delta, StepLoop
-from scheduler.policies import base, make_policy
+from scheduler import kv_budget
+from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats
 from scheduler.state import SchedulerState
 from workers.fake_worker import FakeClock, FakeWorker, token_at
@@ -48,8 +49,8 @@ def state_with(budgets: dict[str, int], pol, rows) -> SchedulerState:
     return state
 
 
-def test_policy_doctests():
-    assert doctest.testmod(base).failed == 0
+def test_kv_budget_doctests():
+    assert doctest.testmod(kv_budget).failed == 0
 
 
 def test_a_start_is_planned_only_where_one_home_has_room_for_it():
