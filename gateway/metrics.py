@@ -251,9 +251,13 @@ class SchedulerCollector:
         held.add_metric([], float(self.step_loop.state.kv_tokens))
         yield held
         budget = self.step_loop.policy.config.kv_budget_tokens
+        per_home = self.step_loop.state.kv_budgets      # Ray mode: one per verifier replica
+        if per_home:
+            budget = sum(per_home.values())
         if budget is not None:
             g = GaugeMetricFamily("specgate_kv_budget_tokens", "KV slots (tokens) the planner "
-                                  "keeps resident requests within (--kv-cache-mb)")
+                                  "keeps resident requests within (--kv-cache-mb; in Ray mode, "
+                                  "summed over the verifier replicas)")
             g.add_metric([], float(budget))
             yield g
         steps = CounterMetricFamily("specgate_steps", "Verification steps run by the loop")

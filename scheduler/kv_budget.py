@@ -7,6 +7,11 @@ or by half of what it holds, whichever is more.
 Pure functions of a request's stats. Slots, not bytes: the builder turns the byte budget
 (`--kv-cache-mb`) into slots once, at the model's bytes per slot (every layer's K and V).
 
+Where KV lives in several places (Ray mode: each verifier replica has its own pool), each place
+is a **home** with a budget of its own (`SchedulerState.kv_budgets`); a new request starts on
+the home with the most room (`most_room`), the rule by which the router places it
+(gateway/ray_serve/routing.py `rank_replicas`).
+
 >>> from scheduler.request import RequestStats
 >>> s = RequestStats("r", "t", 0.0, prompt_len=1000, max_tokens=8192)
 >>> s.kv_tokens = start_slots(s, block=256, tree=65)
@@ -18,7 +23,10 @@ Pure functions of a request's stats. Slots, not bytes: the builder turns the byt
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 from scheduler.request import RequestStats
+from scheduler.state import SchedulerState
 
 
 def start_slots(s: RequestStats, *, block: int, tree: int) -> int:
@@ -34,3 +42,39 @@ def growth_slots(s: RequestStats, *, block: int, tree: int) -> int:
     if s.prompt_len + s.committed + tree <= s.kv_tokens:
         return 0
     return max(block, s.kv_tokens // 2)
+
+
+def kv_homes(state: SchedulerState, budget: int | None) -> dict[str | None, tuple[int, int]] | None:
+    """Each KV budget as (budget, slots held), by home: one per home where the state carries
+    them (Ray mode: verifier replicas), else the one budget under home None; None: no budget.
+
+    >>> kv_homes(SchedulerState(kv_tokens=70), 100)
+    {None: (100, 70)}
+    >>> kv_homes(SchedulerState(kv_budgets={"a": 100, "b": 80}, kv_held={"a": 90}), 100)
+    {'a': (100, 90), 'b': (80, 0)}
+    """
+    if state.kv_budgets:
+        held = state.kv_held
+        return {home: (b, held.get(home, 0)) for home, b in state.kv_budgets.items()}
+    return None if budget is None else {None: (budget, state.kv_tokens)}
+
+
+def kv_rooms(homes: Mapping[str | None, tuple[int, int]] | None) -> dict[str | None, int] | None:
+    """Slots left under each budget.
+
+    >>> kv_rooms({"a": (100, 90), "b": (80, 0)})
+    {'a': 10, 'b': 80}
+    """
+    return None if homes is None else {home: b - held for home, (b, held) in homes.items()}
+
+
+def most_room(rooms: Mapping) -> str | None:
+    """The home a start goes to: the most room, ties to the first by name (the router's rule,
+    gateway/ray_serve/routing.py `rank_replicas`).
+
+    >>> most_room({"b": 50, "a": 50, "c": 10}), most_room({None: 5})
+    ('a', None)
+    """
+    if len(rooms) == 1:
+        return next(iter(rooms))
+    return min(rooms, key=lambda home: (-rooms[home], home))

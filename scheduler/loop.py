@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Protocol, Sequence, Union
+from typing import Callable, Mapping, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
 from scheduler.length_learner import LengthLearner, better
@@ -88,14 +88,20 @@ Sink = Callable[[Event], None]
 class StepLoop:
     def __init__(self, policy: Policy, worker: Worker, store: StateStore | None = None, *,
                  admission: AdmissionControl | None = None, max_resident: int = 32,
-                 clock: Callable[[], float] = time.time, lengths: LengthLearner | None = None):
+                 clock: Callable[[], float] = time.time, lengths: LengthLearner | None = None,
+                 kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None):
         """`clock` must be wall time (not monotonic) when the store outlives the process: arrival
         and service times are persisted and compared after a restart.
 
         `lengths`: predict each request's length from the worker's features (the worker must make
         them) and learn from finished ones. A request is then prefilled when it arrives if fewer
         than `max_resident − max_batch` requests hold KV, so that it is ranked with a prediction
-        while it waits (the prefill is work its first step needs anyway)."""
+        while it waits (the prefill is work its first step needs anyway).
+
+        `kv_budgets`: where KV lives in several places (Ray mode: verifier replicas), each one's
+        (budget, slots held) in slots by home, as last reported; the loop hands the budgets to
+        the planner before every plan (`SchedulerState.kv_budgets`), and keeps what each home's
+        requests hold from the homes their prefills and steps report."""
         if max_resident < policy.config.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
@@ -105,6 +111,7 @@ class StepLoop:
         self.max_resident = max_resident
         self.clock = clock
         self.lengths = lengths
+        self.kv_budgets = kv_budgets
         self.chunked = policy.config.prefill_chunk_tokens > 0
         self.state = SchedulerState()
         self.steps = 0
@@ -222,7 +229,7 @@ class StepLoop:
             if s.status is Status.RUNNING:
                 s.status = Status.PREEMPTED            # no batch is running any more
             s.prefill_left = None                      # no KV is held after a restart
-            s.kv_tokens = 0
+            s.kv_tokens, s.kv_home = 0, None
             self._requests[s.request_id] = req
             self._limits[s.request_id] = self._limit(req)
             self.state.requests[s.request_id] = s
@@ -238,6 +245,8 @@ class StepLoop:
             return False
         start = self.clock()
         t0 = time.perf_counter()
+        if self.kv_budgets is not None:
+            self.state.kv_budgets = {home: budget for home, (budget, _) in self.kv_budgets().items()}
         plan = self.policy.plan(self.state, start)
         for rid in plan.evict:                         # the KV budget: room for this step
             self._evict(rid)
@@ -274,7 +283,7 @@ class StepLoop:
             rid = res.request_id
             req = self._requests[rid]
             req.stats.prefill_left = res.pending
-            self._hold(req.stats, res.kv_tokens)
+            self._hold(req.stats, res.kv_tokens, res.home)
             if not res.decoded:                        # only prefilled: nothing to commit
                 if res.features is not None:           # ahead of its turn, now ready
                     self._predict(req, res.features, len(req.output_ids))
@@ -331,7 +340,7 @@ class StepLoop:
             return False
         self._resident[request_id] = None
         req.stats.prefill_left = done.pending
-        self._hold(req.stats, done.kv_tokens)
+        self._hold(req.stats, done.kv_tokens, done.home)
         if done.features is not None:
             self._predict(req, done.features, len(req.output_ids))
             self.policy.touch(request_id)
@@ -347,10 +356,19 @@ class StepLoop:
         s.prefill_left = None
         self._hold(s, 0)
 
-    def _hold(self, s: RequestStats, kv_tokens: int) -> None:
-        """Record the KV slots a request holds (and the total the planner budgets by)."""
-        self.state.kv_tokens += kv_tokens - s.kv_tokens
-        s.kv_tokens = kv_tokens
+    def _hold(self, s: RequestStats, kv_tokens: int, home: str | None = None) -> None:
+        """Record the KV slots a request holds and where (and the totals the planner budgets
+        by: in all, and per home)."""
+        state = self.state
+        state.kv_tokens += kv_tokens - s.kv_tokens
+        held = state.kv_held
+        if s.kv_home is not None:
+            held[s.kv_home] -= s.kv_tokens
+            if not held[s.kv_home]:
+                del held[s.kv_home]
+        s.kv_tokens, s.kv_home = kv_tokens, home if kv_tokens else None
+        if s.kv_home is not None:
+            held[s.kv_home] = held.get(s.kv_home, 0) + kv_tokens
 
     def _never_served(self, request_id: str) -> bool:
         s = self.state.requests.get(request_id)

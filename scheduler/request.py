@@ -134,6 +134,8 @@ class RequestStats:
     prefill_left: int | None = None        # context tokens whose KV is still to compute, while
                                            # it holds KV (chunked prefill); None: holds none
     kv_tokens: int = 0                     # KV slots it holds (0: none), as the worker reports
+    kv_home: str | None = None             # where they are (Ray mode: the verifier replica);
+                                           # None: the one worker, or none held
 
     def __post_init__(self) -> None:
         self.last_served_s = self.arrival_s

@@ -19,3 +19,8 @@ class SchedulerState:
     step_s: float | None = None                          # moving average of a step's duration
     step_s_max: float = 0.0                              # longest step seen
     kv_tokens: int = 0                                   # KV slots held by every live request
+    # Several KV budgets (Ray mode: one per verifier replica, as the step loop last refreshed
+    # them): home -> its budget in slots, and home -> slots its live requests hold. Empty: one
+    # budget, the policy's own (`PolicyConfig.kv_budget_tokens`), over `kv_tokens`.
+    kv_budgets: dict[str, int] = field(default_factory=dict)
+    kv_held: dict[str, int] = field(default_factory=dict)

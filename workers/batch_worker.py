@@ -69,6 +69,12 @@ class BatchWorker:
         pc = self.verifier.prefix_cache
         return None if pc is None else pc.usage_bytes()
 
+    def kv_slots(self) -> tuple[int, int] | None:
+        """(budget, held) in KV slots: what the verifier's KV pool holds and what its requests
+        hold now (Ray mode's replicas report it: `VerifierPool.kv_budgets`); None without a pool."""
+        budget = self.verifier.kv_budget_slots
+        return None if budget is None else (budget, self.verifier.kv_tokens())
+
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int,
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
                 drafter: str | None = None, defer: bool = False) -> Prefilled:

@@ -114,6 +114,7 @@ class StepResult:
     prefilled: int = 0        # pending context tokens whose KV this step computed
     pending: int = 0          # context tokens still without KV after this step
     kv_tokens: int = 0        # KV slots the request holds after this step (what it costs)
+    home: Optional[str] = None   # where they are: the verifier replica in Ray mode, else None
 
     @property
     def tau(self) -> int:
@@ -141,6 +142,7 @@ class Prefilled:
     features: Optional[tuple[float, ...]] = None
     pending: int = 0          # context tokens left for steps to prefill (`WorkItem.prefill`)
     kv_tokens: int = 0        # KV slots the request holds now (the planner's KV budget counts them)
+    home: Optional[str] = None   # where they are: the verifier replica in Ray mode, else None
 
 
 class ContextLengthError(ValueError):

@@ -201,6 +201,11 @@ class Verifier:
         return sum(slot.cache.capacity for slot in self._slots.values())
 
     @property
+    def kv_budget_slots(self) -> int | None:
+        """KV slots the pool holds (the planner's budget: scheduler/kv_budget.py); None: no pool."""
+        return None if self.kv_pool_bytes is None else self.kv_pool_bytes // self.slot_bytes
+
+    @property
     def slot_bytes(self) -> int:
         """Bytes of one KV slot: every layer's key and value for one token."""
         f = self.target

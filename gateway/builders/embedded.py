@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
@@ -65,12 +65,17 @@ def scheduler_prefix(settings: Settings) -> str:
 
 
 def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None,
-                   target: tuple | None = None, recover: bool = True) -> Embedded:
+                   target: tuple | None = None, recover: bool = True,
+                   kv: tuple[dict[str, int], str | None] | None = None,
+                   kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None) -> Embedded:
     """Everything but the listening: `runtime` (a `workers.runtime.Runtime` already loaded, e.g.
     by a test or a benchmark) is used instead of loading `settings.model`; `target` (tokenizer,
     worker, stop token ids, step-cost model) replaces the model altogether (Ray mode's scheduler
     drives verifier replicas through `gateway.ray_serve.verifier_pool.VerifierPool`). `recover=False` leaves
-    recovery from the store to the caller (Ray mode recovers once it holds the scheduler lease)."""
+    recovery from the store to the caller (Ray mode recovers once it holds the scheduler lease).
+    `kv`: the policy's KV fields and start note when the caller knows them (Ray mode:
+    `replica_kv_budget`), else from the worker (`kv_budget`); `kv_budgets`: a budget per home,
+    which the step loop hands the planner every step (Ray mode: `VerifierPool.kv_budgets`)."""
     from gateway.tenancy.limits import Limiter
     from gateway.tenancy.records import new_api_key
     from gateway.tenancy.tenants import TenantRegistry
@@ -78,7 +83,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     tokenizer, worker, stop_ids, step_cost = target or _target(settings, progress, runtime)
     metrics = GatewayMetrics()
     max_resident = max(settings.max_resident, settings.max_batch)
-    kv, kv_note = kv_budget(worker)
+    kv, kv_note = kv if kv is not None else kv_budget(worker)
     # The policy starts a new request only while KV room is left, so the loop never has to evict
     # (evict, re-prefill, fall further behind: the simulator's meltdown under bursts).
     oracle = LengthOracle.load(settings.length_oracle) if settings.length_oracle else None
@@ -101,7 +106,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
                                 initial=shipped[0] if shipped else None,
                                 ridge=shipped[1] if shipped else 1.0)
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
-                         max_resident=max_resident, lengths=lengths)
+                         max_resident=max_resident, lengths=lengths, kv_budgets=kv_budgets)
     recovered = step_loop.recover() if recover else []
     if settings.tenants_file is not None:
         tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
@@ -138,13 +143,13 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
 def kv_budget(worker: Any) -> tuple[dict[str, int], str | None]:
     """The policy's KV budget fields for a worker whose verifier has a KV pool, and the line
     reported at start; ({}, None) for workers without one (the fake worker, Ray mode's pool of
-    verifier replicas, each of which keeps its own prefix cache within its own pool)."""
+    verifier replicas: there each replica computes this for its own pool and the scheduler turns
+    it into a budget per replica, `replica_kv_budget`)."""
     verifier = getattr(worker, "verifier", None)
     pool = getattr(verifier, "kv_pool_bytes", None)
     if pool is None:
         return {}, None
-    per = verifier.slot_bytes
-    slots = pool // per
+    per, slots = verifier.slot_bytes, verifier.kv_budget_slots
     note = (f"KV cache {pool / 2**20:,.0f} MiB: {slots:,} tokens at {per / 1024:.1f} KiB each "
             f"(requests and prefix cache; --kv-cache-mb)")
     return {"kv_budget_tokens": slots, "kv_block": verifier.kv_block,
@@ -161,6 +166,21 @@ def freeze_heap() -> None:
     drops many apps (tests): what is frozen is never freed."""
     gc.collect()
     gc.freeze()
+
+
+def replica_kv_budget(fields: dict[str, int], note: str | None) -> tuple[dict[str, int], str | None]:
+    """Ray mode's policy KV fields and start note, from one verifier replica's `kv_budget` (what
+    `kv_budget` gives for its worker): every replica has a budget of its own, which the planner
+    gets per replica every step (`StepLoop(kv_budgets=...)`), so the policy keeps the block and
+    tree sizes only. ({}, None) for replicas without a KV pool.
+
+    >>> replica_kv_budget({"kv_budget_tokens": 4096, "kv_block": 256, "kv_tree_tokens": 65}, "KV cache 16 MiB")
+    ({'kv_block': 256, 'kv_tree_tokens': 65}, 'KV cache 16 MiB per verifier replica; the planner keeps each replica within its own')
+    """
+    if not fields:
+        return {}, None
+    fields = {k: v for k, v in fields.items() if k != "kv_budget_tokens"}
+    return fields, f"{note} per verifier replica; the planner keeps each replica within its own"
 
 
 def default_kv_cache_mb() -> float:

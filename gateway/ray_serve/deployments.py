@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -71,8 +72,15 @@ class VerifierServer:
         self.served: dict[str, Counter] = defaultdict(Counter)
 
     def describe(self, *, replica: str | None = None) -> dict[str, Any]:
+        """What the scheduler builds its planner from: context, stop tokens, step costs, and this
+        replica's KV pool (`kv`: budget and held, in slots; `kv_budget`: the policy's KV fields
+        and start note, as the embedded builder makes them)."""
         import torch
-        return {"context_limit": self.worker.context_limit,
+
+        from gateway.builders.embedded import kv_budget
+
+        return {"context_limit": self.worker.context_limit, "kv": self.worker.kv_slots(),
+                "kv_budget": kv_budget(self.worker),
                 "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id,
                 "step_profile": self.step_profile,
                 "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -98,7 +106,9 @@ class VerifierServer:
                 sampling: SamplingParams, max_new_tokens: int, tenant: str, drafter: str | None,
                 replica: str | None, loads: Mapping[str, int] | None = None,
                 assigned: Mapping[str, int] | None = None, avoid: Sequence[str] | None = None,
-                release: dict | None = None, defer: bool = False) -> dict[str, Any]:
+                free: Mapping[str, int] | None = None, release: dict | None = None,
+                defer: bool = False) -> dict[str, Any]:
+        """`loads`, `assigned`, `avoid`, `free`: for the router (gateway/ray_serve/routing.py)."""
         self._on_critical_path()
         with self._lock:
             t0 = time.perf_counter()
@@ -110,7 +120,7 @@ class VerifierServer:
                                        defer=defer)
             return {"replica": self.replica_id, "busy_s": time.perf_counter() - t0,
                     "cached": done.cached, "features": done.features, "pending": done.pending,
-                    "kv_tokens": done.kv_tokens,
+                    "kv_tokens": done.kv_tokens, "kv": self.worker.kv_slots(),
                     "prefix_cache": self.worker.prefix_cache_usage()}
 
     def step(self, items: list, *, replica: str, release: list = ()) -> dict[str, Any]:
@@ -130,9 +140,9 @@ class VerifierServer:
             d0 = self.worker.draft_s
             results = self.worker.step(items)
             draft_s = self.worker.draft_s - d0
-            cache = self.worker.prefix_cache_usage()
+            cache, kv = self.worker.prefix_cache_usage(), self.worker.kv_slots()
         return {"results": results, "missing": [], "busy_s": time.perf_counter() - t0, "draft_s": draft_s,
-                "prefix_cache": cache}
+                "prefix_cache": cache, "kv": kv}
 
     def release(self, entries: list, *, replica: str) -> None:
         with self._lock:
@@ -189,7 +199,7 @@ class SchedulerServer:
 
     async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
         from gateway.ray_serve.remote import SchedulerEndpoint
-        from gateway.builders.embedded import build_embedded, planner_step_cost
+        from gateway.builders.embedded import build_embedded, planner_step_cost, replica_kv_budget
         from gateway.ray_serve.verifier_pool import VerifierPool
         from workers.loader import load_tokenizer, resolve_model
 
@@ -198,11 +208,17 @@ class SchedulerServer:
         tokenizer = await asyncio.to_thread(load_tokenizer, str(resolve_model(s.model, progress=False)),
                                             progress=False)
         self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
+        self.pool.note(info["replica"], info)           # the planner knows one budget from the start
         target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]),
                   planner_step_cost(s, None, info["step_profile"]))
+        # each verifier replica's own KV budget, refreshed every step from their answers
+        kv = replica_kv_budget(*info.get("kv_budget") or ({}, None))
         self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target,
-                                                recover=False)
+                                                recover=False, kv=kv,
+                                                kv_budgets=self.pool.kv_budgets if kv[0] else None)
         self.endpoint = SchedulerEndpoint(self.embedded.service)
+        if self.embedded.kv_note:                      # as `specgate serve` prints it
+            print(f"specgate: {self.embedded.kv_note}", file=sys.stderr)
         # Step only while holding the scheduler lease: during a rolling update or an unnoticed
         # crash Serve may run two scheduler replicas at once (scheduler/lease.py).
         from ray import serve
@@ -254,6 +270,12 @@ class SchedulerServer:
 
     def calls(self) -> dict[str, int]:
         return dict(self.pool.calls)
+
+    def kv_budgets(self) -> dict[str, dict]:
+        """The verifier replicas' KV pools as last reported (`reported`: replica -> (budget,
+        held) in slots) and the budgets the planner last planned by (`planned`; a diagnostic)."""
+        return {"reported": self.pool.kv_budgets(),
+                "planned": dict(self.embedded.step_loop.state.kv_budgets)}
 
     def timing(self) -> dict[str, float]:
         """Where the scheduler's time went: `loop_s` (iterations that verified something, whole),

@@ -13,11 +13,15 @@ Rules (`rank_replicas`, pure):
 - replicas named in `avoid` (seen to die) are used only when no other is left;
 - a call naming `affinity=<key>` (draft workers: the calling verifier replica's id) goes to the
   replica the key hashes to (rendezvous hashing), so a key's drafter state stays in one place;
-- a call naming none (a new request's prefill) goes to the replica holding the fewest requests,
-  from the `loads` the call carries: the one scheduler knows where every request lives (Serve's
-  own routing stats are refreshed only every few seconds, so a burst would all land on one
-  replica); a replica it has not used yet holds none. Ties go to the replica given the fewest
-  requests so far (`assigned`), so sequential requests alternate, then by replica id.
+- a call naming none (a new request's prefill) goes where KV room is: the replica with the most
+  free KV slots, from the `free` the call carries (each replica's latest report, see
+  `VerifierPool.kv_budgets`; a replica that has not reported yet holds none, so it comes first),
+  the same rule by which the planner plans the start (scheduler/policies/base.py `most_room`).
+  Without `free` (no replica has reported a KV pool), or among equals, the replica holding the
+  fewest requests, from the `loads` the call carries: the one scheduler knows where every request
+  lives (Serve's own routing stats are refreshed only every few seconds, so a burst would all land
+  on one replica); a replica it has not used yet holds none. Ties go to the replica given the
+  fewest requests so far (`assigned`), so sequential requests alternate, then by replica id.
 """
 from __future__ import annotations
 
@@ -29,8 +33,10 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[str, int] | None = None,
                   assigned: Mapping[str, int] | None = None, avoid: Sequence[str] = (),
-                  affinity: str | None = None) -> list[list[str]]:
-    """Replica ids in ranks of preference, from the running replicas, the call's pin and loads.
+                  affinity: str | None = None,
+                  free: Mapping[str, int] | None = None) -> list[list[str]]:
+    """Replica ids in ranks of preference, from the running replicas, the call's pin, free KV
+    slots and loads.
 
     >>> rank_replicas(["a", "b", "c"], "a", {"a": 3, "b": 1})
     [['a']]
@@ -38,6 +44,12 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
     ([['c'], ['b'], ['a']], [['c'], ['b'], ['a']])
     >>> rank_replicas(["a", "b"], None, {}, {"a": 5, "b": 4})
     [['b'], ['a']]
+
+    Free KV slots first (most room), then loads; a replica without a report comes first:
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 900, "b": 200, "c": 900})
+    [['c'], ['a'], ['b']]
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 900, "b": 200})
+    [['c'], ['a'], ['b']]
     """
     if pinned is not None and pinned in replicas:
         return [[pinned]]
@@ -48,8 +60,10 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
         # Rendezvous hashing: each key prefers the replica with the highest hash of (key, replica);
         # adding or removing a replica moves only the keys that preferred it.
         return [[rid] for rid in sorted(replicas, key=lambda rid: _weight(affinity, rid), reverse=True)]
-    loads, assigned = loads or {}, assigned or {}
-    return [[rid] for rid in sorted(replicas, key=lambda rid: (loads.get(rid, 0), assigned.get(rid, 0), rid))]
+    loads, assigned, free = loads or {}, assigned or {}, free or {}
+    room = float("inf")                 # a replica that has not reported holds nothing yet
+    return [[rid] for rid in sorted(replicas, key=lambda rid: (-free.get(rid, room), loads.get(rid, 0),
+                                                               assigned.get(rid, 0), rid))]
 
 
 def _weight(key: str, replica: str) -> int:
@@ -62,5 +76,6 @@ class KVAffinityRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
         ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"),
-                              kwargs.get("assigned"), kwargs.get("avoid") or (), kwargs.get("affinity"))
+                              kwargs.get("assigned"), kwargs.get("avoid") or (), kwargs.get("affinity"),
+                              kwargs.get("free"))
         return [[by_id[rid] for rid in rank] for rank in ranks]

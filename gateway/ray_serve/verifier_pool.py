@@ -4,9 +4,10 @@ affinity.
 The scheduler's `StepLoop` drives this exactly as it drives an in-process `BatchWorker` (same
 `prefill`/`step`/`release` calls, same results). Underneath:
 
-- `prefill` goes to the replica holding the fewest of this scheduler's requests (the call carries
-  the counts; `gateway.ray_serve.routing.KVAffinityRouter` picks); the replica answers with its id,
-  which becomes the request's **home**.
+- `prefill` goes to the replica with the most free KV slots, or without their reports to the one
+  holding the fewest of this scheduler's requests (the call carries both;
+  `gateway.ray_serve.routing.KVAffinityRouter` picks); the replica answers with its id, which
+  becomes the request's **home** (`Prefilled.home`, and `StepResult.home` after a move).
 - `step` splits the batch by home and sends each replica *one* call with all its requests' work
   items, all replicas at once; a step costs one round trip, however many requests it verifies.
 - `release` and `evict` cost no call of their own: they ride along with the home's next step call,
@@ -15,10 +16,14 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
 
 Every call after the prefill names the home (`replica=`), and the router sends it there.
 
-Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity);
-the pool keeps the latest per live replica, and `prefix_cache_usage` sums them for the scheduler's
-/metrics, as an in-process `BatchWorker` reports its own. A replica Serve retires (scale-down, a
-rolling update) just stops answering, so a report older than `CACHE_REPORT_TTL_S` is left out.
+Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity)
+and its KV pool in slots (budget, held); the pool keeps the latest per live replica.
+`prefix_cache_usage` sums the former for the scheduler's /metrics, as an in-process `BatchWorker`
+reports its own; `kv_budgets` gives the latter to the step loop, whose planner keeps each
+replica's requests within that replica's budget, and to the router (free slots). A replica Serve
+retires (scale-down, a rolling update) just stops answering, so a report older than
+`CACHE_REPORT_TTL_S` is left out (of the KV budgets only while some report is recent: a pool idle
+that long still knows its replicas' budgets).
 
 A replica that dies takes its requests' KV with it, never their tokens: the pool keeps each
 request's committed context (prompt + every token a step returned), so a request whose home is
@@ -32,7 +37,7 @@ import logging
 import threading
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Container, Sequence
 
 from gateway.ray_serve.releases import Evicted, Release
@@ -41,7 +46,7 @@ from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 log = logging.getLogger(__name__)
 
 MAX_REPLACEMENTS = 3      # re-prefill rounds within one step before the step fails
-CACHE_REPORT_TTL_S = 300.0   # a replica silent this long no longer counts in the cache gauges
+CACHE_REPORT_TTL_S = 300.0   # a replica silent this long no longer counts (cache gauges, KV budgets)
 
 
 @dataclass
@@ -75,6 +80,8 @@ class VerifierPool:
         self.dead: set[str] = set()                    # replicas seen to die: never routed to again
         # replica id -> (when, (bytes held, capacity)): its latest prefix-cache report
         self._cache_usage: dict[str, tuple[float, tuple[int, int]]] = {}
+        # replica id -> (when, (budget, held)): its latest KV pool report, in slots
+        self._kv: dict[str, tuple[float, tuple[int, int]]] = {}
         self._placed: dict[str, _Placed] = {}
         self._releases: dict[str, list[Release]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -136,10 +143,25 @@ class VerifierPool:
             return None
         return sum(u[0] for u in reports), sum(u[1] for u in reports)
 
-    def _note_cache(self, replica: str, answer: dict) -> None:
+    def kv_budgets(self, now: float | None = None) -> dict[str, tuple[int, int]]:
+        """Replica id -> (budget, held) in KV slots, from the live replicas' latest answers
+        (within CACHE_REPORT_TTL_S of `now`, monotonic seconds, unless none is that recent);
+        empty when no replica has reported a KV pool. What the step loop's planner budgets by
+        (`StepLoop(kv_budgets=...)`)."""
+        now = time.monotonic() if now is None else now
+        live = [(replica, t, kv) for replica, (t, kv) in list(self._kv.items()) if replica not in self.dead]
+        recent = [(replica, kv) for replica, t, kv in live if now - t <= CACHE_REPORT_TTL_S]
+        return dict(recent or [(replica, kv) for replica, _, kv in live])
+
+    def note(self, replica: str, answer: dict) -> None:
+        """Keep what a replica's answer reports of itself: prefix-cache usage, KV pool."""
+        now = time.monotonic()
         usage = answer.get("prefix_cache")
         if usage is not None:
-            self._cache_usage[replica] = (time.monotonic(), (int(usage[0]), int(usage[1])))
+            self._cache_usage[replica] = (now, (int(usage[0]), int(usage[1])))
+        kv = answer.get("kv")
+        if kv is not None:
+            self._kv[replica] = (now, (int(kv[0]), int(kv[1])))
 
     # ---- calls ----------------------------------------------------------------------------------
     def _place(self, request_id: str, defer: bool = False) -> Prefilled:
@@ -155,14 +177,15 @@ class VerifierPool:
         # where the request's old KV still is).
         with self._lock:
             pending = {home: list(ids) for home, ids in self._releases.items()}
+        free = {replica: budget - held for replica, (budget, held) in self.kv_budgets().items()}
         answer = self.handle.prefill.remote(
             request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
             max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
             replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
-            avoid=sorted(self.dead), release=pending, defer=defer).result()
+            avoid=sorted(self.dead), free=free or None, release=pending, defer=defer).result()
         replica = answer["replica"]
         self.busy_s += answer["busy_s"]
-        self._note_cache(replica, answer)
+        self.note(replica, answer)
         with self._lock:
             done = set(pending.get(replica, ()))
             left = [r for r in self._releases.pop(replica, []) if r not in done]
@@ -173,7 +196,7 @@ class VerifierPool:
         self.calls[replica] += 1
         features = answer.get("features")
         return Prefilled(int(answer.get("cached") or 0), None if features is None else tuple(features),
-                         int(answer.get("pending") or 0), int(answer.get("kv_tokens") or 0))
+                         int(answer.get("pending") or 0), int(answer.get("kv_tokens") or 0), replica)
 
     def _step_once(self, items: Sequence[WorkItem], by_id: dict[str, StepResult]) -> list[str]:
         """One call per home, all at once; fills `by_id`; returns the requests whose home lost them."""
@@ -199,11 +222,11 @@ class VerifierPool:
             if answer["missing"]:              # a replacement, or a router that could not pin
                 lost += answer["missing"]
                 continue
-            self._note_cache(home, answer)
+            self.note(home, answer)
             if answer["busy_s"] >= busy:
                 busy, draft = answer["busy_s"], answer.get("draft_s", 0.0)
             for r in answer["results"]:
-                by_id[r.request_id] = r
+                by_id[r.request_id] = r if r.home == home else replace(r, home=home)
         self.busy_s += busy
         self.draft_s += draft
         for rid in lost:

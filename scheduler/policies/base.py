@@ -17,6 +17,10 @@ A policy is one number per request: `key(stats)`, lower served first. Everything
                         With `max_resident` set (the step loop's KV limit), a request that has
                         not started is started only while fewer than max_resident started
                         requests are live, so the loop never has to evict and re-prefill.
+                        With a KV budget, a start is planned only where its KV fits, and
+                        residents' growth is made room for (`_kv_start`, `_fit_kv`); the budget
+                        is one (`kv_budget_tokens`) or one per home (`SchedulerState.kv_budgets`,
+                        Ray mode's verifier replicas), the same rules applied home by home.
     update(state, records, now, step_s):
                         record each request's step (τ, attained service, wait), charge its
                         tenant, retire finished ones, let the policy move the others (`refresh`:
@@ -40,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping, NamedTuple
 
 from scheduler.policies.aging import AgingIndex
-from scheduler.kv_budget import growth_slots, start_slots
+from scheduler.kv_budget import growth_slots, kv_homes, kv_rooms, most_room, start_slots
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.sizing import SizingConfig, StepCost, TreeSizer
@@ -79,7 +83,8 @@ class PolicyConfig:
     prefill_keys_per_row: float | None = None
     # KV slots every live request together may hold (the worker's KV budget in slots); None: no
     # byte limit. The planner defers starts and preempts by it (`_fit_kv`, scheduler/kv_budget.py),
-    # with the verifier's block and tree sizes (a request's first allocation and growth)
+    # with the verifier's block and tree sizes (a request's first allocation and growth). Where
+    # the state carries one budget per home (`SchedulerState.kv_budgets`), those apply instead
     kv_budget_tokens: int | None = None
     kv_block: int = 256
     kv_tree_tokens: int = 65
@@ -166,11 +171,15 @@ class Policy:
             self._warming[request_id] = None
 
     def kv_fits(self, state: SchedulerState, s: RequestStats) -> bool:
-        """Whether starting `s` now keeps the KV held within the budget (always, without one):
-        the loop asks before prefilling an arrival ahead of its turn."""
+        """Whether starting `s` now keeps the KV held within the budget (always, without one),
+        on the home with the most room: the loop asks before prefilling an arrival ahead of its
+        turn."""
+        homes = kv_homes(state, self.config.kv_budget_tokens)
+        if homes is None:
+            return True
         c = self.config
-        return (c.kv_budget_tokens is None or state.kv_tokens
-                + start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens) <= c.kv_budget_tokens)
+        need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
+        return max(budget - held for budget, held in homes.values()) >= need
 
     def touch(self, request_id: str) -> None:
         """A live request's stats changed between steps (a length prediction came in): rank it
@@ -198,7 +207,9 @@ class Policy:
         c, limit = self.config, self._limit
         requests = state.requests
         self._kv_state = state
-        self._kv_room = None if c.kv_budget_tokens is None else c.kv_budget_tokens - state.kv_tokens
+        self._kv_homes = kv_homes(state, c.kv_budget_tokens)
+        self._kv_room = kv_rooms(self._kv_homes)
+        self._kv_at = {}
         if len(requests) <= limit:              # everyone fits: order cannot matter
             chosen, aged = [r for r in requests if self._kv_start(r)], 0
         else:
@@ -213,7 +224,7 @@ class Policy:
                     promoted, chosen = again, self._choose(state, again, limit)
             aged = len(promoted)
         evict: list[str] = []
-        if c.kv_budget_tokens is not None:
+        if self._kv_homes is not None:
             chosen, evict = self._fit_kv(state, chosen)
         if c.prefill_chunk_tokens:
             plan = self._chunked(state, chosen, aged)
@@ -228,39 +239,62 @@ class Policy:
         overflow is residents' growth (scheduler/kv_budget.py). Then requests left out of the
         step give their KV up first (never served before served, then the worst ranked), then
         the chosen from the end of the plan wait (a resident one is preempted). The first
-        chosen always runs."""
-        c, requests = self.config, state.requests
+        chosen always runs. With a budget per home, each home is fitted on its own: its growth
+        and starts against its budget, freeing only requests homed there, the first chosen
+        there always running."""
+        c, requests, homes = self.config, state.requests, self._kv_homes
         size = {"block": c.kv_block, "tree": c.kv_tree_tokens}
+        at = self._home_of
 
         def adds(s: RequestStats) -> int:
             return growth_slots(s, **size) if s.kv_tokens else start_slots(s, **size)
 
-        budget = c.kv_budget_tokens
-        total = state.kv_tokens + sum(adds(requests[r]) for r in chosen)
-        if total <= budget:
+        total = {home: held for home, (_, held) in homes.items()}
+        for r in chosen:
+            home = at(requests[r])
+            if home in total:
+                total[home] += adds(requests[r])
+        over = {home for home, t in total.items() if t > homes[home][0]}
+        if not over:
             return chosen, []
         kept = set(chosen)
         # untouched arrivals first (only their first allocation is lost), then prompts partly
         # prefilled, then requests served before; within each, the worst ranked first
-        others = sorted((s for s in requests.values() if s.kv_tokens and s.request_id not in kept),
+        others = sorted((s for s in requests.values() if s.kv_tokens and s.request_id not in kept
+                         and at(s) in over),
                         key=lambda s: (s.n_steps > 0, s.prefill_left != s.unprefilled_context,
                                        -self._keys.get(s.request_id, 0.0)))
         evict = []
         for s in others:
-            if total <= budget:
-                break
+            home = at(s)
+            if total[home] <= homes[home][0]:
+                continue
             evict.append(s.request_id)
-            total -= s.kv_tokens
-        keep = list(chosen)
-        while total > budget and len(keep) > 1:
-            s = requests[keep.pop()]
-            total -= adds(s) + s.kv_tokens
-            if s.kv_tokens:
-                evict.append(s.request_id)
+            total[home] -= s.kv_tokens
+        keep, first = [], {}
+        for r in chosen:                        # the first chosen on each home always runs
+            first.setdefault(at(requests[r]), r)
+        for r in reversed(chosen):
+            s = requests[r]
+            home = at(s)
+            if home in over and total[home] > homes[home][0] and first[home] != r:
+                total[home] -= adds(s) + s.kv_tokens
+                if s.kv_tokens:
+                    evict.append(r)
+            else:
+                keep.append(r)
+        keep.reverse()
         self._started.difference_update(evict)
         for rid in evict:
             self._warming.pop(rid, None)
         return keep, evict
+
+    def _home_of(self, s: RequestStats) -> str | None:
+        """Where `s`'s KV is (a resident) or is planned to start (`_kv_start`); None: the one
+        budget's home."""
+        if self._kv_state is None or not self._kv_state.kv_budgets:
+            return None
+        return s.kv_home if s.kv_tokens else self._kv_at.get(s.request_id)
 
     def _budgets(self, stats: list[RequestStats], nodes: int | None = None) -> list[TreeBudget]:
         """Tree budgets of the requests a step verifies (each has a root row), sharing `nodes`
@@ -383,7 +417,7 @@ class Policy:
     def _startable(self, promoted: list[str]) -> list[str]:
         """Aging's promotions, less the not-yet-started ones there is no KV room to start."""
         cap = self.config.max_resident
-        kv_room = self._kv_room
+        kv_room = None if self._kv_room is None else dict(self._kv_room)
         room, out = (None if cap is None else cap - len(self._started)), []
         for rid in promoted:
             if rid not in self._started and room is not None:
@@ -397,9 +431,8 @@ class Policy:
 
     def _choose(self, state: SchedulerState, promoted: list[str], limit: int) -> list[str]:
         chosen, taken = list(promoted), set(promoted)
-        c = self.config
-        if c.kv_budget_tokens is not None:     # slots left once the promoted ones start
-            self._kv_room = c.kv_budget_tokens - state.kv_tokens
+        if self._kv_homes is not None:         # slots left once the promoted ones start
+            self._kv_room = kv_rooms(self._kv_homes)
             for rid in promoted:
                 self._kv_start(rid, force=True)
         cap = self.config.max_resident
@@ -444,7 +477,11 @@ class Policy:
         self._dirty: set[str] = set()         # served since last ranked
         self._started: set[str] = set()       # live requests that have had a step (hold KV)
         self._room: int | None = None         # while planning: how many more may start
-        self._kv_room: int | None = None      # while planning: KV slots starts may still take
+        # while planning: each KV budget's (budget, slots held) by home, the slots starts may
+        # still take there, and the home each planned start takes (see `kv_homes`)
+        self._kv_homes: dict[str | None, tuple[int, int]] | None = None
+        self._kv_room: dict[str | None, int] | None = None
+        self._kv_at: dict[str, str | None] = {}
         self._kv_state: SchedulerState | None = None
         self._warming: dict[str, None] = {}   # admitted ahead of their turn, oldest first
         self.aging.clear()
@@ -567,19 +604,23 @@ class Policy:
         With nothing held and nothing taken yet, any start fits: a request larger than the
         budget still runs, alone. `force` (aging's promotions): it starts, taking the room even
         past the budget (`_fit_kv` then frees residents' KV for it), so a large request cannot
-        be passed over past the aging bound by smaller ones that fit."""
-        room = self._kv_room
-        if room is None:
+        be passed over past the aging bound by smaller ones that fit. With a budget per home,
+        the home with the most room takes it (the rule by which Ray mode's router places a
+        new request: gateway/ray_serve/routing.py), and it is planned there (`_kv_at`)."""
+        rooms = self._kv_room
+        if rooms is None:
             return True
-        state = self._kv_state
-        s = state.requests[rid]
+        s = self._kv_state.requests[rid]
         if s.kv_tokens:
             return True
         c = self.config
         need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
-        if need > room and room < c.kv_budget_tokens and not force:
+        home = most_room(rooms)
+        room = rooms[home]
+        if need > room and room < self._kv_homes[home][0] and not force:
             return False
-        self._kv_room = room - need
+        rooms[home] = room - need
+        self._kv_at[rid] = home
         return True
 
     def _offer(self, heap: list[Entry], tenant: str, taken: set[str],

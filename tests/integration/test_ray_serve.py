@@ -145,6 +145,8 @@ def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, em
 
 
 def test_every_call_of_a_request_reaches_one_replica_and_requests_spread(ray_app, model_dir):
+    """Requests spread over the verifier replicas (by KV room), every call of one reaching one
+    replica; the planner budgets each replica by what that replica reports of its KV pool."""
     url, _ = ray_app
     c = client(url)
     with ThreadPoolExecutor(6) as pool:                # concurrent: the scheduler batches them
@@ -161,6 +163,11 @@ def test_every_call_of_a_request_reaches_one_replica_and_requests_spread(ray_app
     for s in served.values():
         for calls in s.values():
             assert calls.get("prefill", 0) == 1 and calls.get("step", 0) >= 1
+    # each replica reports its own KV budget, and the planner plans by both
+    kv = scheduler.kv_budgets.remote().result()
+    assert set(kv["reported"]) == set(kv["planned"]) == set(replicas)
+    assert all(budget > 0 and kv["planned"][rid] == budget
+               for rid, (budget, _) in kv["reported"].items())
 
 
 def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_dir):

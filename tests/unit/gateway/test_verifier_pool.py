@@ -35,6 +35,27 @@ def test_rank_replicas(replicas, pinned, loads, assigned, expected):
     assert rank_replicas(replicas, pinned, loads, assigned) == expected
 
 
+@pytest.mark.parametrize("free, loads, expected", [
+    ({"a": 100, "b": 900}, {"a": 0, "b": 5}, [["b"], ["a"]]),        # most KV room beats fewest requests
+    ({"a": 500, "b": 500}, {"a": 2, "b": 1}, [["b"], ["a"]]),        # equal room: fewest requests
+    ({"a": 500}, {"b": 9}, [["b"], ["a"]]),                          # no report yet: holds nothing
+    (None, {"a": 2, "b": 1}, [["b"], ["a"]]),                        # no reports at all: by loads
+])
+def test_new_requests_rank_by_free_kv_slots(free, loads, expected):
+    assert rank_replicas(["a", "b"], None, loads, free=free) == expected
+    assert rank_replicas(["a", "b"], "a", loads, free=free) == [["a"]]      # a pin still wins
+
+
+def test_doctests_of_the_routing_rule_and_the_per_replica_kv_budget():
+    import doctest
+
+    from gateway.builders import embedded
+    from gateway.ray_serve import routing
+
+    assert doctest.testmod(routing).failed == 0
+    assert doctest.testmod(embedded).failed == 0
+
+
 def test_affinity_keys_stay_put_and_spread():
     """Rendezvous hashing: a key always prefers one replica; removing another replica does not
     move it; many keys spread over the replicas."""
@@ -66,8 +87,9 @@ class _Method:
     def __init__(self, handle, name):
         self.handle, self.name = handle, name
 
-    def remote(self, *args, replica=None, loads=None, assigned=None, avoid=(), release=(), **kwargs):
-        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned, avoid)[0][0]
+    def remote(self, *args, replica=None, loads=None, assigned=None, avoid=(), release=(), free=None,
+               **kwargs):
+        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned, avoid, free=free)[0][0]
         self.handle.log.append((self.name, rid, args[0] if self.name == "prefill" else None))
         if rid in self.handle.dying:                       # the replica dies under this call
             del self.handle.replicas[rid]
@@ -77,15 +99,15 @@ class _Method:
         if self.name == "prefill":
             done = worker.prefill(*args, **kwargs)
             return _Response({"replica": rid, "busy_s": 0.001, "cached": done.cached,
-                              "features": done.features,
-                              "prefix_cache": worker.prefix_cache_usage()})
+                              "features": done.features, "kv_tokens": done.kv_tokens,
+                              "kv": worker.kv_slots(), "prefix_cache": worker.prefix_cache_usage()})
         if self.name == "step":
             self.handle.step_sizes.append(len(args[0]))
             missing = [i.request_id for i in args[0] if i.request_id not in worker.resident()]
             if missing:
                 return _Response({"results": [], "missing": missing, "busy_s": 0.0})
             return _Response({"results": worker.step(args[0]), "missing": [], "busy_s": 0.001,
-                              "prefix_cache": worker.prefix_cache_usage()})
+                              "prefix_cache": worker.prefix_cache_usage(), "kv": worker.kv_slots()})
         apply_releases(worker, args[0])                     # release
         return _Response(None)
 
@@ -257,3 +279,34 @@ def test_the_pool_passes_on_the_replicas_features(tiny_model):
     assert done.cached == 0 and len(done.features) == tiny_model.config.hidden_size
     (res,) = pool.step([WorkItem("q", TreeBudget(0, 0))])
     assert res.features == pytest.approx(done.features, abs=1e-5)   # nothing accepted: the root
+
+
+def test_new_requests_go_where_kv_room_is_and_the_pool_keeps_each_replicas_budget(tiny_model):
+    """Each replica reports its KV pool (budget, held, in slots) with every answer; the pool keeps
+    the latest per live replica (`kv_budgets`, what the planner budgets by) and places a new
+    request on the replica with the most free slots, not the one with the fewest requests."""
+    verifier = Verifier(LlamaForward(tiny_model))
+    budget = 2000
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model), kv_pool_bytes=budget * verifier.slot_bytes))
+               for _ in range(2)]
+    handle = StandInHandle(workers)
+    pool = VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,))
+    assert pool.kv_budgets() == {}
+    big = pool.prefill("big", [5 + i % 100 for i in range(300)], prompt_len=300, sampling=SamplingParams(),
+                       max_new_tokens=20)
+    assert big.home == pool.home["big"] == "r0" and big.kv_tokens > 300
+    assert pool.kv_budgets() == {"r0": (budget, big.kv_tokens)}
+    for rid in ("s1", "s2"):                   # r0 holds one request but far more KV: both go to r1
+        prefill(pool, rid)
+    assert pool.home == {"big": "r0", "s1": "r1", "s2": "r1"}
+    assert pool.kv_budgets() == {name: w.kv_slots() for name, w in handle.replicas.items()}
+    results = pool.step([WorkItem(r, TreeBudget(4, 4)) for r in ("s1", "big", "s2")])
+    assert [r.home for r in results] == ["r1", "r0", "r1"]          # each result names its home
+    assert pool.kv_budgets() == {name: w.kv_slots() for name, w in handle.replicas.items()}
+    handle.dying.add("r1")                     # s1, s2 move to r0; r1's budget is gone
+    results = pool.step([WorkItem(r, TreeBudget(4, 4)) for r in ("s1", "big", "s2")])
+    assert [r.home for r in results] == ["r0", "r0", "r0"]
+    assert pool.kv_budgets() == {"r0": workers[0].kv_slots()}
+    # an idle pool still knows the budgets after the reports age (else a burst would start unbounded)
+    later = time.monotonic() + CACHE_REPORT_TTL_S + 1
+    assert pool.kv_budgets(now=later) == {"r0": workers[0].kv_slots()}
