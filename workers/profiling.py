@@ -31,7 +31,10 @@ reads every earlier key, so the pairs' differences are fitted to
     extra_s(k, o) = row_s · k + key_s · k · (o + (k − 1) / 2)
 
 (`scheduler.profile.fit_chunk_cost`): the profile's `"chunk"` entry, which the planner weighs
-chunks by and the simulator charges mixed steps from.
+chunks by and the simulator charges mixed steps from. `specgate bench profile` measures it;
+`startup_profile` does not: the attention term only stands out of the noise thousands of keys
+deep, and getting a request there is a prefill of seconds at every start (without a measured
+fit the planner keeps its default weight, `scheduler.policies.base.DEFAULT_KEYS_PER_ROW`).
 """
 from __future__ import annotations
 
@@ -55,8 +58,6 @@ STARTUP_PROMPT_LEN = 128
 STARTUP_REPEATS = 5
 DEFAULT_CHUNK_TOKENS = (8, 24, 64)
 DEFAULT_CHUNK_OFFSETS = (0, 1024, 3072)
-STARTUP_CHUNK_TOKENS = (8, 32)
-STARTUP_CHUNK_OFFSETS = (0, 768)
 
 
 def _monotone(ys: Sequence[float]) -> list[float]:
@@ -197,11 +198,6 @@ def startup_profile(runtime, max_batch: int, max_tree_tokens: int = 31) -> dict[
         measured["curves"] += measure_profile(verifier, batches=wider, nodes=nodes,
                                               prompt_len=prompt_len, repeats=STARTUP_REPEATS,
                                               prefill_tokens=(), interleaved=True)["curves"]
-    chunk = measure_chunks(verifier, chunk_tokens=STARTUP_CHUNK_TOKENS,
-                           offsets=STARTUP_CHUNK_OFFSETS, batch=min(max_batch, 4),
-                           prompt_len=prompt_len, repeats=STARTUP_REPEATS)
-    if chunk:
-        measured["chunk"] = chunk
     doc = profile_document(measured, model="serving", dtype=str(verifier.target.dtype).replace("torch.", ""),
                            device=describe_device(verifier.target), prompt_len=prompt_len,
                            repeats=STARTUP_REPEATS)

@@ -58,6 +58,9 @@ IDLE_CHUNKS = 8   # a step in which no request decodes prefills up to this many 
 # keys per row without a measured chunk fit: the order of the default model's on CPU (README,
 # "Chunked prefill")
 DEFAULT_KEYS_PER_ROW = 1000.0
+# contexts up to this many tokens cost a tree node about what the step-cost profile says (it is
+# measured at a few hundred); deeper, a node's attention makes it dearer (`_depth_weights`)
+SHALLOW_CONTEXT = 512
 
 
 @dataclass(frozen=True)
@@ -301,10 +304,25 @@ class Policy:
         draft nodes (default: the token budget less their roots)."""
         if nodes is None:
             nodes = self.config.token_budget - len(stats)
+        urgency = self.node_urgency(stats) if len(stats) > 1 else None
+        deep = self._depth_weights(stats)
+        if deep is not None:
+            urgency = deep if urgency is None else [u * d for u, d in zip(urgency, deep)]
         return self.sizer([s.estimate.alpha for s in stats], max(nodes, 0),
                           draft_s=[s.estimate.draft_s for s in stats],
-                          caps=[s.max_tree_tokens for s in stats],
-                          urgency=self.node_urgency(stats) if len(stats) > 1 else None)
+                          caps=[s.max_tree_tokens for s in stats], urgency=urgency)
+
+    def _depth_weights(self, stats: list[RequestStats]) -> list[float] | None:
+        """Weights on node worths for requests deep into a long context: each node's row attends
+        over every key before it, so past SHALLOW_CONTEXT tokens a node costs about
+        (keys_per_row + context) ÷ (keys_per_row + SHALLOW_CONTEXT) times what the step-cost
+        profile (measured at short contexts) says, and must be worth that much more. None when
+        every request is shallow (nothing to weigh)."""
+        kpr = self.keys_per_row
+        ctx = [s.prompt_len + s.committed for s in stats]
+        if not ctx or max(ctx) <= SHALLOW_CONTEXT:
+            return None
+        return [min(1.0, (kpr + SHALLOW_CONTEXT) / (kpr + c)) for c in ctx]
 
     def _chunked(self, state: SchedulerState, chosen: list[str], aged: int) -> Plan:
         """The step's rows with chunked prefill: every decoding request's root, then prefill
@@ -332,9 +350,12 @@ class Policy:
             ids.append(rid)
             chunks.append(take)
             completes.append(take == need)
-        roots = [requests[r] for r, done in zip(ids, completes) if done]
-        sized = iter(self._budgets(roots, c.token_budget - len(roots) - sum(chunks)) if roots else ())
-        budgets = [next(sized) if done else NO_SPECULATION for done in completes]
+        # a request whose chunk completes its context verifies its root alone: its tree's rows
+        # would attend over the whole context in the step that already carries its deepest chunk
+        trees = [done and not take for done, take in zip(completes, chunks)]
+        roots = [requests[r] for r, tree in zip(ids, trees) if tree]
+        sized = iter(self._budgets(roots, c.token_budget - sum(completes) - sum(chunks)) if roots else ())
+        budgets = [next(sized) if tree else NO_SPECULATION for tree in trees]
         warm = self._warm(requests, set(ids), left)
         return Plan(ids + [r for r, _ in warm], budgets + [NO_SPECULATION] * len(warm), aged,
                     chunks + [n for _, n in warm], len(warm))

@@ -88,7 +88,10 @@ def test_the_budget_goes_to_chosen_requests_in_plan_order_and_one_left_without_w
     assert plan.request_ids == ["run", "p1", "p2"]
     assert plan.prefill == [0, 29, 11] and plan.warm == 0
     assert plan.budgets[2] == NO_SPECULATION            # no root yet: no tree
-    assert plan.budgets[0].max_nodes > 0 and plan.budgets[1].max_nodes > 0
+    assert plan.budgets[0].max_nodes > 0
+    # completing its context this step, p1 verifies its root alone: a tree's rows would attend
+    # over its whole context in the step that carries its deepest chunk
+    assert plan.budgets[1] == NO_SPECULATION
 
 
 def test_spare_budget_prefills_requests_admitted_ahead_of_their_turn():
@@ -266,3 +269,24 @@ def test_a_request_prefilled_ahead_of_its_turn_and_evicted_is_not_prefilled_agai
         pass
     assert [n for rid, n in worker.prefills].count(200) <= 3    # was: re-prefilled every step
     assert sink.tokens["warm"] == [token_at("warm", p) for p in range(10)]
+
+
+def test_a_request_deep_into_a_long_context_gets_a_smaller_tree():
+    """Its nodes' rows attend over every earlier key: past SHALLOW_CONTEXT a node must be worth
+    (keys_per_row + context) ÷ (keys_per_row + SHALLOW_CONTEXT) times more."""
+    from scheduler.sizing import AlphaEstimate
+
+    def budgets(prompt_len):
+        pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None)
+        state = SchedulerState()
+        for i, (rid, n) in enumerate((("short", 100), ("other", prompt_len))):
+            s = RequestStats(rid, "t", float(i), prompt_len=n, max_tokens=10)
+            s.estimate = AlphaEstimate(accepted=7.0, rejected=3.0)       # α̂ 0.71
+            pol.add(state, s)
+        return [b.max_nodes for b in pol.plan(state, 1.0).budgets]
+
+    shallow, deep = budgets(100), budgets(4000)
+    assert shallow[0] == shallow[1] > 0
+    # 4,000 tokens in, a node must be worth 3.3× as much: 0.71^d ≥ 0.33 instead of ≥ 0.1
+    assert (shallow[1], deep[1]) == (6, 3)
+    assert deep[0] >= shallow[0]                        # the nodes it leaves go to the other
