@@ -50,7 +50,7 @@ class VerifierServer:
         from ray import serve
 
         from gateway.ray_serve.draft_pool import RemoteDrafter
-        from gateway.builders.embedded import batch_worker
+        from gateway.builders.embedded import batch_worker, freeze_heap
         from workers.runtime import load_runtime
 
         if torch_threads:              # and OMP_NUM_THREADS, see _deployment
@@ -70,6 +70,7 @@ class VerifierServer:
         self._reniced: set[int] = set()
         # request id -> {"prefill": n, "step": n} calls served here (affinity is checked on it)
         self.served: dict[str, Counter] = defaultdict(Counter)
+        freeze_heap()                          # the model and worker are here for good
 
     def describe(self, *, replica: str | None = None) -> dict[str, Any]:
         """What the scheduler builds its planner from: context, stop tokens, step costs, and this
@@ -217,6 +218,7 @@ class SchedulerServer:
                                                 recover=False, kv=kv,
                                                 kv_budgets=self.pool.kv_budgets if kv[0] else None)
         self.endpoint = SchedulerEndpoint(self.embedded.service)
+        freeze_heap()
         if self.embedded.kv_note:                      # as `specgate serve` prints it
             print(f"specgate: {self.embedded.kv_note}", file=sys.stderr)
         # Step only while holding the scheduler lease: during a rolling update or an unnoticed
