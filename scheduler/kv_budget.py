@@ -9,7 +9,7 @@ Pure functions of a request's stats. Slots, not bytes: the builder turns the byt
 
 Where KV lives in several places (Ray mode: each verifier replica has its own pool), each place
 is a **home** with a budget of its own (`SchedulerState.kv_budgets`); a new request starts on
-the home with the most room (`most_room`), the rule by which the router places it
+the home with the largest share of its budget free (`most_room`), the rule by which the router places it
 (gateway/ray_serve/routing.py `rank_replicas`).
 
 >>> from scheduler.request import RequestStats
@@ -68,13 +68,35 @@ def kv_rooms(homes: Mapping[str | None, tuple[int, int]] | None) -> dict[str | N
     return None if homes is None else {home: b - held for home, (b, held) in homes.items()}
 
 
-def most_room(rooms: Mapping) -> str | None:
-    """The home a start goes to: the most room, ties to the first by name (the router's rule,
-    gateway/ray_serve/routing.py `rank_replicas`).
+ROOM_STEPS = 8   # free shares that differ by less than 1/8 of a pool count as equal room
 
-    >>> most_room({"b": 50, "a": 50, "c": 10}), most_room({None: 5})
+
+def placement_key(home: str | None, free_share: float, load: int) -> tuple:
+    """Where a new request goes, lowest first: the home with the larger share of its KV pool
+    free, shares counted in eighths (a share, not slots: replicas that loaded one after another
+    on one machine get unequal default pools, and by slots the first would take everything;
+    eighths, so that while room is plentiful the requests spread by count, which spreads the
+    compute), then the fewest requests, then the name. The planner's rule (`most_room`) and
+    the router's (gateway/ray_serve/routing.py `rank_replicas`).
+
+    >>> sorted(["a", "b"], key=lambda h: placement_key(h, {"a": 0.99, "b": 0.97}[h], {"a": 3, "b": 1}[h]))
+    ['b', 'a']
+    >>> sorted(["a", "b"], key=lambda h: placement_key(h, {"a": 0.9, "b": 0.5}[h], {"a": 3, "b": 1}[h]))
+    ['a', 'b']
+    """
+    return (-int(max(free_share, 0.0) * ROOM_STEPS), load, "" if home is None else home)
+
+
+def most_room(rooms: Mapping, budgets: Mapping, loads: Mapping | None = None) -> str | None:
+    """The home a start goes to (`placement_key`), from each home's room and budget in slots
+    and the requests it holds.
+
+    >>> most_room({"b": 50, "a": 50, "c": 10}, {"a": 100, "b": 100, "c": 100}), most_room({None: 5}, {None: 9})
     ('a', None)
+    >>> most_room({"a": 900, "b": 450}, {"a": 1000, "b": 500}, {"a": 2}), most_room({"a": 600, "b": 450}, {"a": 1000, "b": 500})
+    ('b', 'b')
     """
     if len(rooms) == 1:
         return next(iter(rooms))
-    return min(rooms, key=lambda home: (-rooms[home], home))
+    loads = loads or {}
+    return min(rooms, key=lambda h: placement_key(h, rooms[h] / max(budgets[h], 1), loads.get(h, 0)))

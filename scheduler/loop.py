@@ -256,7 +256,8 @@ class StepLoop:
         first_warm = len(plan) - plan.warm
         # requests prefilled ahead of their turn are stepped only while they hold their KV
         planned = [rid for i, rid in enumerate(plan.request_ids)
-                   if (rid in self._resident if i >= first_warm else self._ensure_resident(rid, keep))]
+                   if (rid in self._resident if i >= first_warm
+                       else self._ensure_resident(rid, keep, plan.homes.get(rid)))]
         if not planned:
             return True
         chunks = plan.prefill or [0] * len(plan)
@@ -316,7 +317,9 @@ class StepLoop:
             self._forget(s.request_id)
             self._emit(Finished(s.request_id, s.status, s.finish_reason, s))
 
-    def _ensure_resident(self, request_id: str, keep: set[str]) -> bool:
+    def _ensure_resident(self, request_id: str, keep: set[str], home: str | None = None) -> bool:
+        """Make `request_id` hold KV (prefilled, or with chunks, its KV claimed), on `home` where
+        the planner placed it (Ray mode's verifier replicas); False if its prefill failed."""
         if request_id in self._resident:
             return True
         while len(self._resident) >= self.max_resident:
@@ -328,12 +331,14 @@ class StepLoop:
                 break
             self._evict(victim)
         req = self._requests[request_id]
-        defer = {"defer": True} if self.chunked else {}
+        extra: dict = {"defer": True} if self.chunked else {}
+        if home is not None:
+            extra["home"] = home
         try:
             done = self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
                                        prompt_len=len(req.prompt_ids), sampling=req.sampling,
                                        max_new_tokens=self._limits[request_id] - len(req.output_ids),
-                                       tenant=req.stats.tenant, drafter=req.drafter, **defer)
+                                       tenant=req.stats.tenant, drafter=req.drafter, **extra)
         except Exception as exc:
             log.warning("prefill of %s failed: %s", request_id, exc)
             self._end(request_id, Status.FAILED, "error", str(exc))
@@ -400,12 +405,14 @@ class StepLoop:
                 self._requests[rid] = req
                 self._limits[rid] = self._limit(req)
                 self.policy.add(self.state, req.stats)
+                fits, home = False, None
                 if (self.lengths is not None and self.lengths.weights is not None
-                        and len(self._resident) < self.max_resident - self.policy.config.max_batch
-                        and self.policy.kv_fits(self.state, req.stats)):
+                        and len(self._resident) < self.max_resident - self.policy.config.max_batch):
+                    fits, home = self.policy.kv_place(self.state, req.stats)
+                if fits:
                     # ranked with a prediction from now; with chunks, from when steps have
                     # prefilled it with what their chosen requests leave of the budget
-                    if self._ensure_resident(rid, set()) and req.stats.prefill_left:
+                    if self._ensure_resident(rid, set(), home) and req.stats.prefill_left:
                         self.policy.prefilling(rid)
             else:
                 _, rid, status, cause = msg

@@ -27,7 +27,8 @@ descriptive and ignored here.
 
 A profile may hold a `"chunk"` entry too (chunked prefill: `workers.profiling.measure_chunks`):
 what a prefill chunk of k context tokens, after o tokens of its prompt already computed, adds to
-a step, fitted as `row_s · k + key_s · k · (o + (k − 1) / 2)` (its rows' linears, then attention
+a step, measured as (o, k, seconds) points and fitted (`fit_chunk_cost`; a `row_s` and `key_s`
+in the entry are taken as the fit) as `row_s · k + key_s · k · (o + (k − 1) / 2)` (its rows' linears, then attention
 over every earlier key). `StepCostModel.chunk(k, o)` reads it, or, without one, charges the
 prefill curve's difference prefill(o + k) − prefill(o) (its slope: a pass's fixed cost is the
 step's own); `keys_per_row` (row_s ÷ key_s) is how
@@ -92,6 +93,14 @@ def fit_chunk_cost(points: Sequence[Sequence[float]]) -> tuple[float, float]:
     # one coefficient alone: whichever leaves the smaller error
     alone = [(max(ay / aa, 0.0), 0.0)] + ([(0.0, max(by / bb, 0.0))] if bb else [])
     return min(alone, key=lambda c: sum((y - c[0] * a - c[1] * b) ** 2 for a, b, y in rows))
+
+
+def _chunk_fit(chunk: dict) -> tuple[float, float]:
+    """A profile's chunk entry → (row_s, key_s): its fit where it holds one, else fitted now
+    from its measured points (what `workers.profiling.measure_chunks` writes)."""
+    if "row_s" in chunk and "key_s" in chunk:
+        return float(chunk["row_s"]), float(chunk["key_s"])
+    return fit_chunk_cost(chunk["points"])
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -183,7 +192,7 @@ class StepCostModel:
                    context=doc.get("prompt_len"),
                    contexts=[(c["context"], curves(c["curves"])) for c in doc.get("contexts", ())
                              if c["context"] != doc.get("prompt_len")],
-                   chunk=None if not chunk else (chunk["row_s"], chunk["key_s"]))
+                   chunk=None if not chunk else _chunk_fit(chunk))
 
     def __call__(self, batch: int, tokens: int, context: int | None = None) -> float:
         """Seconds of one step of `batch` requests verifying `tokens` tree tokens in all, each

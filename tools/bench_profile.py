@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from scheduler.profile import fit_chunk_cost
 from workers.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
                                DEFAULT_NODES, DEFAULT_PREFILL, describe_device, measure_chunks,
                                measure_profile, profile_document)
@@ -111,6 +112,7 @@ def run(args) -> int:
                                offsets=_ints(args.chunk_offsets) or (0,),
                                batch=min(4, max(_ints(args.batches))), repeats=args.repeats)
         if chunk:
+            chunk["row_s"], chunk["key_s"] = fit_chunk_cost(chunk["points"])
             measured["chunk"] = chunk
     doc = profile_document(measured, model=os.path.basename(str(model)), dtype=args.dtype,
                            device=describe_device(verifier.target), prompt_len=args.prompt_len,

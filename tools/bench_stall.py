@@ -8,13 +8,21 @@ tokens a step, `--prefill-chunk-tokens`), one gateway on the real default model 
     baseline  `--baseline-s` seconds of their token events;
     long      one completion of a `--prompt-tokens`-token prompt (max_tokens 4), sent while they
               stream; its latency is the price chunking asks of the long prompt itself;
-    after     a second more, then the streams are closed.
+    after     `--after-s` seconds more (the streams' pace once the prompt is done), then the
+              streams are closed.
 
 Per stream, the gaps between its token events (an SSE event carries the tokens one step
 committed): the median gap before the long prompt was sent (its normal pace), and the longest gap
 that overlaps the long prompt's life. The report's `stall_ratio` is the worst stream's longest gap
 over its median, the figure the issue bounds (≤ 3 with chunking; the whole prefill's gap is the
 prefill itself). Both settings run in the same invocation, one after the other, on one machine.
+
+A stream's own steps slow down as its context grows (every row attends over every earlier key),
+and a chunked prefill takes long enough for the counting streams to be thousands of tokens deeper
+at its end than when their median was taken. So each stream also reports its median gap *after*
+the prompt finished, at about the depth its last gaps during it had, and `stall_ratio_vs_after`
+is the worst stream's longest gap during over that: what the prompt added, the streams' growth
+left out (None where a stream ended before the prompt did).
 """
 from __future__ import annotations
 
@@ -36,13 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=4, help="streams running beside it")
     p.add_argument("--chunks", default="0,24", help="comma-separated --prefill-chunk-tokens values")
     p.add_argument("--baseline-s", type=float, default=4.0)
+    p.add_argument("--after-s", type=float, default=4.0,
+                   help="seconds the streams run on after the long prompt finished")
     p.add_argument("--json", type=Path, help="write the report here")
 
 
 def run(args: argparse.Namespace) -> int:
     chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     report = bench_stall(model=args.model, prompt_tokens=args.prompt_tokens, streams=args.streams,
-                         chunks=chunks, baseline_s=args.baseline_s)
+                         chunks=chunks, baseline_s=args.baseline_s, after_s=args.after_s)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -67,13 +77,15 @@ def long_prompt(model: str | None, tokens: int) -> str:
 
 
 def bench_stall(*, model: str | None = None, prompt_tokens: int = 4000, streams: int = 4,
-                chunks: list[int] = (0, 24), baseline_s: float = 4.0) -> dict[str, Any]:
+                chunks: list[int] = (0, 24), baseline_s: float = 4.0,
+                after_s: float = 4.0) -> dict[str, Any]:
     text = long_prompt(model, prompt_tokens)
     out: dict[str, Any] = {"settings": {"model": model or "default", "prompt_tokens": prompt_tokens,
-                                        "streams": streams, "baseline_s": baseline_s},
+                                        "streams": streams, "baseline_s": baseline_s,
+                                        "after_s": after_s},
                            "runs": {}}
     for chunk in chunks:
-        out["runs"][str(chunk)] = _one(model, chunk, text, streams, baseline_s)
+        out["runs"][str(chunk)] = _one(model, chunk, text, streams, baseline_s, after_s)
     runs = out["runs"]
     if "0" in runs and len(runs) > 1:
         whole = runs["0"]["long_latency_s"]
@@ -82,7 +94,8 @@ def bench_stall(*, model: str | None = None, prompt_tokens: int = 4000, streams:
     return out
 
 
-def _one(model: str | None, chunk: int, text: str, n_streams: int, baseline_s: float) -> dict[str, Any]:
+def _one(model: str | None, chunk: int, text: str, n_streams: int, baseline_s: float,
+         after_s: float) -> dict[str, Any]:
     import httpx
 
     from loadtest.compare import ADMIN_KEY, gateway_process
@@ -111,15 +124,17 @@ def _one(model: str | None, chunk: int, text: str, n_streams: int, baseline_s: f
         t_done = time.perf_counter()
         r.raise_for_status()
         prompt_used = r.json()["usage"]["prompt_tokens"]
-        time.sleep(1.0)
+        time.sleep(after_s)
         stop.set()
         for t in threads:
             t.join(30)
     per_stream = [g for g in (stream_gaps(ev, t_send, t_done) for ev in events) if g is not None]
     worst = max(per_stream, key=lambda s: s["ratio"], default=None)
+    vs_after = [s["ratio_vs_after"] for s in per_stream if s["ratio_vs_after"] is not None]
     return {"prefill_chunk_tokens": chunk, "prompt_tokens": prompt_used,
             "long_latency_s": round(t_done - t_send, 3), "streams_measured": len(per_stream),
             "stall_ratio": None if worst is None else worst["ratio"],
+            "stall_ratio_vs_after": max(vs_after, default=None),
             "worst_stream": worst, "streams": per_stream}
 
 
@@ -127,9 +142,11 @@ def stream_gaps(events: list[float], t_send: float, t_done: float) -> dict[str, 
     """One stream's token events (times) → its median gap before `t_send` and the gaps that
     overlap [t_send, t_done]; None when it has too few of either (it ended early).
 
-    >>> g = stream_gaps([0.0, 0.1, 0.2, 0.3, 0.4, 1.4, 1.5], t_send=0.45, t_done=1.45)
+    >>> g = stream_gaps([0.0, 0.1, 0.2, 0.3, 0.4, 1.4, 1.5, 1.7, 1.9, 2.1], t_send=0.45, t_done=1.45)
     >>> g["median_gap_ms"], g["max_gap_during_ms"], g["ratio"], g["max_gap_at_s"]
     (100.0, 1000.0, 10.0, -0.05)
+    >>> g["median_gap_after_ms"], g["ratio_vs_after"]
+    (200.0, 5.0)
     """
     gaps = list(zip(events, events[1:]))
     before = [b - a for a, b in gaps if b <= t_send]
@@ -139,7 +156,11 @@ def stream_gaps(events: list[float], t_send: float, t_done: float) -> dict[str, 
     median = statistics.median(before)
     worst, at = max(during)
     spans = sorted(g for g, _ in during)
+    after = [b - a for a, b in gaps if a >= t_done]
+    after_median = statistics.median(after) if len(after) >= 3 else None
     return {"median_gap_ms": round(1000 * median, 1),
+            "median_gap_after_ms": None if after_median is None else round(1000 * after_median, 1),
+            "ratio_vs_after": None if after_median is None else round(worst / after_median, 2),
             "max_gap_during_ms": round(1000 * worst, 1),
             "ratio": round(worst / median, 2),
             "max_gap_at_s": round(at - t_send, 3),      # where the longest gap began

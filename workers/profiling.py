@@ -30,7 +30,7 @@ reads every earlier key, so the pairs' differences are fitted to
 
     extra_s(k, o) = row_s · k + key_s · k · (o + (k − 1) / 2)
 
-(`scheduler.profile.fit_chunk_cost`): the profile's `"chunk"` entry, which the planner weighs
+(`scheduler.profile.fit_chunk_cost`, when a profile is loaded): the profile's `"chunk"` entry, which the planner weighs
 chunks by and the simulator charges mixed steps from. `specgate bench profile` measures it;
 `startup_profile` does not: the attention term only stands out of the noise thousands of keys
 deep, and getting a request there is a prefill of seconds at every start (without a measured
@@ -211,9 +211,9 @@ def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKE
     """The profile's `"chunk"` entry: for each offset o and chunk size k, `repeats` pairs of
     steps of `batch` requests with `nodes`-node chains, one pair member also computing k pending
     context tokens of a request whose KV holds o (+ the chunks before it in the series) tokens.
-    `points` are (offset at the chunk's start, k, median extra seconds); `row_s` and `key_s` the
-    fit (module docstring). Offsets that leave no room in the model's context are skipped."""
-    from scheduler.profile import fit_chunk_cost
+    `points` are (offset at the chunk's start, k, median extra seconds), which the step-cost
+    model fits (module docstring). Offsets that leave no room in the model's context are
+    skipped."""
     from workers.contract import SamplingParams
     from workers.tree import TokenTree
     from workers.verifier import VerifyItem
@@ -261,9 +261,7 @@ def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKE
         points.append((o + k * (1 + repeats // 2), k, statistics.median(extra)))
     for rid in (*ids, "chunk"):
         verifier.release(rid)
-    row_s, key_s = fit_chunk_cost(points)
-    return {"row_s": row_s, "key_s": key_s, "batch": batch, "nodes": nodes,
-            "points": [list(p) for p in points]}
+    return {"batch": batch, "nodes": nodes, "points": [list(p) for p in points]}
 
 
 def describe_device(forward) -> str:

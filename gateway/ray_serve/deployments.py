@@ -107,9 +107,10 @@ class VerifierServer:
                 sampling: SamplingParams, max_new_tokens: int, tenant: str, drafter: str | None,
                 replica: str | None, loads: Mapping[str, int] | None = None,
                 assigned: Mapping[str, int] | None = None, avoid: Sequence[str] | None = None,
-                free: Mapping[str, int] | None = None, release: dict | None = None,
-                defer: bool = False) -> dict[str, Any]:
-        """`loads`, `assigned`, `avoid`, `free`: for the router (gateway/ray_serve/routing.py)."""
+                free: Mapping[str, float] | None = None, prefer: str | None = None,
+                release: dict | None = None, defer: bool = False) -> dict[str, Any]:
+        """`loads`, `assigned`, `avoid`, `free`, `prefer`: for the router
+        (gateway/ray_serve/routing.py)."""
         self._on_critical_path()
         with self._lock:
             t0 = time.perf_counter()
@@ -200,7 +201,8 @@ class SchedulerServer:
 
     async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
         from gateway.ray_serve.remote import SchedulerEndpoint
-        from gateway.builders.embedded import build_embedded, planner_step_cost, replica_kv_budget
+        from gateway.builders.embedded import (build_embedded, freeze_heap, planner_step_cost,
+                                              replica_kv_budget)
         from gateway.ray_serve.verifier_pool import VerifierPool
         from workers.loader import load_tokenizer, resolve_model
 

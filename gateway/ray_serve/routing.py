@@ -13,11 +13,12 @@ Rules (`rank_replicas`, pure):
 - replicas named in `avoid` (seen to die) are used only when no other is left;
 - a call naming `affinity=<key>` (draft workers: the calling verifier replica's id) goes to the
   replica the key hashes to (rendezvous hashing), so a key's drafter state stays in one place;
-- a call naming none (a new request's prefill) goes where KV room is: the replica with the most
-  free KV slots, from the `free` the call carries (each replica's latest report, see
-  `VerifierPool.kv_budgets`; a replica that has not reported yet holds none, so it comes first),
-  the same rule by which the planner plans the start (scheduler/policies/base.py `most_room`).
-  Without `free` (no replica has reported a KV pool), or among equals, the replica holding the
+- a call naming none (a new request's prefill) goes where KV room is: the replica with the largest
+  share of its KV pool free, in eighths of a pool, from the `free` the call carries (each
+  replica's latest report, see `VerifierPool.kv_budgets`; a replica that has not reported yet
+  holds none), the rule by which the planner plans the start (scheduler/kv_budget.py
+  `placement_key`); where the planner placed it (`prefer`, `Plan.homes`), there, unless some
+  replica has not reported yet (the planner does not know it; it is empty, and goes first). Without `free` (no replica has reported a KV pool), or among equals, the replica holding the
   fewest requests, from the `loads` the call carries: the one scheduler knows where every request
   lives (Serve's own routing stats are refreshed only every few seconds, so a burst would all land
   on one replica); a replica it has not used yet holds none. Ties go to the replica given the
@@ -30,13 +31,16 @@ from typing import Mapping, Sequence
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from scheduler.kv_budget import placement_key
+
 
 def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[str, int] | None = None,
                   assigned: Mapping[str, int] | None = None, avoid: Sequence[str] = (),
                   affinity: str | None = None,
-                  free: Mapping[str, int] | None = None) -> list[list[str]]:
+                  free: Mapping[str, float] | None = None,
+                  prefer: str | None = None) -> list[list[str]]:
     """Replica ids in ranks of preference, from the running replicas, the call's pin, free KV
-    slots and loads.
+    shares, the planner's placement and loads.
 
     >>> rank_replicas(["a", "b", "c"], "a", {"a": 3, "b": 1})
     [['a']]
@@ -45,10 +49,18 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
     >>> rank_replicas(["a", "b"], None, {}, {"a": 5, "b": 4})
     [['b'], ['a']]
 
-    Free KV slots first (most room), then loads; a replica without a report comes first:
-    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 900, "b": 200, "c": 900})
+    The largest share of the KV pool free first (in eighths), then loads; a replica without a
+    report is empty:
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 0.9, "b": 0.2, "c": 0.9})
     [['c'], ['a'], ['b']]
-    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 900, "b": 200})
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 0.99, "b": 0.98})
+    [['c'], ['b'], ['a']]
+
+    The planner's placement (`prefer`) among the replicas that have reported; one that has not
+    is unknown to the planner, and empty, so it comes first:
+    >>> rank_replicas(["a", "b"], None, {"a": 3, "b": 1}, free={"a": 0.9, "b": 0.9}, prefer="a")
+    [['a'], ['b']]
+    >>> rank_replicas(["a", "b", "c"], None, {"a": 3, "b": 1}, free={"a": 0.9, "b": 0.9}, prefer="a")
     [['c'], ['a'], ['b']]
     """
     if pinned is not None and pinned in replicas:
@@ -61,9 +73,10 @@ def rank_replicas(replicas: Sequence[str], pinned: str | None, loads: Mapping[st
         # adding or removing a replica moves only the keys that preferred it.
         return [[rid] for rid in sorted(replicas, key=lambda rid: _weight(affinity, rid), reverse=True)]
     loads, assigned, free = loads or {}, assigned or {}, free or {}
-    room = float("inf")                 # a replica that has not reported holds nothing yet
-    return [[rid] for rid in sorted(replicas, key=lambda rid: (-free.get(rid, room), loads.get(rid, 0),
-                                                               assigned.get(rid, 0), rid))]
+    # a replica that has not reported holds nothing yet
+    return [[rid] for rid in sorted(replicas, key=lambda rid: (
+        bool(free) and rid in free, prefer is None or rid != prefer,
+        *placement_key(None, free.get(rid, 1.0), loads.get(rid, 0)), assigned.get(rid, 0), rid))]
 
 
 def _weight(key: str, replica: str) -> int:
@@ -77,5 +90,5 @@ class KVAffinityRouter(RequestRouter):
         kwargs = (pending_request.kwargs or {}) if pending_request is not None else {}
         ranks = rank_replicas(list(by_id), kwargs.get("replica"), kwargs.get("loads"),
                               kwargs.get("assigned"), kwargs.get("avoid") or (), kwargs.get("affinity"),
-                              kwargs.get("free"))
+                              kwargs.get("free"), kwargs.get("prefer"))
         return [[by_id[rid] for rid in rank] for rank in ranks]

@@ -4,7 +4,7 @@ affinity.
 The scheduler's `StepLoop` drives this exactly as it drives an in-process `BatchWorker` (same
 `prefill`/`step`/`release` calls, same results). Underneath:
 
-- `prefill` goes to the replica with the most free KV slots, or without their reports to the one
+- `prefill` goes to the replica with the largest share of its KV pool free, or without their reports to the one
   holding the fewest of this scheduler's requests (the call carries both;
   `gateway.ray_serve.routing.KVAffinityRouter` picks); the replica answers with its id, which
   becomes the request's **home** (`Prefilled.home`, and `StepResult.home` after a move).
@@ -90,12 +90,13 @@ class VerifierPool:
     # ---- the worker interface -----------------------------------------------------------------
     def prefill(self, request_id: str, token_ids: Sequence[int], *, prompt_len: int, sampling: SamplingParams,
                 max_new_tokens: int, tenant: str = "default", drafter: str | None = None,
-                defer: bool = False) -> Prefilled:
+                defer: bool = False, home: str | None = None) -> Prefilled:
         """Reports the tokens whose KV the chosen replica's prefix cache held, and its features;
-        `defer`: the replica's steps prefill the context in chunks (`BatchWorker.prefill`)."""
+        `defer`: the replica's steps prefill the context in chunks (`BatchWorker.prefill`);
+        `home`: the replica the planner placed it on (`Plan.homes`), else the router picks."""
         self._placed[request_id] = _Placed(list(token_ids), prompt_len, sampling, max_new_tokens,
                                            tenant, drafter)
-        return self._place(request_id, defer)
+        return self._place(request_id, defer, home)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         by_id: dict[str, StepResult] = {}
@@ -164,7 +165,7 @@ class VerifierPool:
             self._kv[replica] = (now, (int(kv[0]), int(kv[1])))
 
     # ---- calls ----------------------------------------------------------------------------------
-    def _place(self, request_id: str, defer: bool = False) -> Prefilled:
+    def _place(self, request_id: str, defer: bool = False, home: str | None = None) -> Prefilled:
         """Prefill `request_id` from its committed context on the least-loaded live replica.
         A request re-placed after losing its home is prefilled whole (`defer` False): the step
         being redone may be one that verifies its root."""
@@ -177,11 +178,12 @@ class VerifierPool:
         # where the request's old KV still is).
         with self._lock:
             pending = {home: list(ids) for home, ids in self._releases.items()}
-        free = {replica: budget - held for replica, (budget, held) in self.kv_budgets().items()}
+        free = {replica: (budget - held) / max(budget, 1)        # share of its pool free
+                for replica, (budget, held) in self.kv_budgets().items()}
         answer = self.handle.prefill.remote(
             request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
             max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
-            replica=None, loads=Counter(self.home.values()), assigned=dict(self.assigned),
+            replica=None, prefer=home, loads=Counter(self.home.values()), assigned=dict(self.assigned),
             avoid=sorted(self.dead), free=free or None, release=pending, defer=defer).result()
         replica = answer["replica"]
         self.busy_s += answer["busy_s"]

@@ -109,6 +109,9 @@ class Plan:
     prefill: list[int] = field(default_factory=list)   # per request; empty: no chunks
     warm: int = 0                          # the last `warm` requests only prefill
     evict: list[str] = field(default_factory=list)     # free these requests' KV first (budget)
+    # with a KV budget per home: the home each request that starts this step starts on (the
+    # planner places, the worker prefills there)
+    homes: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def entries(self) -> list[PlanEntry]:
@@ -174,15 +177,21 @@ class Policy:
             self._warming[request_id] = None
 
     def kv_fits(self, state: SchedulerState, s: RequestStats) -> bool:
+        """Whether starting `s` now keeps the KV held within the budget (`kv_place`)."""
+        return self.kv_place(state, s)[0]
+
+    def kv_place(self, state: SchedulerState, s: RequestStats) -> tuple[bool, str | None]:
         """Whether starting `s` now keeps the KV held within the budget (always, without one),
-        on the home with the most room: the loop asks before prefilling an arrival ahead of its
-        turn."""
+        and the home it starts on (`most_room`; None: the one budget's): the loop asks before
+        prefilling an arrival ahead of its turn, and prefills it there."""
         homes = kv_homes(state, self.config.kv_budget_tokens)
         if homes is None:
-            return True
+            return True, None
         c = self.config
         need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
-        return max(budget - held for budget, held in homes.values()) >= need
+        rooms = kv_rooms(homes)
+        home = most_room(rooms, {h: budget for h, (budget, _) in homes.items()}, self._home_loads(state))
+        return rooms[home] >= need, home
 
     def touch(self, request_id: str) -> None:
         """A live request's stats changed between steps (a length prediction came in): rank it
@@ -213,6 +222,7 @@ class Policy:
         self._kv_homes = kv_homes(state, c.kv_budget_tokens)
         self._kv_room = kv_rooms(self._kv_homes)
         self._kv_at = {}
+        self._kv_loads = None                  # requests per home, once a start needs them
         if len(requests) <= limit:              # everyone fits: order cannot matter
             chosen, aged = [r for r in requests if self._kv_start(r)], 0
         else:
@@ -234,6 +244,8 @@ class Policy:
         else:
             plan = Plan(chosen, self._budgets([requests[r] for r in chosen]), aged)
         plan.evict = evict
+        if state.kv_budgets:                   # where each planned start goes (`_kv_start`)
+            plan.homes = {r: self._kv_at[r] for r in plan.request_ids if r in self._kv_at}
         return plan
 
     def _fit_kv(self, state: SchedulerState, chosen: list[str]) -> tuple[list[str], list[str]]:
@@ -291,6 +303,15 @@ class Policy:
         for rid in evict:
             self._warming.pop(rid, None)
         return keep, evict
+
+    @staticmethod
+    def _home_loads(state: SchedulerState) -> dict[str | None, int]:
+        """Requests holding KV, by home (what the router's `loads` count)."""
+        loads: dict[str | None, int] = {}
+        for s in state.requests.values():
+            if s.kv_tokens:
+                loads[s.kv_home] = loads.get(s.kv_home, 0) + 1
+        return loads
 
     def _home_of(self, s: RequestStats) -> str | None:
         """Where `s`'s KV is (a resident) or is planned to start (`_kv_start`); None: the one
@@ -503,6 +524,7 @@ class Policy:
         self._kv_homes: dict[str | None, tuple[int, int]] | None = None
         self._kv_room: dict[str | None, int] | None = None
         self._kv_at: dict[str, str | None] = {}
+        self._kv_loads: dict[str | None, int] | None = None
         self._kv_state: SchedulerState | None = None
         self._warming: dict[str, None] = {}   # admitted ahead of their turn, oldest first
         self.aging.clear()
@@ -636,12 +658,16 @@ class Policy:
             return True
         c = self.config
         need = start_slots(s, block=c.kv_block, tree=c.kv_tree_tokens)
-        home = most_room(rooms)
+        if self._kv_loads is None:
+            self._kv_loads = self._home_loads(self._kv_state)
+        home = most_room(rooms, {h: budget for h, (budget, _) in self._kv_homes.items()},
+                         self._kv_loads)
         room = rooms[home]
         if need > room and room < self._kv_homes[home][0] and not force:
             return False
         rooms[home] = room - need
         self._kv_at[rid] = home
+        self._kv_loads[home] = self._kv_loads.get(home, 0) + 1
         return True
 
     def _offer(self, heap: list[Entry], tenant: str, taken: set[str],

@@ -36,9 +36,9 @@ def test_rank_replicas(replicas, pinned, loads, assigned, expected):
 
 
 @pytest.mark.parametrize("free, loads, expected", [
-    ({"a": 100, "b": 900}, {"a": 0, "b": 5}, [["b"], ["a"]]),        # most KV room beats fewest requests
-    ({"a": 500, "b": 500}, {"a": 2, "b": 1}, [["b"], ["a"]]),        # equal room: fewest requests
-    ({"a": 500}, {"b": 9}, [["b"], ["a"]]),                          # no report yet: holds nothing
+    ({"a": 0.1, "b": 0.9}, {"a": 0, "b": 5}, [["b"], ["a"]]),        # most KV room beats fewest requests
+    ({"a": 0.5, "b": 0.5}, {"a": 2, "b": 1}, [["b"], ["a"]]),        # equal room: fewest requests
+    ({"a": 0.5}, {"b": 9}, [["b"], ["a"]]),                          # no report yet: holds nothing
     (None, {"a": 2, "b": 1}, [["b"], ["a"]]),                        # no reports at all: by loads
 ])
 def test_new_requests_rank_by_free_kv_slots(free, loads, expected):
@@ -88,8 +88,9 @@ class _Method:
         self.handle, self.name = handle, name
 
     def remote(self, *args, replica=None, loads=None, assigned=None, avoid=(), release=(), free=None,
-               **kwargs):
-        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned, avoid, free=free)[0][0]
+               prefer=None, **kwargs):
+        rid = rank_replicas(list(self.handle.replicas), replica, loads, assigned, avoid, free=free,
+                            prefer=prefer)[0][0]
         self.handle.log.append((self.name, rid, args[0] if self.name == "prefill" else None))
         if rid in self.handle.dying:                       # the replica dies under this call
             del self.handle.replicas[rid]
@@ -284,7 +285,8 @@ def test_the_pool_passes_on_the_replicas_features(tiny_model):
 def test_new_requests_go_where_kv_room_is_and_the_pool_keeps_each_replicas_budget(tiny_model):
     """Each replica reports its KV pool (budget, held, in slots) with every answer; the pool keeps
     the latest per live replica (`kv_budgets`, what the planner budgets by) and places a new
-    request on the replica with the most free slots, not the one with the fewest requests."""
+    request on the replica with the largest share of its pool free, not the one with the fewest
+    requests."""
     verifier = Verifier(LlamaForward(tiny_model))
     budget = 2000
     workers = [BatchWorker(Verifier(LlamaForward(tiny_model), kv_pool_bytes=budget * verifier.slot_bytes))
@@ -300,6 +302,11 @@ def test_new_requests_go_where_kv_room_is_and_the_pool_keeps_each_replicas_budge
         prefill(pool, rid)
     assert pool.home == {"big": "r0", "s1": "r1", "s2": "r1"}
     assert pool.kv_budgets() == {name: w.kv_slots() for name, w in handle.replicas.items()}
+    # where the planner placed a start (`Plan.homes`), it goes there, whatever the ranking says
+    pool.prefill("placed", [5, 6, 7], prompt_len=3, sampling=SamplingParams(), max_new_tokens=4,
+                 home="r0")
+    assert pool.home["placed"] == "r0"
+    pool.release("placed")
     results = pool.step([WorkItem(r, TreeBudget(4, 4)) for r in ("s1", "big", "s2")])
     assert [r.home for r in results] == ["r1", "r0", "r1"]          # each result names its home
     assert pool.kv_budgets() == {name: w.kv_slots() for name, w in handle.replicas.items()}

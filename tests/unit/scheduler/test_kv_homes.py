@@ -1,17 +1,19 @@
 """KV budgets per home (Ray mode: one per verifier replica): a start is planned only where some
-home has room for it, on the home with the most room; a resident's growth is checked against its
+home has room for it, on the home with the largest share free; a resident's growth is checked against its
 own home's budget, and KV is freed on that home only; over a random run with a worker of two
 homes, no home holds more than its budget."""
 from __future__ import annotations
 
 import doctest
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from scheduler.loop import Delta, StepLoop
 from scheduler import kv_budget
+from scheduler.kv_budget import placement_key
 from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats
 from scheduler.state import SchedulerState
@@ -122,7 +124,7 @@ def test_a_request_homed_on_a_replica_without_a_budget_is_not_fitted():
 
 class TwoHomes:
     """Two fake workers as two verifier replicas with a KV budget each: a prefill goes to the one
-    with the most free slots (ties: the first by name), as Ray mode's router places it; every
+    with the largest share of its budget free (then the fewest requests), as Ray mode's router places it; every
     answer names the home, and `kv_budgets` reports (budget, held) per home like `VerifierPool`."""
 
     def __init__(self, budgets: dict[str, int], clock: FakeClock, seed: int = 0):
@@ -131,13 +133,18 @@ class TwoHomes:
                       for i, h in enumerate(budgets)}
         self.context_limit = 4096
         self.where: dict[str, str] = {}
+        self.placed = 0                         # prefills the planner placed (`Plan.homes`)
 
     def kv_budgets(self) -> dict[str, tuple[int, int]]:
         return {h: (self.budgets[h], w.kv_tokens()) for h, w in self.homes.items()}
 
-    def prefill(self, request_id, token_ids, **kw):
-        free = {h: b - held for h, (b, held) in self.kv_budgets().items()}
-        home = min(free, key=lambda h: (-free[h], h))
+    def prefill(self, request_id, token_ids, home=None, **kw):
+        if home is None:                        # not placed by the planner: as the router ranks
+            free = {h: (b - held) / b for h, (b, held) in self.kv_budgets().items()}
+            loads = Counter(self.where.values())
+            home = min(free, key=lambda h: placement_key(h, free[h], loads[h]))
+        else:
+            self.placed += 1
         done = self.homes[home].prefill(request_id, token_ids, **kw)
         self.where[request_id] = home
         return replace(done, home=home)
@@ -188,7 +195,7 @@ def test_no_home_holds_more_than_its_budget_over_a_random_run(name, chunk, seed)
             if w.resident():
                 homes_used.add(h)
     assert n == 30 and not loop.state.requests
-    assert homes_used == {"a", "b"}
+    assert homes_used == {"a", "b"} and worker.placed >= 30           # the planner placed them
     for rid, max_tokens in wanted.items():
         assert sink[rid] == [token_at(rid, p) for p in range(max_tokens)]
     assert loop.state.kv_tokens == 0 and loop.state.kv_held == {}
