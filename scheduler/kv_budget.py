@@ -9,8 +9,8 @@ Pure functions of a request's stats. Slots, not bytes: the builder turns the byt
 
 Where KV lives in several places (Ray mode: each verifier replica has its own pool), each place
 is a **home** with a budget of its own (`SchedulerState.kv_budgets`); a new request starts on
-the home with the largest share of its budget free (`most_room`), the rule by which the router places it
-(gateway/ray_serve/routing.py `rank_replicas`).
+the home with the largest share of its budget free (`most_room`); the planner places it there
+(`Plan.homes`) and Ray mode's router honours that (gateway/ray_serve/routing.py `rank_replicas`).
 
 >>> from scheduler.request import RequestStats
 >>> s = RequestStats("r", "t", 0.0, prompt_len=1000, max_tokens=8192)

@@ -166,7 +166,8 @@ class VerifierPool:
 
     # ---- calls ----------------------------------------------------------------------------------
     def _place(self, request_id: str, defer: bool = False, home: str | None = None) -> Prefilled:
-        """Prefill `request_id` from its committed context on the least-loaded live replica.
+        """Prefill `request_id` from its committed context on `home` where the planner placed
+        it, else where the router ranks first (gateway/ray_serve/routing.py).
         A request re-placed after losing its home is prefilled whole (`defer` False): the step
         being redone may be one that verifies its root."""
         p = self._placed[request_id]

@@ -648,8 +648,8 @@ class Policy:
         budget still runs, alone. `force` (aging's promotions): it starts, taking the room even
         past the budget (`_fit_kv` then frees residents' KV for it), so a large request cannot
         be passed over past the aging bound by smaller ones that fit. With a budget per home,
-        the home with the most room takes it (the rule by which Ray mode's router places a
-        new request: gateway/ray_serve/routing.py), and it is planned there (`_kv_at`)."""
+        `most_room` picks the home, where it is planned (`_kv_at`, then `Plan.homes`: the
+        worker prefills it there)."""
         rooms = self._kv_room
         if rooms is None:
             return True
