@@ -63,6 +63,10 @@ class _Slot:
     root: int
     sampling: SamplingParams
     seed: int                 # with the root's position, seeds each step's RNG (see _accept)
+    # the most KV slots it can ever use: its context, every token it may still produce and one
+    # tree (or the model's positions, if fewer). A request whose remaining output fits what it
+    # holds never grows: a grow copies the whole context, which deep in a long prompt is itself
+    # a stall (the step that completed a 4,000-token prompt copied it to make room for 4 tokens)
     max_positions: int
     pending: list[int] = field(default_factory=list)   # context tokens without KV yet
     # what the prefix cache stores once the context is complete: (tenant, context, chain)
@@ -142,7 +146,8 @@ class Verifier:
         cache = self.target.new_cache(capacity)
         # numpy seeds must be >= 0; an unseeded request draws its own seed once, at (re-)admission.
         seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-        slot = _Slot(cache, int(token_ids[-1]), sampling, seed, self.context_limit)
+        most = min(len(token_ids) + max_new_tokens + self.max_tree_tokens + 1, self.context_limit)
+        slot = _Slot(cache, int(token_ids[-1]), sampling, seed, most)
         context = list(token_ids[:-1])
         pc = self.prefix_cache
         chain = pc.match(tenant, context) if pc is not None else []

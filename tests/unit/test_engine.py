@@ -213,3 +213,37 @@ def test_requests_in_step_grow_their_kv_one_a_step_ahead_of_need(forward):
         solo += alone.verify([VerifyItem("a", TokenTree.empty())])[0].tokens
     assert max(grown) == 1 and sum(grown) >= 8           # every request grew, one a step
     assert all(o == solo for o in outs.values())
+
+
+@pytest.mark.parametrize("max_new", [1, 4, 8])
+def test_kv_never_grows_past_what_a_request_can_still_use(forward, max_new):
+    """A request holds room for its context, a block of output and a tree; when its whole output
+    fits that, no step grows its KV (a grow copies the whole context: deep in a long prompt, the
+    step that completed it stalled every stream). Chunked, then decoding to its limit, with the
+    largest trees; the output is the whole-prefill one."""
+    from workers.tree import TokenTree
+    from workers.verifier import VerifyItem
+
+    rng = np.random.default_rng(7)
+    p = rng.integers(3, 128, size=60).tolist()
+    whole = Verifier(forward, max_tree_tokens=16, kv_block=8)
+    whole.prefill("w", p, SamplingParams(), max_new_tokens=max_new)
+    ver = Verifier(forward, max_tree_tokens=16, kv_block=8)
+    ver.prefill("c", p, SamplingParams(), max_new_tokens=max_new, defer=True)
+    held = ver._slots["c"].cache.capacity
+    out, ref = [], []
+    while len(out) < max_new:
+        pending = ver.pending("c")
+        (res,) = ver.verify([VerifyItem("c", TokenTree.empty(), min(pending, 7))])
+        out += res.tokens
+        assert ver._slots["c"].cache.capacity == held
+    while len(ref) < max_new:
+        ref += whole.verify([VerifyItem("w", TokenTree.empty())])[0].tokens
+    assert out[:max_new] == ref[:max_new]
+    # a request that may write more than it holds still grows (the bound is its own, not none)
+    big = Verifier(forward, max_tree_tokens=16, kv_block=8)
+    big.prefill("g", p, SamplingParams(), max_new_tokens=64)
+    start = big._slots["g"].cache.capacity
+    for _ in range(40):
+        big.verify([VerifyItem("g", TokenTree.empty())])
+    assert start < big._slots["g"].cache.capacity <= len(p) + 64 + 16 + 1
