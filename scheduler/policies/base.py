@@ -63,6 +63,25 @@ DEFAULT_KEYS_PER_ROW = 1000.0
 SHALLOW_CONTEXT = 512
 
 
+def chunk_budget(per_request: int, token_budget: int, decoding: int, waiting: int) -> int:
+    """Context tokens one step may prefill: `per_request` for each of the `waiting` chosen
+    requests whose context still lacks KV, within the rows the `decoding` requests' roots leave
+    of `token_budget`. A step in which nobody decodes has no stream to hold up and prefills up
+    to IDLE_CHUNKS (or `waiting`, if more) chunks' worth.
+
+    Why per waiting request: a batch slot whose request waits for its context produces nothing;
+    with one chunk a step shared by all of them, a full batch past saturation starts requests
+    no faster than one chunk a step, and prefill, not decoding, bounds its capacity. One long
+    prompt beside running streams still gets `per_request` a step (the stall bound).
+
+    Worked example, per_request 24, token_budget 64: 4 decoding, 1 waiting → 24; 5 decoding,
+    3 waiting → 59 (64 − 5 roots); 0 decoding, 2 waiting → 192.
+    """
+    if not decoding:
+        return per_request * max(IDLE_CHUNKS, waiting)
+    return min(per_request * max(waiting, 1), token_budget - decoding)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     max_batch: int = 8
@@ -76,8 +95,9 @@ class PolicyConfig:
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
     step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
     max_resident: int | None = None        # requests that may hold KV at once (see `plan`)
-    # context tokens a step may prefill, in chunks beside the trees (see `plan`); 0: the step
-    # loop prefills each request whole, in a pass of its own, before its first step
+    # context tokens a step may prefill for each chosen request still waiting for its context,
+    # in chunks beside the trees (`chunk_budget`); 0: the step loop prefills each request whole,
+    # in a pass of its own, before its first step
     prefill_chunk_tokens: int = 0
     # attention over this many keys costs about what one row's linears do: a chunk of k tokens
     # after o tokens of context counts k × (1 + o / this) against prefill_chunk_tokens, so a
@@ -347,17 +367,14 @@ class Policy:
 
     def _chunked(self, state: SchedulerState, chosen: list[str], aged: int) -> Plan:
         """The step's rows with chunked prefill: every decoding request's root, then prefill
-        chunks in plan order within `prefill_chunk_tokens`, then draft nodes in what is left of
-        the token budget. Chunks and trees share one budget so that a step with a chunk costs
-        about what a step without one does (a step past the fused kernels' row limit costs
-        markedly more: README, "Chunked prefill"). A step in which nobody decodes has no stream
-        to hold up and prefills up to IDLE_CHUNKS times as much (larger chunks waste less).
-        A chunk deep into a long prompt costs more per token (its attention reads every earlier
+        chunks in plan order within `chunk_budget`, then draft nodes in what is left of the
+        token budget. Chunks and trees share one budget so that a step with a chunk costs about
+        what a step without one does (a step past the fused kernels' row limit costs markedly
+        more: README, "Chunked prefill"). A chunk deep into a long prompt costs more per token (its attention reads every earlier
         key), so it counts more against the budget (`prefill_keys_per_row`)."""
         c, requests = self.config, state.requests
         decoding = sum(1 for r in chosen if not requests[r].unprefilled)
-        left = (min(c.prefill_chunk_tokens, c.token_budget - decoding) if decoding
-                else c.prefill_chunk_tokens * IDLE_CHUNKS)
+        left = chunk_budget(c.prefill_chunk_tokens, c.token_budget, decoding, len(chosen) - decoding)
         ids, chunks, completes = [], [], []
         for rid in chosen:
             s = requests[rid]
@@ -502,7 +519,10 @@ class Policy:
         chunk = self.config.prefill_chunk_tokens
         if chunk:
             charge = getattr(cost, "chunk", None)
-            extra = charge(min(sum(prompts), chunk), 0) if charge else prefill(min(sum(prompts), chunk))
+            decoding = sum(1 for r in chosen if not requests[r].unprefilled)
+            most = min(sum(prompts), chunk_budget(chunk, self.config.token_budget, decoding,
+                                                  len(chosen) - decoding))
+            extra = charge(most, 0) if charge else prefill(most)
         else:
             extra = sum(prefill(p) for p in prompts)
         est = cost(len(chosen), self.config.token_budget) + extra

@@ -7,6 +7,7 @@ import pytest
 
 from scheduler.loop import Delta, StepLoop
 from scheduler.policies import make_policy
+from scheduler.policies.base import chunk_budget
 from scheduler.request import Request, RequestStats
 from scheduler.state import SchedulerState
 from workers.contract import NO_SPECULATION
@@ -76,7 +77,7 @@ def test_whole_prefill_is_kept_for_comparison():
 
 
 def test_the_budget_goes_to_chosen_requests_in_plan_order_and_one_left_without_waits():
-    pol = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=40,
+    pol = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=20,
                       prefill_keys_per_row=float("inf"))
     state = SchedulerState()
     for i, (rid, n) in enumerate((("run", 10), ("p1", 30), ("p2", 100), ("p3", 50), ("p4", 20))):
@@ -84,9 +85,10 @@ def test_the_budget_goes_to_chosen_requests_in_plan_order_and_one_left_without_w
         pol.add(state, s)
     state.requests["run"].prefill_left = 0           # decoding already
     plan = pol.plan(state, 10.0)
-    # run decodes, p1 takes its 29 (and decodes in the same step), p2 gets the last 11; p3 waits
+    # three wait for their context: 20 each, 60 in all; run decodes, p1 takes its 29 (and
+    # decodes in the same step), p2 gets the last 31; p3 waits
     assert plan.request_ids == ["run", "p1", "p2"]
-    assert plan.prefill == [0, 29, 11] and plan.warm == 0
+    assert plan.prefill == [0, 29, 31] and plan.warm == 0
     assert plan.budgets[2] == NO_SPECULATION            # no root yet: no tree
     assert plan.budgets[0].max_nodes > 0
     # completing its context this step, p1 verifies its root alone: a tree's rows would attend
@@ -290,3 +292,35 @@ def test_a_request_deep_into_a_long_context_gets_a_smaller_tree():
     # 4,000 tokens in, a node must be worth 3.3× as much: 0.71^d ≥ 0.33 instead of ≥ 0.1
     assert (shallow[1], deep[1]) == (6, 3)
     assert deep[0] >= shallow[0]                        # the nodes it leaves go to the other
+
+
+@pytest.mark.parametrize("per_request, decoding, waiting, expected", [
+    (24, 4, 1, 24),      # one long prompt beside running streams: one chunk a step (stall bound)
+    (24, 4, 2, 48),      # each waiting slot advances by a chunk
+    (24, 5, 3, 59),      # within the rows the roots leave of the token budget
+    (24, 64, 1, 0),      # roots fill the budget: no chunk
+    (24, 0, 2, 192),     # nobody decodes: IDLE_CHUNKS chunks
+    (24, 0, 10, 240),    # ... or one per waiting request, if more
+])
+def test_chunk_budget_gives_each_waiting_request_a_chunk_within_the_token_budget(
+        per_request, decoding, waiting, expected):
+    assert chunk_budget(per_request, 64, decoding, waiting) == expected
+
+
+def test_a_full_batch_of_new_requests_prefills_a_chunk_for_each():
+    """Past saturation a batch holds several requests waiting for their context: the step
+    prefills a chunk's worth for each, so starts are not rationed to one chunk a step; they take
+    it in plan order (the first finishes its context, and starts decoding, soonest)."""
+    pol = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=None, prefill_chunk_tokens=16,
+                      prefill_keys_per_row=float("inf"))
+    state = SchedulerState()
+    for i, rid in enumerate(("run", "p1", "p2", "p3")):
+        pol.add(state, RequestStats(rid, "t", float(i), prompt_len=200, max_tokens=10))
+    state.requests["run"].prefill_left = 0
+    plan = pol.plan(state, 10.0)
+    assert plan.request_ids == ["run", "p1"]
+    assert plan.prefill == [0, 48]
+    state.requests["p1"].prefill_left = 10             # nearly done: the rest goes on down
+    plan = pol.plan(state, 11.0)
+    assert plan.request_ids == ["run", "p1", "p2"]
+    assert plan.prefill == [0, 10, 38]
