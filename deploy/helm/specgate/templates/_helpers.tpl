@@ -35,61 +35,126 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-secret" (include "specgate.fullname" .)) .Values.existingSecret -}}
 {{- end -}}
 
-{{- define "specgate.redisUrl" -}}
-{{- if .Values.redis.enabled -}}
-{{- printf "redis://%s-redis:6379/0" (include "specgate.fullname" .) -}}
+{{/* A secret value the chart generates when the values give none, kept across upgrades: the value
+already in the release's live Secret when there is one (`lookup`; empty under `helm template`, where
+each render generates anew). .root, .secret (the Secret's name), .key, .given (the values' one). */}}
+{{- define "specgate.keptSecret" -}}
+{{- if .given -}}
+{{- .given -}}
 {{- else -}}
-{{- required "redis.externalUrl is required when redis.enabled is false" .Values.redis.externalUrl -}}
+{{- $live := lookup "v1" "Secret" .root.Release.Namespace .secret -}}
+{{- $kept := dig "data" .key "" $live -}}
+{{- if $kept -}}
+{{- $kept | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 40 -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
-{{/* The SPECGATE_* environment every Ray pod gets: Serve replicas read their settings from it. */}}
+{{- define "specgate.metricsSecretName" -}}
+{{- printf "%s-metrics" (include "specgate.fullname" .) -}}
+{{- end -}}
+
+{{/* Where the Redis URL (with its password) lives: an existing Secret (external Redis), or the one
+this chart makes (secret-redis.yaml). Its name, then its key. */}}
+{{- define "specgate.redisUrlSecretName" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name -}}
+{{- .Values.redis.externalUrlSecret.name -}}
+{{- else -}}
+{{- printf "%s-redis" (include "specgate.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "specgate.redisUrlSecretKey" -}}
+{{- if and (not .Values.redis.enabled) .Values.redis.externalUrlSecret.name -}}
+{{- .Values.redis.externalUrlSecret.key | default "redis-url" -}}
+{{- else -}}
+redis-url
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway's pods (Serve's proxies and the app builder on the head; ingress and scheduler
+replicas on the CPU workers): the only Ray pods with keys and the Redis URL, and the only pods the
+Redis NetworkPolicy admits. */}}
+{{- define "specgate.gatewayLabel" -}}
+specgate.dev/gateway: "true"
+{{- end -}}
+
+{{/* Every Ray pod of this release (head and workers), for the NetworkPolicies. */}}
+{{- define "specgate.rayPodLabels" -}}
+{{ include "specgate.selectorLabels" . }}
+app.kubernetes.io/component: ray
+{{- end -}}
+
+{{/* The SPECGATE_* environment of every Ray pod: Serve replicas read their settings from it. Secrets
+(keys, the Redis URL) only in the gateway's pods (.gateway), and only through secretKeyRef.
+NOTE: gateway.builders.ray_app reads this environment where Serve runs the app builder (the head)
+and, as it stands, passes the settings it read (keys and URL too) to every replica as arguments,
+verifiers included: the GPU pods' environment holds no secret, but their replicas still receive
+them through Ray until the builder stops passing them. */}}
 {{- define "specgate.env" -}}
-- name: SPECGATE_REDIS_URL
-  value: {{ include "specgate.redisUrl" . | quote }}
+{{- $ := .root -}}
 - name: SPECGATE_MODEL
-  value: {{ .Values.model | quote }}
-- name: SPECGATE_ADMIN_KEY
-  valueFrom:
-    secretKeyRef: {name: {{ include "specgate.secretName" . }}, key: admin-key}
-{{- if or .Values.tenants .Values.existingSecret }}
-- name: SPECGATE_TENANTS_FILE
-  value: /etc/specgate/tenants.yaml
-{{- end }}
-{{- range $k, $v := .Values.settings }}
+  value: {{ $.Values.model | quote }}
+{{- range $k, $v := $.Values.settings }}
 - name: {{ printf "SPECGATE_%s" ($k | upper) }}
   value: {{ $v | quote }}
 {{- end }}
+{{- if .gateway }}
+- name: SPECGATE_REDIS_URL
+  valueFrom:
+    secretKeyRef: {name: {{ include "specgate.redisUrlSecretName" $ }}, key: {{ include "specgate.redisUrlSecretKey" $ }}}
+- name: SPECGATE_ADMIN_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ include "specgate.secretName" $ }}, key: admin-key}
+- name: SPECGATE_METRICS_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ include "specgate.metricsSecretName" $ }}, key: metrics-key}
+{{- if or $.Values.tenants $.Values.existingSecret }}
+- name: SPECGATE_TENANTS_FILE
+  value: /etc/specgate/tenants.yaml
+{{- end }}
+{{- end }}
 {{- end -}}
 
-{{/* Writable scratch for a read-only root filesystem: Ray's session files. The model is in the
-image (deploy/Dockerfile fetches it at build time into SPECGATE_CACHE). */}}
+{{/* Writable scratch for a read-only root filesystem: Ray's session files (HOME is /tmp in the
+image). The model is in the image (deploy/Dockerfile fetches it at build time into SPECGATE_CACHE). */}}
 {{- define "specgate.volumeMounts" -}}
 - {name: tmp, mountPath: /tmp}
-{{- if or .Values.tenants .Values.existingSecret }}
+{{- if and .gateway (or .root.Values.tenants .root.Values.existingSecret) }}
 - {name: tenants, mountPath: /etc/specgate, readOnly: true}
 {{- end }}
 {{- end -}}
 
 {{- define "specgate.volumes" -}}
 - {name: tmp, emptyDir: {}}
-{{- if or .Values.tenants .Values.existingSecret }}
+{{- if and .gateway (or .root.Values.tenants .root.Values.existingSecret) }}
 - name: tenants
   secret:
-    secretName: {{ include "specgate.secretName" . }}
+    secretName: {{ include "specgate.secretName" .root }}
     optional: true
     items: [{key: tenants.yaml, path: tenants.yaml}]
 {{- end }}
 {{- end -}}
 
-{{/* One Ray pod template: $ = root context, .group = the group's values, .gpus = GPUs per pod. */}}
+{{/* One Ray pod template: $ = root context, .group = the group's values, .gpus = GPUs per pod,
+.gateway = whether the pod serves requests (keys, Redis URL, tenants file). */}}
 {{- define "specgate.rayPod" -}}
 {{- $ := .root -}}
 metadata:
   labels:
-    {{- include "specgate.selectorLabels" $ | nindent 4 }}
+    {{- include "specgate.rayPodLabels" $ | nindent 4 }}
     specgate.dev/ray-group: {{ .name }}
+    {{- if .gateway }}
+    {{- include "specgate.gatewayLabel" $ | nindent 4 }}
+    {{- end }}
 spec:
+  {{- if ne .name "head" }}
+  # Workers never call the Kubernetes API. (The head keeps its token: KubeRay's autoscaler sidecar
+  # scales the cluster through it.)
+  automountServiceAccountToken: false
+  {{- end }}
   securityContext:
     {{- toYaml $.Values.podSecurityContext | nindent 4 }}
   {{- with $.Values.imagePullSecrets }}
@@ -111,7 +176,7 @@ spec:
       securityContext:
         {{- toYaml $.Values.securityContext | nindent 8 }}
       env:
-        {{- include "specgate.env" $ | nindent 8 }}
+        {{- include "specgate.env" . | nindent 8 }}
       resources:
         requests:
           {{- toYaml .group.resources.requests | nindent 10 }}
@@ -121,6 +186,8 @@ spec:
           nvidia.com/gpu: {{ .gpus }}
           {{- end }}
       {{- if eq .name "head" }}
+      # KubeRay's head Service (not this chart's) carries these: the operator reaches the dashboard
+      # there. The NetworkPolicies decide who else may.
       ports:
         - {name: gcs, containerPort: 6379}
         - {name: dashboard, containerPort: 8265}
@@ -136,7 +203,23 @@ spec:
         failureThreshold: 6
       {{- end }}
       volumeMounts:
-        {{- include "specgate.volumeMounts" $ | nindent 8 }}
+        {{- include "specgate.volumeMounts" . | nindent 8 }}
   volumes:
-    {{- include "specgate.volumes" $ | nindent 4 }}
+    {{- include "specgate.volumes" . | nindent 4 }}
+{{- end -}}
+
+{{/* redis.maxmemory, checked against the container's memory limit when both are in the usual units
+(Redis's "mb" is 2^20 bytes, like Kubernetes' "Mi"): at or past the limit, Redis is killed for
+memory before it ever refuses a write. */}}
+{{- define "specgate.redisMaxmemory" -}}
+{{- $max := .Values.redis.maxmemory -}}
+{{- $limit := toString (dig "limits" "memory" "" .Values.redis.resources) -}}
+{{- if and (regexMatch "^[0-9]+mb$" $max) (regexMatch "^[0-9]+(Mi|Gi)$" $limit) -}}
+{{- $maxMi := trimSuffix "mb" $max | atoi -}}
+{{- $limitMi := ternary (mul (trimSuffix "Gi" $limit | atoi) 1024) (trimSuffix "Mi" $limit | atoi) (hasSuffix "Gi" $limit) -}}
+{{- if ge $maxMi $limitMi -}}
+{{- fail (printf "redis.maxmemory (%s) must be below redis.resources.limits.memory (%s)" $max $limit) -}}
+{{- end -}}
+{{- end -}}
+{{- $max -}}
 {{- end -}}
