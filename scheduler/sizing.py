@@ -211,12 +211,15 @@ def _search(alphas: Sequence[float], draft_s: Sequence[float], caps: Sequence[in
     per_token = max(0.0, (cost(n, n + n * top) - cost(n, n)) / (n * top))
     scale = [w * per_token / (per_token + s) if per_token + s > 0 else w
              for s, w in zip(draft_s, u)]
+    # a request whose nodes are worth nothing here (a cost curve flat over the tree sizes, so
+    # any drafting time outweighs them: scale 0) drafts no tree at any θ
     worths = sorted({a ** k * w for a, w, c in zip(alphas, scale, caps)
-                     for k in range(1, c + 1) if a ** k > min_gain}, reverse=True)
+                     for k in range(1, c + 1) if a ** k > min_gain and w > 0}, reverse=True)
     best, best_rate, best_theta = [0] * n, _goodput(alphas, draft_s, [0] * n, cost, urgency), 1.0
     for theta in worths:
         t = theta * (1 - 1e-9)                     # node k of a request worth exactly θ is in
-        depths = [_depth(a, max(min_gain, t / w), c) for a, w, c in zip(alphas, scale, caps)]
+        depths = [_depth(a, max(min_gain, t / w), c) if w > 0 else 0
+                  for a, w, c in zip(alphas, scale, caps)]
         rate = _goodput(alphas, draft_s, depths, cost, urgency)
         if rate > best_rate * (1 + 1e-12):
             best, best_rate, best_theta = depths, rate, t

@@ -250,3 +250,15 @@ def test_urgency_moves_nodes_to_the_request_nearest_its_end():
     sizer = TreeSizer(cost, cfg)
     near, far = sizer([0.7, 0.7], 64, urgency=urgency([5, 200], 0.5))
     assert near.max_nodes > far.max_nodes
+
+
+def test_a_cost_curve_flat_over_the_tree_sizes_gives_drafting_requests_no_tree():
+    """A measured profile can be flat (or dip) between a step of roots and a step of full trees:
+    a tree node then costs nothing, and a request that spends any time drafting gains nothing
+    from it. Sizing gives it no tree (it used to divide by its zero worth), and a request that
+    drafts for free keeps its tree."""
+    flat = lambda b, t: 0.05
+    out = size_trees([0.8, 0.8], 20, cost=flat, draft_s=[0.003, 0.0])
+    assert out[0] == NO_SPECULATION and out[1].max_nodes > 0
+    assert TreeSizer(flat)([0.8, 0.8], 20, draft_s=[0.003, 0.0]) == out
+    assert size_trees([0.8], 20, cost=flat, draft_s=[0.003]) == [NO_SPECULATION]
