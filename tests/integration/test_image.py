@@ -1,6 +1,6 @@
 """deploy/Dockerfile, checked without a container runtime (CI machines have none, and no registry
-to pull `python:3.11-slim` from): its build context is what the package needs, its pins and user
-agree with the rest of the project, and what the image does at run time works: as uid 1000, with
+to pull `python:3.11-slim` from): its build context is what the package needs, its pins, lock and
+user agree with the rest of the project, and what the image does at run time works: as uid 1000, with
 HOME=/tmp and the model prefetched at build time into a cache the user cannot write, the built-in
 model resolves and generates (the Helm chart runs the container with a read-only root filesystem).
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -66,6 +65,7 @@ def test_the_build_context_holds_every_package_and_build_input():
     for src in sources:
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
     assert {"pyproject.toml", "README.md"} <= set(sources)        # setuptools reads both
+    assert "requirements.lock" in sources                         # what the image installs from
     packages = {p.rstrip("*") for p in pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= {Path(s).name for s in sources}, "a package the wheel needs is not copied"
 
@@ -74,9 +74,11 @@ def test_pins_user_and_command_agree_with_the_project():
     a = args()
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert f'"{a["TORCH"]}"' in setup, "the image's torch pin differs from scripts/setup.sh's"
+    # the dependencies come from the lock setup.sh installs too (tests/unit/test_lock.py: it pins the
+    # ray extra, and nothing else is resolved), the package itself without any
     installs = " ".join(values("RUN"))
-    extras = re.findall(r'"\.\[([a-z,]+)\]"', installs)
-    assert extras and set(extras[0].split(",")) <= set(pyproject()["project"]["optional-dependencies"])
+    assert "-r requirements.lock" in installs and "-r requirements.lock" in setup
+    assert "--no-deps --no-build-isolation ." in installs
 
     from workers.loader import BUILTIN_MODELS
     assert a["PREFETCH_MODEL"] in BUILTIN_MODELS
