@@ -1,6 +1,7 @@
 """Keys and admin over real HTTP (uvicorn on loopback, fake worker): the configured admin keys
 replace the stored ones at start, the metrics key reads /metrics only, the API docs are off by
-default, and configured keys have a minimum length."""
+default, configured keys have a minimum length, and a request that can never fit its tenant's
+TPM is a 400, not a 429 to retry."""
 from __future__ import annotations
 
 import httpx
@@ -131,3 +132,24 @@ def test_configured_keys_have_a_minimum_length(name):
         Settings(**{name: short})
     assert short not in str(e.value)
     Settings(**{name: "k" * MIN_KEY_CHARS})
+
+
+def test_a_request_that_can_never_fit_the_tpm_is_400_not_429(gateway):
+    """acme may use 100 tokens a minute: asking for 200 can never pass, however long it waits."""
+    _, url = gateway
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 200}
+    r = httpx.post(url + "/v1/completions", headers=_auth(TENANT), json=body, timeout=10)
+    assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_exceeds_tpm" and err["param"] == "max_tokens"
+    assert "100 tokens per minute" in err["message"]
+    # without max_tokens a request may use the whole context (1024): never fits either
+    r = httpx.post(url + "/v1/completions", headers=_auth(TENANT), json={**body, "max_tokens": None},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_exceeds_tpm"
+    ok = httpx.post(url + "/v1/completions", headers=_auth(TENANT), json={**body, "max_tokens": 40},
+                    timeout=10)
+    assert ok.status_code == 200, ok.text
+    r = httpx.post(url + "/v1/completions", headers=_auth(TENANT), json={**body, "max_tokens": 90},
+                   timeout=10)
+    assert r.status_code == 429 and "Retry-After" in r.headers     # fits, just not now
