@@ -33,7 +33,8 @@ from gateway.errors import ApiError, invalid
 from gateway.http.deps import TenantsDep, bearer_key, json_value, require_admin
 from gateway.tenancy.config import TenantsConfigError, parse_tenant
 from gateway.tenancy.records import tenant_to_dict
-from gateway.tenancy.tenants import (LAST_ADMIN, MAX_GRACE_S, NOT_ADMIN, OWN_KEY, KeyConflict)
+from gateway.tenancy.tenant_store import LAST_ADMIN, NOT_ADMIN, OWN_KEY
+from gateway.tenancy.tenants import MAX_GRACE_S, KeyConflict
 
 DEFAULT_GRACE_S = 300.0     # long enough to roll a key out to clients, short enough to end a leak
 

@@ -11,7 +11,8 @@ from gateway.errors import install_handlers
 from gateway.http.routers.admin import DEFAULT_GRACE_S, router
 from gateway.settings import Settings
 from gateway.tenancy.records import MIN_KEY_CHARS, Tenant, hash_key
-from gateway.tenancy.tenants import LAST_ADMIN, MAX_GRACE_S, REVOKED, TenantRegistry
+from gateway.tenancy.tenant_store import LAST_ADMIN, REVOKED
+from gateway.tenancy.tenants import MAX_GRACE_S, TenantRegistry
 
 ADMIN = "sk-admin-test-key"
 METRICS = "sk-metrics-test-key"
