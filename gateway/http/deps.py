@@ -26,7 +26,7 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.service import EventStream, GenerateOutput, GenerationService
 from gateway.settings import Settings
-from gateway.tenancy.records import Tenant, presented_digest
+from gateway.tenancy.records import Tenant, hash_key, presented_digest
 from gateway.tenancy.tenants import TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -74,9 +74,10 @@ async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
 
 
 def _is_metrics_key(settings: Settings, key: str) -> bool:
+    # hash_key: the setting may be the key or its "sha256:<hex>" digest, as admin keys may
     secret = settings.metrics_key
     return secret is not None and hmac.compare_digest(
-        presented_digest(key), presented_digest(secret.get_secret_value()))
+        presented_digest(key), hash_key(secret.get_secret_value()))
 
 
 async def require_admin(request: Request, tenants: TenantsDep, settings: SettingsDep) -> None:

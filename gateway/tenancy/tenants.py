@@ -107,14 +107,15 @@ class TenantRegistry:
         it, so they agree on the configured admin keys. ValueError if the metrics key is a
         tenant's key (as is, the tenant could read every tenant's figures)."""
         metrics = settings.metrics_key.get_secret_value() if settings.metrics_key else None
+        metrics_digest = configured_digest(metrics) if metrics else None
         registry = cls(settings.redis_url, settings.store_prefix,
-                       reserved=[configured_digest(metrics)] if metrics else ())
+                       reserved=[metrics_digest] if metrics_digest else ())
         tenants, admins = (load_tenants_file(settings.tenants_file) if settings.tenants_file
                            else ([], []))
         if settings.admin_key is not None:
             admins = [*admins, configured_digest(settings.admin_key.get_secret_value())]
         registry.load_config(tenants, admins)
-        if metrics and registry.authenticate(metrics) is not None:
+        if metrics_digest and registry._store.lookup(metrics_digest) is not None:
             raise ValueError("metrics_key is a tenant's API key; choose another")
         return registry
 

@@ -12,7 +12,7 @@ from gateway.builders.embedded import build_embedded
 from gateway.builders.ray_app import replica_settings
 from gateway.http.server import background_server
 from gateway.settings import Settings
-from gateway.tenancy.records import MIN_KEY_CHARS, Tenant
+from gateway.tenancy.records import MIN_KEY_CHARS, Tenant, hash_key
 
 MODEL = "smollm2-135m"
 ADMIN_A, ADMIN_B = "sk-admin-key-a-0001", "sk-admin-key-b-0002"
@@ -95,6 +95,13 @@ def test_the_metrics_key_reads_metrics_only(gateway, key, metrics, admin):
     if admin == 200:
         r = httpx.delete(url + "/admin/tenants/evil", headers=_auth(key), timeout=10)
         assert r.status_code == 200
+
+
+def test_the_metrics_key_may_be_configured_as_its_digest():
+    emb = build_embedded(Settings(fake_worker=True, metrics_key=hash_key(METRICS)))
+    with background_server(emb.app) as url:
+        assert _status(url, METRICS, "/metrics") == 200
+        assert _status(url, hash_key(METRICS), "/metrics") == 401      # a digest is not a key
 
 
 def test_the_metrics_key_cannot_become_a_tenants_key(gateway):
