@@ -8,7 +8,8 @@ One request, in order:
               `max_prompt_tokens` could hold (413, before tokenizing);
     tokenize  prompt or messages (chat template) → ids; the context and the tenant's
               `max_prompt_tokens` bound the prompt (413);
-    limit     the tenant's rate and token limits, charged (429 with Retry-After);
+    limit     the tenant's rate and token limits, charged (429 with Retry-After; 400 for a
+              request larger than the tenant's whole TPM, which waiting cannot help);
     submit    to the step loop, with the tenant's priority, weight and speculation policy
               (a full queue: 429 for the tenant's own queue, 503 for the scheduler's);
     stream    the loop's events, bridged from its thread into asyncio, through the incremental
@@ -346,7 +347,12 @@ class GenerationService:
             raise self._refused(s.tenant, exc) from None
 
     def _refused(self, tenant: str, exc: Exception) -> ApiError:
-        """A limiter's refusal (LimitExceeded) as the client's 429, counted."""
+        """A limiter's refusal (LimitExceeded) as the client's 429, counted; one that can never
+        pass (more tokens than the tenant's whole TPM) as a 400 naming the limit: retrying it
+        after Retry-After would only be refused again."""
+        if not exc.retryable:
+            self.metrics.rejected(tenant)
+            return errors.invalid(exc.message, "max_tokens", code=f"request_exceeds_{exc.kind}")
         self.metrics.refused(tenant, str(exc.kind), "rate_limited")
         return errors.rate_limited(exc.message, exc.retry_after_s,
                                    code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")

@@ -13,11 +13,15 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.tenancy.records import configured_digest
+
 DEFAULT_MODEL = "smollm2-135m"      # = workers.loader.DEFAULT_MODEL (not imported: no torch here)
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="ignore", frozen=True)
+    # hide_input_in_errors: a setting may be a key, and an error must not print it
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_", extra="ignore", frozen=True,
+                                      hide_input_in_errors=True)
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -34,7 +38,9 @@ class Settings(BaseSettings):
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    admin_key: SecretStr | None = None         # added to the tenants file's admin keys
+    # with the tenants file's admin keys, THE admin keys: a change replaces the stored set at start
+    admin_key: SecretStr | None = None
+    metrics_key: SecretStr | None = None       # reads GET /metrics only (for Prometheus)
     # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py)
     policy: Literal["laps", "fcfs", "sjf", "las", "srpt"] = "laps"
     drafters: str = "ngram"                    # comma-separated; the first is the default
@@ -60,6 +66,7 @@ class Settings(BaseSettings):
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    openapi_docs: bool = False                 # serve /docs, /redoc and /openapi.json (public)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # testing and gateway benchmarks: no model, the scheduler's fake worker
     fake_worker: bool = False
@@ -73,6 +80,13 @@ class Settings(BaseSettings):
         if not names:
             raise ValueError("name at least one drafter (e.g. 'ngram', or 'none')")
         return ",".join(names)
+
+    @field_validator("admin_key", "metrics_key")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            configured_digest(v.get_secret_value())     # ValueError: too short (never says the key)
+        return v
 
     @model_validator(mode="after")
     def _srpt_needs_oracle(self) -> "Settings":

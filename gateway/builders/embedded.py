@@ -108,16 +108,10 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident, lengths=lengths, kv_budgets=kv_budgets)
     recovered = step_loop.recover() if recover else []
-    if settings.tenants_file is not None:
-        tenants = TenantRegistry.from_file(settings.tenants_file, settings.redis_url,
-                                           settings.store_prefix)
-    else:
-        tenants = TenantRegistry(settings.redis_url, settings.store_prefix)
+    tenants = TenantRegistry.from_settings(settings)   # the configured admin keys, too
     dev_key = tenants.ensure_dev_tenant()
     admin_key = None
-    if settings.admin_key is not None:
-        tenants.add_admin_key(settings.admin_key.get_secret_value())
-    elif dev_key is not None:                         # a fresh dev set-up: an admin key too
+    if settings.admin_key is None and dev_key is not None:   # a fresh dev set-up: an admin key too
         admin_key = new_api_key()
         tenants.add_admin_key(admin_key)
     limiter = Limiter(settings.redis_url, settings.store_prefix)

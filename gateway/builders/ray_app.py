@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import SecretStr
+
 from gateway.ray_serve.config import DeploymentOptions, RayAppConfig
+from gateway.settings import Settings
 from gateway.ray_serve.deployments import (DRAFT, INGRESS, SCHEDULER, VERIFIER, DraftServer,
                                            IngressServer, SchedulerServer, VerifierServer)
 
@@ -24,9 +27,7 @@ def build_ray_app(config: RayAppConfig):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    settings = config.gateway_settings().model_dump(mode="json", exclude_none=True)
-    settings["admin_key"] = _secret(config.gateway_settings().admin_key)
-    settings = {k: v for k, v in settings.items() if v is not None}
+    settings = replica_settings(config.gateway_settings())
     router = RequestRouterConfig(request_router_class="gateway.ray_serve.routing:KVAffinityRouter")
     drafts = None
     if config.draft is not None:
@@ -63,5 +64,12 @@ def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):
     return serve.deployment(cls, **options)
 
 
-def _secret(value: Any) -> str | None:
-    return None if value is None else value.get_secret_value()
+def replica_settings(settings: Settings) -> dict[str, Any]:
+    """The settings every replica is built from, as plain JSON values (Serve passes them to the
+    replicas' constructors). The secrets are the keys themselves: `model_dump` writes a SecretStr
+    as "**********", which as an admin or metrics key would lock the admins and Prometheus out."""
+    out = settings.model_dump(mode="json", exclude_none=True)
+    for name, value in settings:
+        if isinstance(value, SecretStr):       # admin_key, metrics_key, and any added later
+            out[name] = value.get_secret_value()
+    return out

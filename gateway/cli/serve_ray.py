@@ -75,8 +75,13 @@ def run(args: Any, overrides: dict[str, Any]) -> int:
         print(f"specgate serve --ray: {e}", file=sys.stderr)
         return 2
     settings: Settings = cfg.gateway_settings()
-    tenants = (TenantRegistry.from_file(settings.tenants_file, settings.redis_url, settings.store_prefix)
-               if settings.tenants_file else TenantRegistry(settings.redis_url, settings.store_prefix))
+    try:
+        # as the replicas open it: with the file's admin keys alone, this start and the replicas'
+        # would each replace the stored admin keys, and bring back a revoked one
+        tenants = TenantRegistry.from_settings(settings)
+    except ValueError as e:
+        print(f"specgate serve --ray: {e}", file=sys.stderr)
+        return 2
     dev_key = tenants.ensure_dev_tenant()
     ray.init(include_dashboard=False, logging_level="warning")
     try:

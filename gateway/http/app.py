@@ -27,8 +27,14 @@ if TYPE_CHECKING:
 
 def build_app(settings: Settings, service: GenerationService, tenants: TenantRegistry, limiter: Limiter,
               metrics: GatewayMetrics) -> FastAPI:
+    # NOTE: /docs, /redoc and /openapi.json are off unless `openapi_docs`: they map the admin API
+    # for anyone who asks. Not admin-only instead: the docs pages fetch /openapi.json with no
+    # key, so behind a key they would not load. `app.openapi()` gives the schema either way.
+    docs = settings.openapi_docs
     app = FastAPI(title="specgate", version="0.1.0",
-                  description="OpenAI-compatible gateway with tree speculative decoding")
+                  description="OpenAI-compatible gateway with tree speculative decoding",
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
     app.state.settings = settings
     app.state.service = service
     app.state.tenants = tenants

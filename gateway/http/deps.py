@@ -3,13 +3,15 @@
 The app's parts live on `app.state` (set once by `build_app`); routes receive them through
 `ServiceDep`, `TenantsDep`, `MetricsDep`, `SettingsDep`. `TenantDep` authenticates the caller
 (401 otherwise), `AdminDep` requires an admin key (401 without a valid key, 403 for a tenant's
-key). Bodies are read by `json_body(Model)`, a dependency rather than a FastAPI body parameter, so
+key or the metrics key), `MetricsReaderDep` an admin key or the metrics key. Bodies are read by
+`json_body(Model)` or `json_value`, dependencies rather than FastAPI body parameters, so
 authentication runs first and every way a body can be wrong (not UTF-8, not JSON, too deep, a
 number too long, a wrong type) becomes an OpenAI error naming the field.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import re
@@ -24,7 +26,7 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.service import EventStream, GenerateOutput, GenerationService
 from gateway.settings import Settings
-from gateway.tenancy.records import Tenant
+from gateway.tenancy.records import Tenant, hash_key, presented_digest
 from gateway.tenancy.tenants import TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -71,20 +73,41 @@ async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
     return tenant
 
 
-async def require_admin(request: Request, tenants: TenantsDep) -> None:
+def _is_metrics_key(settings: Settings, key: str) -> bool:
+    # hash_key: the setting may be the key or its "sha256:<hex>" digest, as admin keys may
+    secret = settings.metrics_key
+    return secret is not None and hmac.compare_digest(
+        presented_digest(key), hash_key(secret.get_secret_value()))
+
+
+async def require_admin(request: Request, tenants: TenantsDep, settings: SettingsDep) -> None:
+    """An admin key, or 401 (none, or unknown) / 403 (a tenant's key, the metrics key)."""
     key = bearer_key(request)
     if key is None:
         raise errors.unauthorized("missing admin key: send 'Authorization: Bearer <admin key>'")
     if tenants.is_admin(key):
         return
+    if _is_metrics_key(settings, key):
+        raise ApiError(403, "the metrics key reads GET /metrics only; an admin key is needed "
+                            "here", code="admin_only")
     if tenants.authenticate(key) is not None:
         raise ApiError(403, "this API key is a tenant's key; an admin key is needed here",
                        code="admin_only")
     raise errors.unauthorized("invalid admin key")
 
 
+async def require_metrics_reader(request: Request, tenants: TenantsDep,
+                                 settings: SettingsDep) -> None:
+    """An admin key or the metrics key (`metrics_key`), or 401 / 403 (a tenant's key)."""
+    key = bearer_key(request)
+    if key is not None and _is_metrics_key(settings, key):
+        return
+    await require_admin(request, tenants, settings)
+
+
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
 AdminDep = Annotated[None, Depends(require_admin)]
+MetricsReaderDep = Annotated[None, Depends(require_metrics_reader)]
 
 
 # ---- bodies -----------------------------------------------------------------------------------------
@@ -118,6 +141,12 @@ def parse_json(body: bytes) -> Any:
         raise errors.invalid("the request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:                   # NaN/Infinity, or an integer of > 4300 digits
         raise errors.invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def json_value(request: Request) -> Any:
+    """A dependency: the body as any JSON value (400 if it is not JSON), read only after the
+    dependencies before it (authentication) have passed."""
+    return parse_json(await request.body())
 
 
 def field_names(*models: type[BaseModel]) -> frozenset[str]:

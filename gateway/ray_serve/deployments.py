@@ -329,11 +329,9 @@ class IngressServer:
         self.settings = s = Settings(**settings)
         self.scheduler = scheduler
         self.service = RemoteService(scheduler, models=[self.settings.model_id])
-        # One registry and limiter per replica, shared by REST and gRPC.
-        if s.tenants_file is not None:
-            self.tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
-        else:
-            self.tenants = TenantRegistry(s.redis_url, s.store_prefix)
+        # One registry and limiter per replica, shared by REST and gRPC; opened as the scheduler
+        # replica opens it (`build_embedded`), so both configure the same admin keys.
+        self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix)
         self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
 

@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from gateway.tenancy.records import NAME_RE, SpeculationPolicy, Tenant, hash_key
+from gateway.tenancy.records import (NAME_RE, SpeculationPolicy, Tenant, configured_digest,
+                                     hash_key)
 
 _MAX_FLOAT = sys.float_info.max     # a weight must be a finite float (10**400 is an int, not one)
 _MAX_INT = 2**53                    # counts and limits: exact as floats (the limiter's arithmetic)
@@ -114,7 +115,7 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
     digests: list[str] = []
     for i, key in enumerate(_strings(obj, "api_keys", path, ())):
         try:
-            digests.append(hash_key(key))
+            digests.append(configured_digest(key))
         except ValueError as exc:
             raise TenantsConfigError(path + ("api_keys", i), str(exc)) from None
     tenant = Tenant(
@@ -157,7 +158,7 @@ def parse_tenants(doc: Mapping) -> tuple[list[tuple[Tenant, list[str]]], list[st
     admins = []
     for j, key in enumerate(_strings(doc, "admin_keys", (), ())):
         try:
-            digest = hash_key(key)
+            digest = configured_digest(key)
         except ValueError as exc:
             raise TenantsConfigError(("admin_keys", j), str(exc)) from None
         if digest in owners:

@@ -43,11 +43,15 @@ _EPS = 1e-6                  # float slack: rpm=7 must allow 7 requests, not 6.9
 
 
 class LimitExceeded(Exception):
-    """A refusal: `kind` is "rpm", "tpm" or "concurrency"; retry after `retry_after_s` seconds."""
+    """A refusal: `kind` is "rpm", "tpm" or "concurrency"; retry after `retry_after_s` seconds.
+    `retryable` False: the request can never fit the limit (more tokens than the whole TPM), so
+    waiting is useless and the client must change the request."""
 
-    def __init__(self, kind: str, retry_after_s: float, message: str) -> None:
+    def __init__(self, kind: str, retry_after_s: float, message: str,
+                 retryable: bool = True) -> None:
         super().__init__(message)
         self.kind, self.retry_after_s, self.message = kind, retry_after_s, message
+        self.retryable = retryable
 
     @property
     def retry_after_header(self) -> str:
@@ -115,7 +119,7 @@ def check(tenant: Tenant, usage: Usage, now: float, tokens: int) -> Verdict:
     """Admit one request of `tokens` (estimated) tokens, or name the limit that refuses it. When
     several refuse, the one with the longest wait is named (retrying sooner would be useless); ties
     go to rpm, then tpm, then concurrency. A request larger than the whole TPM can never pass: it is
-    refused as "tpm" with a full window's wait (OpenAI refuses these with 429 too)."""
+    refused as "tpm" with a full window's wait, which `refusal` marks not retryable."""
     if tenant.tpm is not None and tokens > tenant.tpm:
         return Verdict(False, usage.rpm_tat, usage.tpm_tat, "tpm", WINDOW_S)
     refusals: list[tuple[float, str]] = []
@@ -146,6 +150,7 @@ def refusal(tenant: Tenant, tokens: int, verdict: Verdict) -> LimitExceeded:
     elif verdict.kind == "tpm" and tenant.tpm is not None and tokens > tenant.tpm:
         text = (f"Request too large: it may use {tokens} tokens (prompt + max_tokens), more than "
                 f"the limit of {tenant.tpm} tokens per minute. Lower max_tokens or shorten the prompt.")
+        return LimitExceeded("tpm", wait, text, retryable=False)
     elif verdict.kind == "tpm":
         text = f"Rate limit reached: {tenant.tpm} tokens per minute. Try again in {wait:.1f}s."
     else:

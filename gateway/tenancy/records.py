@@ -10,6 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KEY_PREFIX = "sk-"            # generated keys look like OpenAI's; never like a digest
+# The shortest key an operator may configure (tenants file, admin API, `admin_key`, `metrics_key`):
+# a guard against placeholder and typed-in keys ("a", "test"), not a strength meter. Generated
+# keys (`new_api_key`) are 46 characters. Code that builds a registry itself (tests, benchmarks)
+# may use shorter keys through `TenantRegistry.put`.
+MIN_KEY_CHARS = 16
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}\Z")
 
@@ -68,6 +73,15 @@ def hash_key(api_key: str) -> str:
             raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
         return api_key.lower()
     return presented_digest(api_key)
+
+
+def configured_digest(api_key: str) -> str:
+    """`hash_key` for a key an operator configures: a plaintext key must have at least
+    MIN_KEY_CHARS characters (a "sha256:" digest passes: its key cannot be measured). The error
+    never repeats the key."""
+    if isinstance(api_key, str) and not api_key.startswith("sha256:") and len(api_key) < MIN_KEY_CHARS:
+        raise ValueError(f"an API key must have at least {MIN_KEY_CHARS} characters")
+    return hash_key(api_key)
 
 
 def presented_digest(presented: str) -> str:

@@ -31,7 +31,7 @@ from tests.helpers import serving, tiny_model_dir  # noqa: E402
 pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
 KEY = "sk-ray-test-tenant"
-ADMIN = "adm-ray-test"
+ADMIN = "adm-ray-test-admin-key"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
            "Repeat: red green blue red green blue red"]
 

@@ -151,7 +151,9 @@ def test_request_larger_than_tpm_is_refused(store):
     limiter = _limiter(store, Clock())
     err = _refused(limiter, Tenant("acme", tpm=1000), 1001)
     assert err.kind == "tpm" and "Request too large" in err.message
+    assert not err.retryable                    # waiting cannot help: the service answers 400
     limiter.acquire(Tenant("acme", tpm=1000), 1000)
+    assert _refused(limiter, Tenant("acme", tpm=1000), 1).retryable     # this one only waits
 
 
 def test_concurrency_and_release(store):

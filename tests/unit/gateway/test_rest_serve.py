@@ -55,8 +55,8 @@ def test_a_fresh_store_gets_a_dev_tenant_and_an_admin_key():
     assert emb.dev_key and emb.admin_key
     assert emb.tenants.authenticate(emb.dev_key).name == "dev"
     assert emb.tenants.is_admin(emb.admin_key)
-    given = build_embedded(Settings(fake_worker=True, admin_key="sk-mine"))
-    assert given.admin_key is None and given.tenants.is_admin("sk-mine")
+    given = build_embedded(Settings(fake_worker=True, admin_key="sk-mine-admin-key"))
+    assert given.admin_key is None and given.tenants.is_admin("sk-mine-admin-key")
 
 
 def test_the_hidden_fake_worker_flags_stay_out_of_help(capsys):

@@ -14,14 +14,14 @@ from gateway.tenancy.tenants import TenantRegistry
 
 EXAMPLE = {
     "tenants": [
-        {"name": "acme", "api_keys": ["sk-acme-1"], "weight": 2, "priority": 0, "rpm": 600,
+        {"name": "acme", "api_keys": ["sk-acme-1-longkey"], "weight": 2, "priority": 0, "rpm": 600,
          "tpm": 200000, "max_concurrent": 16, "max_queued": 64, "max_prompt_tokens": 4000,
          "models": ["*"],
          "speculation": {"enabled": True, "drafters": ["ngram"], "max_tree_tokens": 32}},
-        {"name": "beta", "api_keys": ["sha256:" + hashlib.sha256(b"sk-beta-1").hexdigest()],
+        {"name": "beta", "api_keys": ["sha256:" + hashlib.sha256(b"sk-beta-1-longkey").hexdigest()],
          "models": ["smollm2-*"], "speculation": {"enabled": False, "drafters": []}},
     ],
-    "admin_keys": ["sk-admin-1"],
+    "admin_keys": ["sk-admin-1-longkey"],
 }
 
 
@@ -31,7 +31,7 @@ def _sha(key: str) -> str:
 
 # ---- keys and parsing -------------------------------------------------------------------------------
 def test_hash_key_hashes_plaintext_and_passes_digests_through():
-    assert hash_key("sk-acme-1") == _sha("sk-acme-1")
+    assert hash_key("sk-acme-1-longkey") == _sha("sk-acme-1-longkey")
     digest = _sha("x")
     assert hash_key(digest) == digest
     assert hash_key(digest.upper().replace("SHA256:", "sha256:")) == digest
@@ -46,11 +46,11 @@ def test_parse_example():
     assert acme == Tenant("acme", weight=2.0, priority=0, rpm=600, tpm=200000, max_concurrent=16,
                           max_queued=64, max_prompt_tokens=4000, models=("*",),
                           speculation=SpeculationPolicy(True, ("ngram",), 32))
-    assert acme_keys == [_sha("sk-acme-1")]
+    assert acme_keys == [_sha("sk-acme-1-longkey")]
     assert beta == Tenant("beta", models=("smollm2-*",),
                           speculation=SpeculationPolicy(False, (), 32))
-    assert beta_keys == [_sha("sk-beta-1")]
-    assert admins == [_sha("sk-admin-1")]
+    assert beta_keys == [_sha("sk-beta-1-longkey")]
+    assert admins == [_sha("sk-admin-1-longkey")]
 
 
 def _with(path, value):
@@ -87,9 +87,11 @@ BAD = [
     (("tenants", 0, "speculation"), {"enabled": "yes please"}, "tenants[0].speculation.enabled", "true or false"),
     (("tenants", 0, "speculation"), {"enabled": True, "drafters": []}, "tenants[0].speculation.drafters", "drafter"),
     (("tenants", 0, "speculation"), [1], "tenants[0].speculation", "mapping"),
-    (("tenants", 1, "api_keys"), ["sk-other", "sk-acme-1"], "tenants[1].api_keys[1]", "tenants[0]"),
+    (("tenants", 1, "api_keys"), ["sk-other-longkey", "sk-acme-1-longkey"], "tenants[1].api_keys[1]", "tenants[0]"),
     (("tenants", 0, "api_keys"), ["sha256:1234"], "tenants[0].api_keys[0]", "64 hex"),
-    (("admin_keys",), ["sk-acme-1"], "admin_keys[0]", "tenants[0]"),
+    (("admin_keys",), ["sk-acme-1-longkey"], "admin_keys[0]", "tenants[0]"),
+    (("tenants", 0, "api_keys"), ["sk-short"], "tenants[0].api_keys[0]", "at least 16 characters"),
+    (("admin_keys",), ["a"], "admin_keys[0]", "at least 16 characters"),
     (("tenants",), {"acme": {}}, "tenants", "list"),
     (("tenants", 0), "acme", "tenants[0]", "mapping"),
     (("admins",), [], "admins", "unknown field"),
@@ -107,8 +109,8 @@ def test_parse_errors_name_the_field(where, value, field, words):
 
 def test_parse_error_never_echoes_a_key():
     with pytest.raises(TenantsConfigError) as err:
-        parse_tenants(_with(("tenants", 1, "api_keys"), ["sk-acme-1"]))
-    assert "sk-acme-1" not in str(err.value)
+        parse_tenants(_with(("tenants", 1, "api_keys"), ["sk-acme-1-longkey"]))
+    assert "sk-acme-1-longkey" not in str(err.value)
 
 
 def test_file_error_names_file_and_line(tmp_path):
@@ -116,7 +118,7 @@ def test_file_error_names_file_and_line(tmp_path):
     path.write_text(textwrap.dedent("""\
         tenants:
           - name: acme
-            api_keys: ["sk-acme-1"]
+            api_keys: ["sk-acme-1-longkey"]
           - name: beta
             rpm: -3
         """))
@@ -148,15 +150,15 @@ def _registry(store) -> TenantRegistry:
 
 def test_authenticate(store):
     registry = _registry(store)
-    assert registry.authenticate("sk-acme-1").name == "acme"
-    assert registry.authenticate("sk-beta-1").name == "beta"      # configured as a digest
-    assert registry.authenticate("sk-acme-2") is None
+    assert registry.authenticate("sk-acme-1-longkey").name == "acme"
+    assert registry.authenticate("sk-beta-1-longkey").name == "beta"      # configured as a digest
+    assert registry.authenticate("sk-acme-2-longkey") is None
     assert registry.authenticate("") is None and registry.authenticate(None) is None
     # A digest is not a key: sending what the store (or the file) holds gets nobody in.
-    assert registry.authenticate(_sha("sk-acme-1")) is None
-    assert registry.is_admin("sk-admin-1")
-    assert not registry.is_admin("sk-acme-1") and not registry.is_admin(None)
-    assert not registry.is_admin(_sha("sk-admin-1"))
+    assert registry.authenticate(_sha("sk-acme-1-longkey")) is None
+    assert registry.is_admin("sk-admin-1-longkey")
+    assert not registry.is_admin("sk-acme-1-longkey") and not registry.is_admin(None)
+    assert not registry.is_admin(_sha("sk-admin-1-longkey"))
 
 
 def test_get_list_put_remove(store):
@@ -164,21 +166,21 @@ def test_get_list_put_remove(store):
     assert [t.name for t in registry.list()] == ["acme", "beta"]
     assert registry.get("acme").rpm == 600 and registry.get("nobody") is None
     registry.put(Tenant("acme", rpm=10))                 # replace, keeping its keys
-    assert registry.authenticate("sk-acme-1").rpm == 10
-    registry.put(Tenant("acme", rpm=11), ["sk-acme-new"])  # replace keys too
-    assert registry.authenticate("sk-acme-1") is None
-    assert registry.authenticate("sk-acme-new").rpm == 11
+    assert registry.authenticate("sk-acme-1-longkey").rpm == 10
+    registry.put(Tenant("acme", rpm=11), ["sk-acme-new-longkey"])  # replace keys too
+    assert registry.authenticate("sk-acme-1-longkey") is None
+    assert registry.authenticate("sk-acme-new-longkey").rpm == 11
     assert registry.remove("acme") and not registry.remove("acme")
-    assert registry.authenticate("sk-acme-new") is None and registry.get("acme") is None
+    assert registry.authenticate("sk-acme-new-longkey") is None and registry.get("acme") is None
 
 
 def test_put_with_another_tenants_key_changes_nothing(store):
     registry = _registry(store)
     with pytest.raises(ValueError, match="another tenant"):
-        registry.put(Tenant("gamma"), ["sk-new", "sk-acme-1"])
+        registry.put(Tenant("gamma"), ["sk-new-longkey", "sk-acme-1-longkey"])
     assert registry.get("gamma") is None
-    assert registry.authenticate("sk-new") is None
-    assert registry.authenticate("sk-acme-1").name == "acme"
+    assert registry.authenticate("sk-new-longkey") is None
+    assert registry.authenticate("sk-acme-1-longkey").name == "acme"
 
 
 def test_put_rejects_an_invalid_tenant(store):
@@ -193,8 +195,8 @@ def test_rotate_key(store):
     new = registry.rotate_key("acme")
     assert new.startswith("sk-") and len(new) > 40
     assert registry.authenticate(new).name == "acme"
-    assert registry.authenticate("sk-acme-1") is None
-    assert registry.authenticate("sk-beta-1").name == "beta"     # other tenants untouched
+    assert registry.authenticate("sk-acme-1-longkey") is None
+    assert registry.authenticate("sk-beta-1-longkey").name == "beta"     # other tenants untouched
     assert registry.rotate_key("acme") != new
     with pytest.raises(KeyError):
         registry.rotate_key("nobody")
@@ -218,8 +220,8 @@ def test_no_dev_tenant_when_tenants_exist(store):
 def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
     url, prefix = store
     path = tmp_path / "tenants.yaml"
-    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1], rpm: 5}\n"
-                    "admin_keys: [sk-admin-1]\n")
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1-longkey], rpm: 5}\n"
+                    "admin_keys: [sk-admin-1-longkey]\n")
     first = TenantRegistry(url, prefix)
 
     def start_replica() -> TenantRegistry:
@@ -231,33 +233,33 @@ def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
 
     new = start_replica().rotate_key("acme")
     second = start_replica()
-    assert second.authenticate("sk-acme-1") is None        # the rotation stands
+    assert second.authenticate("sk-acme-1-longkey") is None        # the rotation stands
     assert second.authenticate(new).name == "acme"
     assert second.remove("acme")
     assert start_replica().get("acme") is None              # and so does a removal
     # An edited entry is applied again: the file is the operator's word.
-    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1], rpm: 6}\n"
-                    "admin_keys: [sk-admin-2]\n")
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1-longkey], rpm: 6}\n"
+                    "admin_keys: [sk-admin-2-longkey]\n")
     third = start_replica()
-    assert third.authenticate("sk-acme-1").rpm == 6
+    assert third.authenticate("sk-acme-1-longkey").rpm == 6
     assert third.authenticate(new) is None
-    assert third.is_admin("sk-admin-2") and not third.is_admin("sk-admin-1")
+    assert third.is_admin("sk-admin-2-longkey") and not third.is_admin("sk-admin-1-longkey")
 
 
 # ---- Redis only: shared by replicas, no plaintext stored ---------------------------------------------------
 def test_two_registries_over_one_redis_see_changes_at_once(redis_url, redis_prefix):
     a = TenantRegistry(redis_url, redis_prefix)
     b = TenantRegistry(redis_url, redis_prefix)
-    a.put(Tenant("acme", rpm=7), ["sk-acme-1"])
-    assert b.authenticate("sk-acme-1") == Tenant("acme", rpm=7)
+    a.put(Tenant("acme", rpm=7), ["sk-acme-1-longkey"])
+    assert b.authenticate("sk-acme-1-longkey") == Tenant("acme", rpm=7)
     new = b.rotate_key("acme")
-    assert a.authenticate("sk-acme-1") is None and a.authenticate(new).name == "acme"
+    assert a.authenticate("sk-acme-1-longkey") is None and a.authenticate(new).name == "acme"
     a.put(Tenant("acme", rpm=8))
     assert b.get("acme").rpm == 8
     assert b.remove("acme")
     assert a.authenticate(new) is None and a.list() == []
-    b.add_admin_key("sk-admin-9")
-    assert a.is_admin("sk-admin-9")
+    b.add_admin_key("sk-admin-9-longkey")
+    assert a.is_admin("sk-admin-9-longkey")
 
 
 def test_two_replicas_create_one_dev_tenant(redis_url, redis_prefix):
@@ -267,15 +269,15 @@ def test_two_replicas_create_one_dev_tenant(redis_url, redis_prefix):
 
 def test_redis_holds_no_plaintext_key(redis_url, redis_prefix, tmp_path):
     path = tmp_path / "tenants.yaml"
-    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-plain-1]}\n"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-plain-1-longkey]}\n"
                     "admin_keys: [sk-admin-plain-1]\n")
     registry = TenantRegistry.from_file(path, redis_url, redis_prefix)
     rotated = registry.rotate_key("acme")
-    registry.put(Tenant("beta"), ["sk-beta-plain-1"])
+    registry.put(Tenant("beta"), ["sk-beta-plain-1-longkey"])
     dev = TenantRegistry(redis_url, redis_prefix + "dev:").ensure_dev_tenant()
-    secrets_ = ["sk-acme-plain-1", "sk-admin-plain-1", rotated, "sk-beta-plain-1", dev]
+    secrets_ = ["sk-acme-plain-1-longkey", "sk-admin-plain-1", rotated, "sk-beta-plain-1-longkey", dev]
     dump = _dump(redis_url, redis_prefix)
-    assert _sha("sk-beta-plain-1") in dump          # the dump does see the stored data
+    assert _sha("sk-beta-plain-1-longkey") in dump          # the dump does see the stored data
     for secret in secrets_:
         assert secret not in dump
 
