@@ -33,7 +33,7 @@ def build_ray_app(config: RayAppConfig):
     if config.draft is not None:
         drafts = _deployment(DraftServer, DRAFT, config.draft, request_router_config=router).bind()
     verifier = _deployment(VerifierServer, VERIFIER, config.verifier, request_router_config=router).bind(
-        settings, config.verifier.torch_threads, drafts)
+        verifier_settings(settings), config.verifier.torch_threads, drafts)
     scheduler = _deployment(SchedulerServer, SCHEDULER, config.scheduler).bind(settings, verifier)
     ingress = _deployment(serve.ingress()(IngressServer), INGRESS, config.ingress)
     return ingress.bind(settings, scheduler)
@@ -73,3 +73,14 @@ def replica_settings(settings: Settings) -> dict[str, Any]:
         if isinstance(value, SecretStr):       # admin_key, metrics_key, and any added later
             out[name] = value.get_secret_value()
     return out
+
+
+# what a verifier replica never needs: it serves no client, checks no key and never touches
+# Redis (the scheduler drives it), and it may run on a GPU node the chart keeps secrets off
+VERIFIER_WITHHELD = frozenset({"admin_key", "metrics_key", "redis_url", "tenants_file"})
+
+
+def verifier_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """`replica_settings` less the keys, the Redis URL (with its password) and the tenants
+    file (key digests): a verifier replica is built from the model and scheduler fields alone."""
+    return {k: v for k, v in settings.items() if k not in VERIFIER_WITHHELD}

@@ -30,7 +30,7 @@ from gateway.ray_serve.config import RayAppConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specgate"
-BASE = {"adminKey": "adm-test"}
+BASE = {"adminKey": "adm-test-0123456789"}
 GPU = {**BASE, "ray": {"gpuWorkers": {"enabled": True, "gpusPerWorker": 1,
                                       "nodeSelector": {"nvidia.com/gpu.present": "true"}}},
        "serve": {"verifierReplicas": 3}}
@@ -206,6 +206,7 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
     {"redis": {"maxmemory": "lots"}},
     {"redis": {"resources": {"limits": {"memory": None}}}},            # maxmemory needs a limit
     {"metricsKey": "short"},
+    {"adminKey": "short"},                                # the gateway refuses keys under 16
     {"networkPolicy": {"enabled": "yes"}},
     {"networkPolicy": {"prometheus": {"podSelector": {}, "namespace": "monitoring"}}},
     {"ray": {"dashboard": {"allowFrom": [{"everyone": True}]}}},

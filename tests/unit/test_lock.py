@@ -155,7 +155,7 @@ def ray_versions(values: dict) -> dict[str, str]:
     image either the specgate image (built from deploy/Dockerfile, so Ray from the lock) or an
     image tag's version (rayproject/ray:2.60.0-py311 -> 2.60.0)."""
     helm = pytest.importorskip("helm_python")
-    out = helm.Chart.load(CHART).render({"adminKey": "adm-test", **values}, name="sg", namespace="ml")
+    out = helm.Chart.load(CHART).render({"adminKey": "adm-test-0123456789", **values}, name="sg", namespace="ml")
     docs = [d for path, text in out.items() if not path.endswith(".txt") for d in yaml.safe_load_all(text) if d]
     (service,) = [d for d in docs if d["kind"] == "RayService"]
     cluster = service["spec"]["rayClusterConfig"]

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.builders.embedded import build_embedded
-from gateway.builders.ray_app import replica_settings
+from gateway.builders.ray_app import replica_settings, verifier_settings
 from gateway.http.server import background_server
 from gateway.settings import Settings
 from gateway.tenancy.records import MIN_KEY_CHARS, Tenant, hash_key
@@ -118,6 +118,21 @@ def test_ray_replicas_get_the_keys_themselves():
     assert out["admin_key"] == ADMIN_A and out["metrics_key"] == METRICS
     assert Settings(**out).metrics_key.get_secret_value() == METRICS
     assert "metrics_key" not in replica_settings(Settings())
+
+
+def test_verifier_replicas_get_no_secret():
+    """Verifier replicas (GPU pods in the chart) serve no client and never reach Redis: they get
+    neither key, nor the Redis URL and its password, nor the tenants file, and are built from
+    what they do get."""
+    full = replica_settings(Settings(admin_key=ADMIN_A, metrics_key=METRICS,
+                                     redis_url="redis://:pw-secret@redis:6379/0",
+                                     tenants_file="/etc/specgate/tenants.yaml"))
+    out = verifier_settings(full)
+    assert not {"admin_key", "metrics_key", "redis_url", "tenants_file"} & set(out)
+    assert ADMIN_A not in str(out) and "pw-secret" not in str(out)
+    s = Settings(**out)
+    assert (s.model, s.max_batch, s.max_tree_tokens) == (Settings().model, full["max_batch"],
+                                                        full["max_tree_tokens"])
 
 
 @pytest.mark.parametrize("docs", [False, True])

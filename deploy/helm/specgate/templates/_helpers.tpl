@@ -90,9 +90,9 @@ app.kubernetes.io/component: ray
 {{/* The SPECGATE_* environment of every Ray pod: Serve replicas read their settings from it. Secrets
 (keys, the Redis URL) only in the gateway's pods (.gateway), and only through secretKeyRef.
 NOTE: gateway.builders.ray_app reads this environment where Serve runs the app builder (the head)
-and, as it stands, passes the settings it read (keys and URL too) to every replica as arguments,
-verifiers included: the GPU pods' environment holds no secret, but their replicas still receive
-them through Ray until the builder stops passing them. */}}
+and passes the settings it read to the replicas as arguments; verifier replicas (the GPU pods') get
+them less the keys, the Redis URL and the tenants file (`verifier_settings`), so no secret reaches
+a GPU pod through Ray either. */}}
 {{- define "specgate.env" -}}
 {{- $ := .root -}}
 - name: SPECGATE_MODEL
