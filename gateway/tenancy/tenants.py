@@ -59,14 +59,15 @@ def _fingerprint(obj: Any) -> str:
 OK, NOT_EMPTY, NO_TENANT, KEY_CONFLICT = 1, 0, -1, -2      # what a backend's `put` answers
 
 
-def connect_store(store_url: str | None):
+def connect_store(store_url: str | None, timeout_s: float | None = None):
     """None or "memory://" -> None (in process); a Redis URL -> a redis-py client (connects on
-    first use). Shared with `gateway.tenancy.limits`."""
+    first use), each call bounded by `timeout_s` (default `REDIS_TIMEOUT_S`, see
+    scheduler/store/redis_client.py). Shared with `gateway.tenancy.limits`."""
     if store_url is None or store_url == "memory://":
         return None
     if store_url.startswith(_REDIS_SCHEMES):
-        import redis
-        return redis.Redis.from_url(store_url)
+        from scheduler.store.redis_client import redis_client
+        return redis_client(store_url) if timeout_s is None else redis_client(store_url, timeout_s)
     raise ValueError(f"unknown state store URL {store_url!r}; expected memory:// or redis://…")
 
 
@@ -232,15 +233,21 @@ class TenantRegistry:
     trip, and nothing is cached, so what one replica changes the next request anywhere sees. Safe
     to share between threads."""
 
-    def __init__(self, store_url: str | None = None, prefix: str = "specgate:") -> None:
-        client = connect_store(store_url)
+    def __init__(self, store_url: str | None = None, prefix: str = "specgate:", *,
+                 timeout_s: float | None = None) -> None:
+        client = connect_store(store_url, timeout_s)
         self._store = _MemoryBackend() if client is None else _RedisBackend(client, prefix)
 
+    @property
+    def remote(self) -> bool:
+        """Do the tenants live across the network (Redis), so that a lookup may wait on it?"""
+        return isinstance(self._store, _RedisBackend)
+
     @classmethod
-    def from_file(cls, path, store_url: str | None = None,
-                  prefix: str = "specgate:") -> "TenantRegistry":
+    def from_file(cls, path, store_url: str | None = None, prefix: str = "specgate:", *,
+                  timeout_s: float | None = None) -> "TenantRegistry":
         """A registry over the store, with the tenants file `path` (YAML) applied to it."""
-        registry = cls(store_url, prefix)
+        registry = cls(store_url, prefix, timeout_s=timeout_s)
         tenants, admins = load_tenants_file(path)
         registry.load_config(tenants, admins)
         return registry
