@@ -65,7 +65,11 @@ def bearer_key(request: Request) -> str | None:
 
 
 async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
-    tenant = tenants.authenticate(bearer_key(request))
+    key = bearer_key(request)
+    # In Redis the lookup waits on the network (up to the store's timeout when Redis does not
+    # answer): a thread's, never the event loop's. In memory it is a dict lookup: no hop.
+    tenant = (await asyncio.to_thread(tenants.authenticate, key) if key and tenants.remote
+              else tenants.authenticate(key))
     if tenant is None:
         raise errors.unauthorized()
     return tenant
