@@ -230,7 +230,7 @@ class SchedulerServer:
         from scheduler.lease import Lease
 
         holder = serve.get_replica_context().replica_id.unique_id
-        self._redis = _redis_client(s.redis_url)
+        self._redis = _redis_client(s.redis_url, s.redis_timeout_s)
         self.lease = Lease(self._redis, f"{s.store_prefix}sched:{s.replica_id}:lease", holder, LEASE_TTL_S)
         self.lease_lost = False
         self._stopping = threading.Event()
@@ -404,7 +404,7 @@ class SchedulerMetrics(GatewayMetrics):
         return await self.scheduler.metrics.remote()
 
 
-def _redis_client(url: str) -> Any:
-    import redis
+def _redis_client(url: str, timeout_s: float) -> Any:
+    from scheduler.store.redis_client import redis_client   # every client: one builder, timed out
 
-    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    return redis_client(url, timeout_s)
