@@ -52,7 +52,7 @@ class GrantKeeper:
         self.renew_every_s = limiter.lease_s / 3
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}            # grant id -> its lease
-        self._releases: list[_Release] = []
+        self._releases: list[_Release] = []         # until done (succeeded, or gave up)
         self._down_until = 0.0        # after a failed call: no store call before this (backoff)
         self._delay = RETRY_FIRST_S
         self._outage_logged = False
@@ -88,7 +88,7 @@ class GrantKeeper:
         return done
 
     def pending(self) -> int:
-        """Releases not done yet (waiting for the store to answer)."""
+        """Releases not done yet (being tried, or waiting for the store to answer)."""
         with self._cond:
             return len(self._releases)
 
@@ -121,8 +121,7 @@ class GrantKeeper:
             if now >= self._down_until:
                 renewals = [h for h in self._held.values() if h.due <= now]
                 if self._releases or renewals:
-                    releases, self._releases = self._releases, []
-                    return releases, renewals
+                    return list(self._releases), renewals
                 wake_at = min(h.due for h in self._held.values())
             else:
                 wake_at = self._down_until
@@ -133,18 +132,17 @@ class GrantKeeper:
         try:
             self.limiter.release(r.grant, r.used_tokens)
         except Exception as exc:
-            if time.monotonic() >= r.expires:
-                log.warning("tenant %r: gave up releasing a concurrency slot (%s); its lease "
-                            "has ended, so it is free anyway", r.grant.tenant, exc)
+            if time.monotonic() < r.expires:
+                self._failed(exc)                     # kept: tried again once the backoff ends
                 _resolve(r.done, False)
                 return
-            self._failed(exc)
-            _resolve(r.done, False)
-            with self._cond:
-                self._releases.append(r)
-            return
-        self._answered()
+            log.warning("tenant %r: gave up releasing a concurrency slot (%s); its lease has "
+                        "ended, so it is free anyway", r.grant.tenant, exc)
+        else:
+            self._answered()
         _resolve(r.done, True)
+        with self._cond:
+            self._releases.remove(r)
 
     def _renew(self, h: _Held) -> None:
         now = time.monotonic()
