@@ -331,10 +331,12 @@ class IngressServer:
         self.service = RemoteService(scheduler, models=[self.settings.model_id])
         # One registry and limiter per replica, shared by REST and gRPC.
         if s.tenants_file is not None:
-            self.tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix)
+            self.tenants = TenantRegistry.from_file(s.tenants_file, s.redis_url, s.store_prefix,
+                                                    timeout_s=s.redis_timeout_s)
         else:
-            self.tenants = TenantRegistry(s.redis_url, s.store_prefix)
-        self.limiter = Limiter(s.redis_url, s.store_prefix)
+            self.tenants = TenantRegistry(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s)
+        self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
+                               lease_s=s.concurrency_lease_s)
         self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
@@ -350,21 +352,21 @@ class IngressServer:
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 
     async def Generate(self, request, grpc_context):
-        from gateway.grpc_api.server import grpc_input, response_message
+        from gateway.grpc_api.server import authed_input, response_message
 
         try:
             return response_message(await self.service.generate(
-                grpc_input(self.tenants, request, grpc_context.invocation_metadata())))
+                await authed_input(self.tenants, request, grpc_context.invocation_metadata())))
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
 
     async def GenerateStream(self, request, grpc_context):
-        from gateway.grpc_api.server import grpc_input, stream_messages
+        from gateway.grpc_api.server import authed_input, stream_messages
 
         stream = None
         try:
             stream = await self.service.open_stream(
-                grpc_input(self.tenants, request, grpc_context.invocation_metadata()))
+                await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
             async for message in stream_messages(stream):
                 yield message
         except Exception as exc:
