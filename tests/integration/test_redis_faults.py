@@ -152,6 +152,38 @@ def test_a_request_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_re
         emb.stop()
 
 
+def test_the_state_store_write_of_a_new_request_leaves_the_event_loop(own_redis):
+    """Tenants in memory and no limiter: the one Redis call a new request makes is the state
+    store's `add` at submit, which must run on a thread too."""
+    emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
+    emb.app.state.tenants = TenantRegistry()                 # in process memory
+    emb.app.state.tenants.put(Tenant("acme"), ["sk-acme"])
+    emb.service.limiter = emb.service.grants = None
+    emb.start()
+    try:
+        with background_server(emb.app, log_level="critical") as url:
+            async def scenario():
+                async with httpx.AsyncClient(timeout=30) as client:
+                    assert (await post(client, url, "sk-acme", body(3))).status_code == 200
+                    with paused(own_redis):
+                        t0 = time.monotonic()
+                        req = asyncio.create_task(post(client, url, "sk-acme", body(3)))
+                        health = []
+                        while not req.done():
+                            h0 = time.monotonic()
+                            assert (await client.get(url + "/health")).status_code == 200
+                            health.append(time.monotonic() - h0)
+                            await asyncio.sleep(0.02)
+                        return await req, time.monotonic() - t0, health
+
+            refused, refused_s, health = asyncio.run(scenario())
+        check_refused(refused, (503,))
+        assert refused_s < 2.0, refused_s
+        assert len(health) >= 10 and max(health) < 0.25, health
+    finally:
+        emb.stop()
+
+
 # ---- 3. /ready follows Redis --------------------------------------------------------------------------
 def test_ready_goes_503_while_redis_does_not_answer_and_back(own_redis):
     emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
