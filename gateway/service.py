@@ -440,7 +440,7 @@ class RequestStream:
                 self._on_delta(event)
             else:
                 settled = self._on_finished(event)
-                if settled is not None:
+                if settled is not None and not settled.done():      # done: released inline
                     # the slot is free before the client hears the end: its next request fits
                     await asyncio.shield(asyncio.wrap_future(settled))
         return self._out.popleft()
