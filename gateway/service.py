@@ -15,9 +15,12 @@ One request, in order:
     stream    the loop's events, bridged from its thread into asyncio, through the incremental
               detokenizer and the stop-string matcher; a stop string ends the request early.
 
-`open_stream()` does precheck … limit in a worker thread: a 2 MB prompt takes about a second to
-tokenize, and the limiter's store calls may wait on the network; neither may hold up the event
-loop, which serves every other stream and /health. `stream()` is the same, on the calling thread.
+`open_stream()` does precheck … submit in a worker thread: a 2 MB prompt takes about a second to
+tokenize, and the limiter's and the state store's calls (`submit` persists the request) may wait
+on the network, up to the store's timeout; none may hold up the event loop, which serves every
+other stream and /health. `stream()` is the same, on the calling thread.
+A concurrency grant is kept by `gateway.tenancy.grants.GrantKeeper`: renewed while the request
+runs, released (off the event loop, retried if the store does not answer) however it ends.
 Both admit eagerly: they raise `ApiError` before returning, so a caller can still answer
 with an error status; the iterator it returns yields `StreamChunk`s then one `GenerateOutput`.
 Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import time
 import uuid
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protoc
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
+from gateway.tenancy.grants import GrantKeeper
 from gateway.tenancy.records import SpeculationPolicy, Tenant
 from gateway.text import IncrementalDetokenizer, StopMatcher, max_token_chars
 from scheduler.admission import ADMITTED
@@ -139,6 +144,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.models = list(models)
         self.limiter = limiter
+        self.grants = GrantKeeper(limiter) if limiter is not None else None
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.stop_token_ids = tuple(sorted(stop_token_ids))
         self.drafters = tuple(drafters)
@@ -179,16 +185,21 @@ class GenerationService:
         t0 = time.perf_counter()
         if inp.tenant is None:
             raise errors.unauthorized()
+        aio = asyncio.get_running_loop()
         if self._quick(inp):
-            prep, grant = self._admit(inp, inp.tenant)
-        else:
-            prep, grant = await asyncio.to_thread(self._admit, inp, inp.tenant)
-        return self._submit_or_release(prep, grant, t0)
+            return self._open(inp, inp.tenant, aio, t0)
+        return await asyncio.to_thread(self._open, inp, inp.tenant, aio, t0)
+
+    def _open(self, inp: GenerateInput, tenant: Tenant, aio: asyncio.AbstractEventLoop,
+              t0: float) -> "RequestStream":
+        prep, grant = self._admit(inp, tenant)
+        return self._submit_or_release(prep, grant, aio, t0)
 
     def _quick(self, inp: GenerateInput) -> bool:
         """Admit on the event loop itself? Only when nothing can take long: a short prompt (a
-        thread hop costs more than tokenizing it) and no limiter store across the network."""
-        if self.limiter is not None and self.limiter.remote:
+        thread hop costs more than tokenizing it), and no limiter or state store across the
+        network."""
+        if (self.limiter is not None and self.limiter.remote) or self.step_loop.store.remote:
             return False
         if inp.prompt_ids is not None:
             return len(inp.prompt_ids) <= INLINE_CHARS
@@ -201,8 +212,7 @@ class GenerationService:
         t0 = time.perf_counter()
         if inp.tenant is None:
             raise errors.unauthorized()
-        prep, grant = self._admit(inp, inp.tenant)
-        return self._submit_or_release(prep, grant, t0)
+        return self._open(inp, inp.tenant, asyncio.get_running_loop(), t0)
 
     def _admit(self, inp: GenerateInput, tenant: Tenant) -> tuple[_Prepared, Grant | None]:
         """precheck, check, tokenize, limit (module docstring): any thread."""
@@ -214,13 +224,17 @@ class GenerationService:
             raise
         return prep, self._acquire(prep)
 
-    def _submit_or_release(self, prep: _Prepared, grant: Grant | None, t0: float) -> "RequestStream":
+    def _submit_or_release(self, prep: _Prepared, grant: Grant | None,
+                           aio: asyncio.AbstractEventLoop, t0: float) -> "RequestStream":
         try:
-            return self._submit(prep, grant, t0)
+            stream = self._submit(prep, grant, aio, t0)
         except BaseException:
-            if self.limiter is not None and grant is not None:
-                self.limiter.release(grant, 0)
+            if self.grants is not None and grant is not None:
+                self.grants.release(grant, 0)         # refused after acquire: retried if it fails
             raise
+        if self.grants is not None and grant is not None:
+            self.grants.hold(grant)                   # renewed while the request runs
+        return stream
 
     # ---- check and tokenize ---------------------------------------------------------------------
     def _prepare(self, inp: GenerateInput, tenant: Tenant) -> _Prepared:
@@ -357,8 +371,8 @@ class GenerationService:
         return errors.rate_limited(exc.message, exc.retry_after_s,
                                    code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")
 
-    def _submit(self, prep: _Prepared, grant: Grant | None, t0: float) -> "RequestStream":
-        aio = asyncio.get_running_loop()
+    def _submit(self, prep: _Prepared, grant: Grant | None, aio: asyncio.AbstractEventLoop,
+                t0: float) -> "RequestStream":
         stream = RequestStream(self, prep, grant, aio, t0)
         self._sync_tenant(prep.tenant)
         req = prep.request
@@ -431,14 +445,18 @@ class RequestStream:
             if isinstance(event, Delta):
                 self._on_delta(event)
             else:
-                self._on_finished(event)
+                settled = self._on_finished(event)
+                if settled is not None and not settled.done():      # done: released inline
+                    # the slot is free before the client hears the end: its next request fits
+                    await asyncio.shield(asyncio.wrap_future(settled))
         return self._out.popleft()
 
     async def aclose(self) -> None:
         self.close()
 
     def close(self) -> None:
-        """Stop listening; cancel the request if it has not ended (idempotent)."""
+        """Stop listening; cancel the request if it has not ended (idempotent). Never waits: the
+        grant's release runs on the grant keeper's thread."""
         if self._closed:
             return
         self._closed = True
@@ -471,7 +489,7 @@ class RequestStream:
                                           cause="stop_string")
         self._emit(text)
 
-    def _on_finished(self, event: Finished) -> None:
+    def _on_finished(self, event: Finished) -> concurrent.futures.Future | None:
         text = ""
         if not self._stops.stopped:
             text, _ = self._stops.push(self._detok.flush())
@@ -485,26 +503,31 @@ class RequestStream:
         spec = SpecStats(drafted=max(0, s.attained - s.n_steps), accepted=s.accepted_sum,
                          steps=s.n_steps, tau=(s.tau_sum / s.n_steps) if s.n_steps else 0.0)
         self._ended = True
-        self._settle({"stop": "finished", "length": "finished", "abort": "cancelled"}
-                     .get(reason, "failed"))
+        settled = self._settle({"stop": "finished", "length": "finished", "abort": "cancelled"}
+                               .get(reason, "failed"))
         self._out.append(GenerateOutput(
             self.request_id, self._stops.text, tuple(self._ids), reason,
             self.prep.request.stats.prompt_len, len(self._ids), spec))
+        return settled
 
     def _emit(self, text: str) -> None:
         if text:
             self._out.append(StreamChunk(text, tuple(self._pending_ids)))
             self._pending_ids.clear()
 
-    def _settle(self, status: str) -> None:
+    def _settle(self, status: str) -> concurrent.futures.Future | None:
+        """Count the request's end and release its grant (on the keeper's thread when the
+        limiter is remote); the release's future, or None without a grant."""
         s = self.prep.request.stats
-        if self.service.limiter is not None and self.grant is not None:
+        settled = None
+        if self.service.grants is not None and self.grant is not None:
             try:
-                self.service.limiter.release(self.grant, s.prompt_len + len(self._ids))
-            except Exception:
+                settled = self.service.grants.release(self.grant, s.prompt_len + len(self._ids))
+            except Exception:                          # a memory limiter's bug: log, go on
                 log.exception("limiter release failed for %s", self.request_id)
             self.grant = None
         self.service.metrics.done(s.tenant, status, time.perf_counter() - self._t0, len(self._ids))
+        return settled
 
 
 # ---- field checks (pure) -------------------------------------------------------------------------------

@@ -38,6 +38,12 @@ class Settings(BaseSettings):
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    # what one Redis call may take before it fails (a 503 with Retry-After to a client; the step
+    # loop waits and retries); socket and connect timeout of every Redis client
+    redis_timeout_s: float = Field(1.0, gt=0)
+    # a concurrency slot's lease: renewed every third of it while its request runs; a crashed
+    # gateway's slots free themselves within it
+    concurrency_lease_s: float = Field(30.0, gt=0)
     # with the tenants file's admin keys, THE admin keys: a change replaces the stored set at start
     admin_key: SecretStr | None = None
     metrics_key: SecretStr | None = None       # reads GET /metrics only (for Prometheus)

@@ -127,6 +127,7 @@ class StepLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.store_down_since: float | None = None     # set by `_persist` while writes fail
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
@@ -430,21 +431,38 @@ class StepLoop:
         self._emit(Finished(request_id, s.status, s.finish_reason, s, error))
 
     def _persist(self, write: StepWrite) -> None:
-        """Write a step's changes, waiting out a store outage (Redis down or restarting): nothing
-        is streamed before it is stored, so the loop pauses rather than die or skip the write."""
+        """Write a step's changes, waiting out a store outage (Redis down, restarting, or not
+        answering within its client's timeout): nothing is streamed before it is stored, so the
+        loop pauses rather than die or skip the write, and every stream resumes where it paused
+        once the write goes through (a retried write is idempotent: RedisStore.commit_step).
+
+        The outage is reported once (a warning when it starts, another when it ends, with its
+        length) and is visible while it lasts: `store_down_since`, hence `store_writing()`
+        (readiness and the `state_store_writes` component of `specgate_component_up`)."""
         delay = 0.01
         while True:
             try:
                 self.store.commit_step(write)
+                if self.store_down_since is not None:
+                    log.warning("state store writes go through again after %.1f s; streams resume",
+                                time.monotonic() - self.store_down_since)
+                    self.store_down_since = None
                 return
             except (ValueError, TypeError):            # a bad write, not an outage
                 raise
             except Exception as exc:
                 if self._stop.is_set():
                     raise
-                log.warning("state store write failed (%s); retrying in %.2f s", exc, delay)
+                if self.store_down_since is None:
+                    self.store_down_since = time.monotonic()
+                    log.warning("state store write failed (%s); streams pause, retrying with "
+                                "backoff until it answers", exc)
                 self._stop.wait(delay)
                 delay = min(2 * delay, 0.5)
+
+    def store_writing(self) -> bool:
+        """False while the step loop cannot write to its state store (streams are paused)."""
+        return self.store_down_since is None
 
     def _forget(self, request_id: str) -> None:
         self._finish_times.append(self.clock())

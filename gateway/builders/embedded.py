@@ -96,12 +96,15 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
-    store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s)
+    timeout_s = settings.redis_timeout_s        # every Redis client: scheduler/store/redis_client.py
+    store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s,
+                       timeout_s=timeout_s)
     lengths = None
     if settings.length_predictor and not settings.fake_worker:
         # weights are shared by every replica of this model: the shared prefix, not the replica's
         shipped = shipped_predictor(settings.model)
-        lengths = LengthLearner(open_store(settings.redis_url, settings.store_prefix),
+        lengths = LengthLearner(open_store(settings.redis_url, settings.store_prefix,
+                                           timeout_s=timeout_s),
                                 name=f"{MODEL_NAME}:{settings.model_id}",
                                 initial=shipped[0] if shipped else None,
                                 ridge=shipped[1] if shipped else 1.0)
@@ -114,7 +117,8 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     if settings.admin_key is None and dev_key is not None:   # a fresh dev set-up: an admin key too
         admin_key = new_api_key()
         tenants.add_admin_key(admin_key)
-    limiter = Limiter(settings.redis_url, settings.store_prefix)
+    limiter = Limiter(settings.redis_url, settings.store_prefix, timeout_s=timeout_s,
+                      lease_s=settings.concurrency_lease_s)
     emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
                    recovered, kv_note=kv_note)
     if kv_note:
@@ -122,9 +126,12 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
     if settings.redis_url:
-        from gateway.tenancy.tenants import connect_store
-        checks.append(connect_store(settings.redis_url).ping)     # the store answers
-        components["state_store"] = checks[-1]
+        from scheduler.store.redis_client import StoreProbe, redis_client
+        # the store answers a ping (bounded, cached) and the loop's writes go through
+        probe = StoreProbe(redis_client(settings.redis_url, timeout_s))
+        checks += [probe, step_loop.store_writing]
+        components["state_store"] = probe.last                # a scrape runs on the event loop
+        components["state_store_writes"] = step_loop.store_writing
     metrics.watch(step_loop, components)
     emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
                                     limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,

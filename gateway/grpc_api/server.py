@@ -112,7 +112,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            out = await self.service.generate(grpc_input(self.tenants, request, context.invocation_metadata()))
+            inp = await authed_input(self.tenants, request, context.invocation_metadata())
+            out = await self.service.generate(inp)
             return response_message(out)
         except Exception as exc:            # every failure becomes a status (see `status_of`)
             await abort_with(context, exc)
@@ -124,8 +125,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # so cancels the request. A suspended generator would be closed only when collected.
         stream = None
         try:
-            stream = await self.service.open_stream(
-                grpc_input(self.tenants, request, context.invocation_metadata()))   # admits, or raises
+            stream = await self.service.open_stream(                            # admits, or raises
+                await authed_input(self.tenants, request, context.invocation_metadata()))
             await context.send_initial_metadata((("request-id", stream.request_id),))
             async for message in stream_messages(stream):
                 await context.write(message)
@@ -134,6 +135,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if stream is not None:
                 await stream.aclose()
+
+
+async def authed_input(tenants: TenantRegistry, request: pb.GenerateRequest,
+                       metadata: Any) -> GenerateInput:
+    """`grpc_input` off the event loop when tenants live in Redis (the lookup waits on the
+    network, up to the store's timeout), as REST's `current_tenant` does."""
+    if tenants.remote:
+        return await asyncio.to_thread(grpc_input, tenants, request, metadata)
+    return grpc_input(tenants, request, metadata)
 
 
 def grpc_input(tenants: TenantRegistry, request: pb.GenerateRequest, metadata: Any) -> GenerateInput:

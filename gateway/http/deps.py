@@ -67,7 +67,11 @@ def bearer_key(request: Request) -> str | None:
 
 
 async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
-    tenant = tenants.authenticate(bearer_key(request))
+    key = bearer_key(request)
+    # In Redis the lookup waits on the network (up to the store's timeout when Redis does not
+    # answer): a thread's, never the event loop's. In memory it is a dict lookup: no hop.
+    tenant = (await asyncio.to_thread(tenants.authenticate, key) if key and tenants.remote
+              else tenants.authenticate(key))
     if tenant is None:
         raise errors.unauthorized()
     return tenant
@@ -81,10 +85,18 @@ def _is_metrics_key(settings: Settings, key: str) -> bool:
 
 
 async def require_admin(request: Request, tenants: TenantsDep, settings: SettingsDep) -> None:
-    """An admin key, or 401 (none, or unknown) / 403 (a tenant's key, the metrics key)."""
+    """An admin key, or 401 (none, or unknown) / 403 (a tenant's key, the metrics key). In
+    Redis the lookups run in a thread, as `current_tenant`'s do."""
     key = bearer_key(request)
     if key is None:
         raise errors.unauthorized("missing admin key: send 'Authorization: Bearer <admin key>'")
+    if tenants.remote:
+        await asyncio.to_thread(_check_admin, tenants, settings, key)
+    else:
+        _check_admin(tenants, settings, key)
+
+
+def _check_admin(tenants: TenantRegistry, settings: Settings, key: str) -> None:
     if tenants.is_admin(key):
         return
     if _is_metrics_key(settings, key):

@@ -230,7 +230,7 @@ class SchedulerServer:
         from scheduler.lease import Lease
 
         holder = serve.get_replica_context().replica_id.unique_id
-        self._redis = _redis_client(s.redis_url)
+        self._redis = _redis_client(s.redis_url, s.redis_timeout_s)
         self.lease = Lease(self._redis, f"{s.store_prefix}sched:{s.replica_id}:lease", holder, LEASE_TTL_S)
         self.lease_lost = False
         self._stopping = threading.Event()
@@ -332,7 +332,8 @@ class IngressServer:
         # One registry and limiter per replica, shared by REST and gRPC; opened as the scheduler
         # replica opens it (`build_embedded`), so both configure the same admin keys.
         self.tenants = TenantRegistry.from_settings(s)
-        self.limiter = Limiter(s.redis_url, s.store_prefix)
+        self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
+                               lease_s=s.concurrency_lease_s)
         self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
 
     async def _refresh_forever(self) -> None:
@@ -348,21 +349,21 @@ class IngressServer:
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 
     async def Generate(self, request, grpc_context):
-        from gateway.grpc_api.server import grpc_input, response_message
+        from gateway.grpc_api.server import authed_input, response_message
 
         try:
             return response_message(await self.service.generate(
-                grpc_input(self.tenants, request, grpc_context.invocation_metadata())))
+                await authed_input(self.tenants, request, grpc_context.invocation_metadata())))
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
 
     async def GenerateStream(self, request, grpc_context):
-        from gateway.grpc_api.server import grpc_input, stream_messages
+        from gateway.grpc_api.server import authed_input, stream_messages
 
         stream = None
         try:
             stream = await self.service.open_stream(
-                grpc_input(self.tenants, request, grpc_context.invocation_metadata()))
+                await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
             async for message in stream_messages(stream):
                 yield message
         except Exception as exc:
@@ -402,7 +403,7 @@ class SchedulerMetrics(GatewayMetrics):
         return await self.scheduler.metrics.remote()
 
 
-def _redis_client(url: str) -> Any:
-    import redis
+def _redis_client(url: str, timeout_s: float) -> Any:
+    from scheduler.store.redis_client import redis_client   # every client: one builder, timed out
 
-    return redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    return redis_client(url, timeout_s)

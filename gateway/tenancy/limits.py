@@ -16,9 +16,10 @@ Redis layout (`P` = prefix; tenant names come last, after a fixed kind):
     P rl:conc:<tenant>  zset    grant id -> lease expiry (seconds): the tenant's requests in flight
 
 Concurrency slots are leases: a grant counts against `max_concurrent` until it is released or until
-its lease ends (`lease_s`, 15 minutes by default: longer than any request the gateway lets run), so
-a gateway that dies holding grants frees them by itself. `renew` extends a lease for a stream that
-runs longer. Expired grants are dropped by the next `acquire` of that tenant.
+its lease ends (`lease_s`, 30 s by default), so a gateway that dies holding grants frees them by
+itself within a lease. A request that runs longer has its lease renewed while it runs
+(`renew`, called by `gateway.tenancy.grants.GrantKeeper` every third of a lease). Expired grants
+are dropped by the next `acquire` of that tenant.
 
 Clocks: `now` comes from the injected clock (wall time by default), so replicas' clocks should agree
 (NTP); a skew of s seconds lets a tenant through up to s × rate early.
@@ -38,7 +39,7 @@ from gateway.tenancy.tenants import connect_store
 
 WINDOW_S = 60.0              # RPM and TPM are per minute
 CONCURRENCY_RETRY_S = 1.0    # a slot frees when some request ends: we cannot know when
-DEFAULT_LEASE_S = 900.0
+DEFAULT_LEASE_S = 30.0       # short, and renewed while a request runs: a dead gateway's slots free soon
 _EPS = 1e-6                  # float slack: rpm=7 must allow 7 requests, not 6.999…
 
 
@@ -265,11 +266,14 @@ end
 return 1
 """
 
-# KEYS: conc.  ARGV: grant id, now, new expiry.  Renews a live lease only.
+# KEYS: conc.  ARGV: grant id, now, new expiry, the key's TTL in ms.  Renews a live lease only,
+# and keeps the set itself alive as long (its TTL was set at the last acquire: without this a
+# renewed grant would vanish with the set a lease after the tenant's last acquire).
 _RENEW_LUA = """
 local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not expiry or tonumber(expiry) <= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < tonumber(ARGV[4]) then redis.call('PEXPIRE', KEYS[1], ARGV[4]) end
 return 1
 """
 
@@ -313,7 +317,8 @@ class _RedisBuckets:
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
         return bool(self._renew(keys=[self._key("conc", grant.tenant)],
-                                args=[grant.grant_id, repr(now), repr(now + lease_s)]))
+                                args=[grant.grant_id, repr(now), repr(now + lease_s),
+                                      math.ceil(lease_s * 1000) + 1000]))
 
 
 # ---- the limiter ------------------------------------------------------------------------------------
@@ -322,10 +327,12 @@ class Limiter:
     scheduler's queue (scheduler.admission, per-tenant limit)."""
 
     def __init__(self, store_url: str | None = None, prefix: str = "specgate:",
-                 clock: Callable[[], float] = time.time, *, lease_s: float = DEFAULT_LEASE_S) -> None:
+                 clock: Callable[[], float] = time.time, *, lease_s: float = DEFAULT_LEASE_S,
+                 timeout_s: float | None = None) -> None:
+        """`timeout_s`: what one store call may take (scheduler/store/redis_client.py)."""
         if lease_s <= 0:
             raise ValueError("lease_s must be > 0")
-        client = connect_store(store_url)
+        client = connect_store(store_url, timeout_s)
         self._buckets = _MemoryBuckets() if client is None else _RedisBuckets(client, prefix)
         self._clock, self.lease_s = clock, lease_s
 

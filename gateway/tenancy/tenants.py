@@ -61,14 +61,15 @@ class KeyConflict(ValueError):
         self.owner = owner
 
 
-def connect_store(store_url: str | None):
+def connect_store(store_url: str | None, timeout_s: float | None = None):
     """None or "memory://" -> None (in process); a Redis URL -> a redis-py client (connects on
-    first use). Shared with `gateway.tenancy.limits`."""
+    first use), each call bounded by `timeout_s` (default `REDIS_TIMEOUT_S`, see
+    scheduler/store/redis_client.py). Shared with `gateway.tenancy.limits`."""
     if store_url is None or store_url == "memory://":
         return None
     if store_url.startswith(_REDIS_SCHEMES):
-        import redis
-        return redis.Redis.from_url(store_url)
+        from scheduler.store.redis_client import redis_client
+        return redis_client(store_url) if timeout_s is None else redis_client(store_url, timeout_s)
     raise ValueError(f"unknown state store URL {store_url!r}; expected memory:// or redis://…")
 
 
@@ -82,19 +83,24 @@ class TenantRegistry:
     to share between threads. `reserved`: digests no tenant may have as a key (the metrics key)."""
 
     def __init__(self, store_url: str | None = None, prefix: str = "specgate:",
-                 reserved: Sequence[str] = ()) -> None:
-        client = connect_store(store_url)
+                 reserved: Sequence[str] = (), *, timeout_s: float | None = None) -> None:
+        client = connect_store(store_url, timeout_s)
         self._store = MemoryBackend() if client is None else RedisBackend(client, prefix)
         self._reserved = frozenset(reserved)
 
+    @property
+    def remote(self) -> bool:
+        """Do the tenants live across the network (Redis), so that a lookup may wait on it?"""
+        return isinstance(self._store, RedisBackend)
+
     @classmethod
-    def from_file(cls, path, store_url: str | None = None,
-                  prefix: str = "specgate:") -> "TenantRegistry":
+    def from_file(cls, path, store_url: str | None = None, prefix: str = "specgate:", *,
+                  timeout_s: float | None = None) -> "TenantRegistry":
         """A registry over the store, with the tenants file `path` (YAML) applied to it; its
         admin keys become the admin keys. A gateway opens it with `from_settings` instead (the
         file's admin keys and `admin_key`): mixing the two over one store would have each start
         replace the other's admin keys."""
-        registry = cls(store_url, prefix)
+        registry = cls(store_url, prefix, timeout_s=timeout_s)
         tenants, admins = load_tenants_file(path)
         registry.load_config(tenants, admins)
         return registry
@@ -109,7 +115,8 @@ class TenantRegistry:
         metrics = settings.metrics_key.get_secret_value() if settings.metrics_key else None
         metrics_digest = configured_digest(metrics) if metrics else None
         registry = cls(settings.redis_url, settings.store_prefix,
-                       reserved=[metrics_digest] if metrics_digest else ())
+                       reserved=[metrics_digest] if metrics_digest else (),
+                       timeout_s=settings.redis_timeout_s)
         tenants, admins = (load_tenants_file(settings.tenants_file) if settings.tenants_file
                            else ([], []))
         if settings.admin_key is not None:

@@ -61,6 +61,9 @@ class StoredState:
 
 @runtime_checkable
 class StateStore(Protocol):
+    # Does a call wait on the network (Redis)? Then callers on an event loop make it elsewhere.
+    remote: bool
+
     def add(self, req: Request) -> None:
         """Persist a newly admitted request. ValueError if its id is already stored (live, or
         ended and still within the TTL). One round trip."""

@@ -35,6 +35,8 @@ class _Record:
 
 
 class MemoryStore:
+    remote = False                         # every call is a dict operation under a lock
+
     def __init__(self, *, ended_ttl_s: float = DEFAULT_ENDED_TTL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.ended_ttl_s = ended_ttl_s

@@ -40,6 +40,7 @@ from scheduler.request import Request
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
                                   StoredState, account_from_str, account_to_str, check_step,
                                   model_version, params_to_dict, request_from_dict, stats_to_dict)
+from scheduler.store.redis_client import redis_client
 
 FORMAT_VERSION = 1
 _LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
@@ -92,6 +93,8 @@ def _text(x: bytes | str) -> str:
 
 
 class RedisStore:
+    remote = True                          # every call is a round trip, bounded by the client's timeout
+
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
                  ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False) -> None:
         """`client`: any redis-py client (not connected until first used). `owns_client`: close it
@@ -111,8 +114,11 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, *,
-                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S) -> "RedisStore":
-        return cls(redis.Redis.from_url(url), prefix, ended_ttl_s=ended_ttl_s, owns_client=True)
+                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S,
+                 timeout_s: float | None = None) -> "RedisStore":
+        """Over a client of its own, every call bounded by `timeout_s` (redis_client.py)."""
+        client = redis_client(url) if timeout_s is None else redis_client(url, timeout_s)
+        return cls(client, prefix, ended_ttl_s=ended_ttl_s, owns_client=True)
 
     def _keys(self, rid: str) -> tuple[str, str, str]:
         p = self.prefix

@@ -19,7 +19,9 @@ async def health() -> dict[str, Any]:
 
 @router.get("/ready")
 def ready(service: ServiceDep) -> dict[str, Any]:
-    # A plain function: readiness may ping Redis, which must not block the event loop.
+    # A plain function (a worker thread): readiness may ping Redis, which must not block the event
+    # loop. The ping is bounded by the client's timeout and cached briefly
+    # (scheduler/store/redis_client.StoreProbe); the step loop's failing writes count too.
     if not service.ready():
         raise errors.overloaded("not ready: the model is loading or the state store is "
                                 "unreachable", retry_after_s=5, code="not_ready")

@@ -3,6 +3,7 @@ memory and in a real Redis, where two Limiter objects (two replicas) must enforc
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -319,3 +320,17 @@ def test_redis_keys_expire_and_sit_under_the_prefix(redis_url, redis_prefix):
         assert 9000 < r.pttl(redis_prefix + "rl:tpm:acme") <= 11000
         assert 29000 < r.pttl(redis_prefix + "rl:conc:acme") <= 31000
         assert float(r.get(redis_prefix + "rl:rpm:acme")) == T0 + 1
+
+
+def test_a_renewed_grant_outlives_the_ttl_its_set_got_at_acquire(redis_url, redis_prefix):
+    """The concurrency set's TTL is set at the tenant's last acquire (the lease + 1 s); renewing
+    must keep the set alive too, or a renewed grant vanishes with it (real time: Redis expires it)."""
+    limiter = Limiter(redis_url, redis_prefix, lease_s=1.0)
+    t = Tenant("acme", max_concurrent=1)
+    held = limiter.acquire(t, 1)
+    for _ in range(4):                                     # 2.8 s: past the set's first 2 s TTL
+        time.sleep(0.7)
+        assert limiter.renew(held)
+    _refused(limiter, t)
+    limiter.release(held, 1)
+    limiter.release(limiter.acquire(t, 1), 1)
