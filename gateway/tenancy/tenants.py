@@ -9,7 +9,8 @@ Where tenants live: `TenantRegistry(store_url, prefix)` keeps them in process me
 "memory://") or in Redis ("redis://", "rediss://", "unix://"), where every gateway replica sees an
 add, a removal or a key rotation on its next request: nothing is cached. Redis layout (`P` = prefix):
 
-    P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict`; no keys, no digests)
+    P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict` and the tenant's
+                             immutable "id"; no keys, no digests)
     P tenants:owner    hash  key digest -> tenant name          (what `authenticate` reads)
     P tenants:keys     hash  tenant name -> its key digests, space-separated (for remove/rotate)
     P tenants:admins   set   admin key digests
@@ -18,6 +19,11 @@ add, a removal or a key rotation on its next request: nothing is cached. Redis l
 
 `authenticate` is one EVALSHA (owner lookup and config read in one step); add, replace, remove and
 rotate are one EVALSHA each, so a key is never owned by two tenants, even for a moment.
+
+Tenant ids (`Tenant.id`): made by the store's `put` when it creates a tenant, kept by every later
+put of the same name, gone with `remove`; so a tenant removed and created again gets a new one,
+and the engine's caches, keyed by it, start empty (`GenerationService.forget_tenant` drops the old
+one's). The id is spliced into the stored JSON inside the same atomic put.
 """
 from __future__ import annotations
 
@@ -26,11 +32,12 @@ import hashlib
 import json
 import logging
 import threading
+from dataclasses import replace
 from typing import Any, Sequence
 
 from gateway.tenancy.config import load_tenants_file, parse_tenant
 from gateway.tenancy.records import (Tenant, hash_key, new_api_key,
-                                     presented_digest,
+                                     new_tenant_id, presented_digest,
                                      tenant_to_dict)
 
 
@@ -44,7 +51,23 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 @functools.lru_cache(maxsize=4096)
 def _tenant_from_json(text: str) -> Tenant:
     # Stored records were validated on the way in; parsing again is cheap and cached by content.
-    return parse_tenant(json.loads(text))[0]
+    doc = json.loads(text)
+    tenant_id = doc.pop("id", None)
+    tenant = parse_tenant(doc)[0]
+    # A record stored before tenants had ids gets one made from its name until its next put.
+    return replace(tenant, id=tenant_id if isinstance(tenant_id, str) else f"legacy:{tenant.name}")
+
+
+def _with_id(cfg: str, tenant_id: str) -> str:
+    """The stored JSON: `cfg` (an object, `_to_json`) with "id" put first (as `_PUT_LUA` does)."""
+    return '{"id":' + json.dumps(tenant_id) + "," + cfg[1:]
+
+
+def _stored_id(stored: str | None) -> str | None:
+    if stored is None:
+        return None
+    tenant_id = json.loads(stored).get("id")
+    return tenant_id if isinstance(tenant_id, str) else None
 
 
 def _to_json(t: Tenant) -> str:
@@ -107,17 +130,18 @@ class _MemoryBackend:
                     del self._owner[d]
                 self._owner.update((d, name) for d in digests)
                 self._keys[name] = list(digests)
-            if cfg is not None:
-                self._cfg[name] = cfg
+            if cfg is not None:      # a tenant keeps its id; a new one gets a fresh one
+                self._cfg[name] = _with_id(cfg, _stored_id(self._cfg.get(name)) or new_tenant_id())
             return OK
 
-    def remove(self, name: str) -> bool:
+    def remove(self, name: str) -> str | None:
         with self._lock:
-            if self._cfg.pop(name, None) is None:
-                return False
+            cfg = self._cfg.pop(name, None)
+            if cfg is None:
+                return None
             for d in self._keys.pop(name, []):
                 del self._owner[d]
-            return True
+            return cfg
 
     def is_admin(self, digest: str) -> bool:
         return digest in self._admins
@@ -134,13 +158,14 @@ class _MemoryBackend:
 
 
 # KEYS: cfg, owner, keys.  ARGV: name, config JSON ("" = keep; the tenant must exist),
-# "1" to replace the tenant's keys with ARGV[5:] / "0" to keep them, "1" = only if no tenant exists.
+# "1" to replace the tenant's keys with ARGV[6:] / "0" to keep them, "1" = only if no tenant exists,
+# the id a new tenant gets (an existing one keeps its own).
 _PUT_LUA = """
 local name, cfg, replace = ARGV[1], ARGV[2], ARGV[3] == '1'
 if ARGV[4] == '1' and redis.call('HLEN', KEYS[1]) > 0 then return 0 end
 if cfg == '' and redis.call('HEXISTS', KEYS[1], name) == 0 then return -1 end
 if replace then
-  for i = 5, #ARGV do
+  for i = 6, #ARGV do
     local owner = redis.call('HGET', KEYS[2], ARGV[i])
     if owner and owner ~= name then return -2 end
   end
@@ -149,25 +174,34 @@ if replace then
     for d in string.gmatch(old, '%S+') do redis.call('HDEL', KEYS[2], d) end
   end
   local new = {}
-  for i = 5, #ARGV do
+  for i = 6, #ARGV do
     redis.call('HSET', KEYS[2], ARGV[i], name)
     new[#new + 1] = ARGV[i]
   end
   redis.call('HSET', KEYS[3], name, table.concat(new, ' '))
 end
-if cfg ~= '' then redis.call('HSET', KEYS[1], name, cfg) end
+if cfg ~= '' then
+  local id, old = ARGV[5], redis.call('HGET', KEYS[1], name)
+  if old then
+    local ok, rec = pcall(cjson.decode, old)
+    if ok and type(rec) == 'table' and type(rec['id']) == 'string' then id = rec['id'] end
+  end
+  redis.call('HSET', KEYS[1], name, '{"id":' .. cjson.encode(id) .. ',' .. string.sub(cfg, 2))
+end
 return 1
 """
 
-# KEYS: cfg, owner, keys.  ARGV: name.  Returns 1 if the tenant existed.
+# KEYS: cfg, owner, keys.  ARGV: name.  Returns the removed tenant's JSON, or nil.
 _REMOVE_LUA = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local cfg = redis.call('HGET', KEYS[1], ARGV[1])
+if not cfg then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
 local old = redis.call('HGET', KEYS[3], ARGV[1])
 if old then
   for d in string.gmatch(old, '%S+') do redis.call('HDEL', KEYS[2], d) end
 end
 redis.call('HDEL', KEYS[3], ARGV[1])
-return 1
+return cfg
 """
 
 # KEYS: cfg, owner.  ARGV: digest.  The owning tenant's config JSON, or nil.
@@ -203,10 +237,12 @@ class _RedisBackend:
             only_if_empty: bool = False) -> int:
         return int(self._put(keys=[self._cfg, self._owner, self._keys],
                              args=[name, cfg or "", "0" if digests is None else "1",
-                                   "1" if only_if_empty else "0", *(digests or ())]))
+                                   "1" if only_if_empty else "0", new_tenant_id(),
+                                   *(digests or ())]))
 
-    def remove(self, name: str) -> bool:
-        return bool(self._remove(keys=[self._cfg, self._owner, self._keys], args=[name]))
+    def remove(self, name: str) -> str | None:
+        v = self._remove(keys=[self._cfg, self._owner, self._keys], args=[name])
+        return v.decode() if v else None
 
     def is_admin(self, digest: str) -> bool:
         return bool(self._r.sismember(self._admins, digest))
@@ -294,7 +330,9 @@ class TenantRegistry:
     def put(self, tenant: Tenant, api_keys: Sequence[str] = ()) -> None:
         """Add or replace `tenant`. Given keys (plaintext or "sha256:" digests) replace the
         tenant's keys; with none, a replaced tenant keeps its keys (a new one has none until
-        `rotate_key`). ValueError if a key belongs to another tenant; then nothing changes."""
+        `rotate_key`). ValueError if a key belongs to another tenant; then nothing changes.
+        `tenant.id` is ignored: a replaced tenant keeps its stored id, a new one gets a fresh one
+        (module docstring), so no caller can give a tenant someone else's id."""
         self.put_digests(tenant, [hash_key(k) for k in api_keys] or None)
 
     def put_digests(self, tenant: Tenant, digests: Sequence[str] | None) -> None:
@@ -305,12 +343,15 @@ class TenantRegistry:
         if result == KEY_CONFLICT:
             raise ValueError(f"an API key given for tenant {tenant.name!r} belongs to another tenant")
 
-    def remove(self, name: str) -> bool:
-        """Remove a tenant; its keys stop working at once, on every replica. False if unknown."""
+    def remove(self, name: str) -> Tenant | None:
+        """Remove a tenant; its keys stop working at once, on every replica. Returns the removed
+        record (its id names the caches to drop: `GenerationService.forget_tenant`); None if
+        unknown."""
         removed = self._store.remove(name)
-        if removed:
-            log.info("tenant %r removed", name)
-        return removed
+        if removed is None:
+            return None
+        log.info("tenant %r removed", name)
+        return _tenant_from_json(removed)
 
     def rotate_key(self, name: str) -> str:
         """Give tenant `name` one new random key (returned, the one time it is seen); its old keys

@@ -305,3 +305,40 @@ def test_parse_tenant_is_the_admin_body_parser():
     with pytest.raises(TenantsConfigError) as err:
         parse_tenant({"name": "solo", "rpm": "3"})
     assert err.value.field == "rpm"
+
+
+# ---- tenant ids: what the engine's caches are keyed by --------------------------------------------------
+def test_a_tenant_keeps_its_id_until_removed_and_comes_back_with_a_new_one(store, tmp_path):
+    url, prefix = store
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1], rpm: 5}\n")
+    registry = TenantRegistry.from_file(path, url, prefix)
+    first = registry.get("acme").id
+    assert first and registry.authenticate("sk-acme-1").id == first
+    # replaced, keys rotated, the file applied again: the same tenant, the same id
+    registry.put(Tenant("acme", rpm=9, id="t-chosen-by-a-caller"))    # a caller cannot set it
+    registry.rotate_key("acme")
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-2], rpm: 6}\n")
+    registry.load_config(*load_tenants_file(path))
+    assert registry.get("acme").id == first and registry.authenticate("sk-acme-2").id == first
+    assert [t.id for t in registry.list()] == [first]
+    # removed (the record says which id went) and created again under the same name: a new id
+    removed = registry.remove("acme")
+    assert removed.name == "acme" and removed.id == first
+    registry.put(Tenant("acme"), ["sk-acme-3"])
+    again = registry.authenticate("sk-acme-3").id
+    assert again not in (first, "t-chosen-by-a-caller")
+    assert registry.remove("acme").id == again and registry.remove("acme") is None
+    registry.put(Tenant("acme"))
+    assert registry.get("acme").id not in (first, again)
+    dev = TenantRegistry(url, prefix + "dev:")
+    assert dev.authenticate(dev.ensure_dev_tenant()).id.startswith("t-")
+
+
+def test_every_replica_sees_one_id_per_tenant(redis_url, redis_prefix):
+    a = TenantRegistry(redis_url, redis_prefix)
+    b = TenantRegistry(redis_url, redis_prefix)
+    a.put(Tenant("acme"), ["sk-acme-1"])
+    assert b.authenticate("sk-acme-1").id == a.get("acme").id
+    b.put(Tenant("acme", rpm=3))
+    assert a.get("acme").id == b.get("acme").id
