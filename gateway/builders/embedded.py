@@ -232,6 +232,7 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
 
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb()
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
-                           prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb)
+                           prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb,
+                           prefix_cache_tenant_share=settings.prefix_cache_tenant_share)
     verifier.features = settings.length_predictor     # the length predictor reads them
     return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters)
