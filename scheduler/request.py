@@ -216,7 +216,17 @@ class Request:
     stop: tuple[str, ...] = ()             # stop strings, never emitted (the step loop checks text)
     drafter: str | None = None             # None: the deployment's default; "none": no speculation
     output_ids: list[int] = field(default_factory=list)
+    # The tenant's immutable id (gateway.tenancy.records.Tenant.id): what the worker's caches
+    # (prefix cache, suffix drafter) are keyed by. `stats.tenant` is its name, which quotas,
+    # fairness and metrics go by; a name can be removed and given to another tenant, an id cannot.
+    tenant_id: str | None = None
 
     @property
     def request_id(self) -> str:
         return self.stats.request_id
+
+    @property
+    def cache_tenant(self) -> str:
+        """What the worker keys this request's cached state by: the tenant's id; the name only
+        for requests made without one (offline tools, tests, records stored before ids)."""
+        return self.tenant_id if self.tenant_id is not None else self.stats.tenant

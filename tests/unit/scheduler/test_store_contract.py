@@ -42,7 +42,7 @@ def rich_request(rid: str = "rich") -> Request:
     return Request(s, [101, 7, 0, 65535, 9], SamplingParams(temperature=0.7, top_k=40, top_p=0.9,
                                                             seed=1234),
                    stop_token_ids=(2, 7), stop=("\n\n", "END", "ü"), drafter="ngram",
-                   output_ids=[5, 6])
+                   output_ids=[5, 6], tenant_id="t-0123abcd")
 
 
 def as_fields(obj) -> dict:
