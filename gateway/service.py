@@ -254,8 +254,11 @@ class GenerationService:
             key = prompt_key(messages=inp.messages, prompt=inp.prompt if inp.prompt_ids is None
                              else list(inp.prompt_ids))
             stats.predicted_len = self.length_oracle.length(key, max_new)
+        # the engine keys its caches by the tenant's immutable id, never by its name (a name can
+        # be removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
-                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
+                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
+                      tenant_id=tenant.id)
         return _Prepared(req, tenant, inp.model, stops)
 
     def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:
@@ -371,6 +374,14 @@ class GenerationService:
         self.metrics.admitted(req.stats.tenant, req.stats.prompt_len)
         stream.admitted = True
         return stream
+
+    async def forget_tenant(self, tenant_id: str, name: str) -> None:
+        """A tenant was removed (the admin API's DELETE): the engine frees its caches, keyed by
+        `tenant_id` (at the step loop's next boundary), and /metrics drops the series labelled
+        `name`. Requests of it still running finish; what they add to the metrics afterwards
+        shows again until the next removal of that name."""
+        self.step_loop.drop_tenant(tenant_id)
+        self.metrics.forget_tenant(name)
 
     def _sync_tenant(self, tenant: Tenant) -> None:
         """Bring the scheduler's view of a tenant up to date (tenants change at run time)."""

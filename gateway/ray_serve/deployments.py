@@ -268,6 +268,11 @@ class SchedulerServer:
     def ready(self) -> bool:
         return self.embedded.service.ready()
 
+    async def forget_tenant(self, tenant_id: str, name: str) -> None:
+        """A removed tenant: its caches on the verifier and draft replicas and its metric series
+        go (`GenerationService.forget_tenant`; the verifier pool tells every replica)."""
+        await self.embedded.service.forget_tenant(tenant_id, name)
+
     def homes(self) -> dict[str, str]:
         """Request id -> verifier replica for the requests resident now (a diagnostic)."""
         return dict(self.pool.home)

@@ -7,7 +7,9 @@ Responses never contain a stored key or digest: a key is shown once, when it is 
     POST   /admin/tenants                   body: one tenant as in the tenants file (api_keys
                                             optional); 201 new / 200 replaced; "api_key" when one
                                             was generated (a new tenant given no keys)
-    DELETE /admin/tenants/{name}            {"id": name, "object": "tenant", "deleted": true}
+    DELETE /admin/tenants/{name}            {"id": name, "object": "tenant", "deleted": true};
+                                            the engine frees the tenant's caches and /metrics
+                                            drops its series
     POST   /admin/tenants/{name}/rotate-key {"tenant": name, "api_key": "sk-…"}
 
 Errors are OpenAI error JSON (gateway.errors): 401 missing or bad admin key, 404 unknown tenant,
@@ -16,6 +18,8 @@ FastAPI runs them on its thread pool and a store round trip never blocks the eve
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Depends, Header, Request
@@ -25,6 +29,9 @@ from gateway.errors import ApiError, invalid, unauthorized
 from gateway.tenancy.config import TenantsConfigError, parse_tenant
 from gateway.tenancy.records import tenant_to_dict
 from gateway.tenancy.tenants import TenantRegistry
+
+
+log = logging.getLogger(__name__)
 
 
 def get_registry(request: Request) -> TenantRegistry:
@@ -77,9 +84,21 @@ def put_tenant(registry: RegistryDep, body: Annotated[Any, Body()]) -> JSONRespo
 
 
 @router.delete("/tenants/{name}")
-def delete_tenant(registry: RegistryDep, name: str) -> dict[str, Any]:
-    if not registry.remove(name):
+async def delete_tenant(request: Request, registry: RegistryDep, name: str) -> dict[str, Any]:
+    """Remove the tenant, then have the engine drop its caches and /metrics its series (the
+    service's `forget_tenant`; in Ray mode the scheduler replica's). A tenant created again under
+    the name gets a new id (gateway/tenancy/tenants.py), so it never meets the old caches even
+    where this replica cannot reach them (another gateway replica's engine keeps them until its
+    own eviction)."""
+    removed = await asyncio.to_thread(registry.remove, name)      # a store round trip
+    if removed is None:
         raise _not_found(name)
+    service = getattr(request.app.state, "service", None)
+    if service is not None:
+        try:
+            await service.forget_tenant(removed.id, removed.name)
+        except Exception:                  # removed all the same; only the freeing is late
+            log.exception("tenant %r removed, but its caches and series were not dropped", name)
     return {"id": name, "object": "tenant", "deleted": True}
 
 
