@@ -247,18 +247,17 @@ class GenerationService:
         room = limit - len(ids)
         max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
         rid = self.request_id(kind)
+        # caches and learnt records go by the tenant's immutable id, never by its name (a name
+        # can be removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
                              max_tokens=max_new, priority=tenant.priority,
-                             max_tree_tokens=max_tree_tokens)
+                             max_tree_tokens=max_tree_tokens, tenant_id=tenant.id)
         if self.length_oracle is not None:
             key = prompt_key(messages=inp.messages, prompt=inp.prompt if inp.prompt_ids is None
                              else list(inp.prompt_ids))
             stats.predicted_len = self.length_oracle.length(key, max_new)
-        # the engine keys its caches by the tenant's immutable id, never by its name (a name can
-        # be removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
-                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
-                      tenant_id=tenant.id)
+                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)
 
     def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:

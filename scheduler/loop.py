@@ -192,7 +192,7 @@ class StepLoop:
     def drop_tenant(self, tenant_id: str) -> None:
         """A tenant was removed: the worker frees its caches (`Worker.drop_tenant`) at the next
         step boundary, on the loop's thread like every other worker call. `tenant_id` is the
-        tenant's immutable id (`Request.tenant_id`), never reused."""
+        tenant's immutable id (`RequestStats.tenant_id`), never reused."""
         self._inbox.append(("drop_tenant", tenant_id))
         self._wake.set()
 
@@ -349,7 +349,7 @@ class StepLoop:
             done = self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
                                        prompt_len=len(req.prompt_ids), sampling=req.sampling,
                                        max_new_tokens=self._limits[request_id] - len(req.output_ids),
-                                       tenant=req.cache_tenant, drafter=req.drafter, **extra)
+                                       tenant=req.stats.cache_tenant, drafter=req.drafter, **extra)
         except Exception as exc:
             log.warning("prefill of %s failed: %s", request_id, exc)
             self._end(request_id, Status.FAILED, "error", str(exc))

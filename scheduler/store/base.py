@@ -173,8 +173,7 @@ def params_to_dict(req: Request) -> dict[str, Any]:
     return {"sampling": sampling_to_dict(req.sampling),
             "stop_token_ids": [int(t) for t in req.stop_token_ids],
             "stop": list(req.stop),
-            "drafter": req.drafter,
-            "tenant_id": req.tenant_id}
+            "drafter": req.drafter}
 
 
 def request_to_dict(req: Request) -> dict[str, Any]:
@@ -200,7 +199,6 @@ def request_from_dict(d: Mapping[str, Any]) -> Request:
                    stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
                    stop=tuple(d.get("stop", ())),
                    drafter=d.get("drafter"),
-                   tenant_id=d.get("tenant_id"),
                    output_ids=[int(t) for t in d.get("output_ids", ())])
 
 

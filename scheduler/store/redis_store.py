@@ -9,7 +9,7 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
                               seq     admission sequence
                               prompt  JSON list of prompt token ids          (written once, at add)
                               params  JSON: sampling, stop_token_ids, stop,  (written once, at add)
-                                      drafter, tenant_id
+                                      drafter
                               stats   JSON: RequestStats without tau_history (rewritten per step)
     P out:ID     list         committed output tokens                        (RPUSH per step)
     P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)

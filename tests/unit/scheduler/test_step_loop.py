@@ -263,7 +263,7 @@ def test_the_worker_gets_the_tenants_id_and_drops_a_removed_tenant_at_a_step_bou
     worker = Recording()
     loop = make_loop(worker=worker)
     with_id = request("r1", tenant="acme")
-    with_id.tenant_id = "t-1"
+    with_id.stats.tenant_id = "t-1"
     loop.submit(with_id)
     loop.submit(request("r2", tenant="offline"))
     run_to_end(loop)
