@@ -144,6 +144,9 @@ class GenerationService:
         self.ready_checks = tuple(ready_checks)
         self.request_id = request_id
         self.length_oracle = length_oracle
+        # tenant id -> name, of every tenant this service has submitted for: what `sweep_tenants`
+        # checks against the store (a few dozen bytes a tenant)
+        self._tenants_seen: dict[str, str] = {}
         self.vocab_size = len(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
@@ -379,11 +382,29 @@ class GenerationService:
         `tenant_id` (at the step loop's next boundary), and /metrics drops the series labelled
         `name`. Requests of it still running finish; what they add to the metrics afterwards
         shows again until the next removal of that name."""
+        self._tenants_seen.pop(tenant_id, None)
         self.step_loop.drop_tenant(tenant_id)
         self.metrics.forget_tenant(name)
 
+    def sweep_tenants(self, live: Iterable[Tenant]) -> list[str]:
+        """Forget (`forget_tenant`) every tenant this service has served that is not among `live`
+        (the store's tenants now): one removed through another gateway replica, which alone
+        heard the DELETE. A name that is live again (the tenant created anew) keeps its series.
+        Any thread. Returns the ids forgotten."""
+        live = list(live)
+        ids, names = {t.id for t in live}, {t.name for t in live}
+        gone = [(i, n) for i, n in list(self._tenants_seen.items()) if i not in ids]
+        for tenant_id, name in gone:
+            self._tenants_seen.pop(tenant_id, None)
+            self.step_loop.drop_tenant(tenant_id)
+            if name not in names:
+                self.metrics.forget_tenant(name)
+            log.info("tenant %r was removed elsewhere: its caches and series dropped here", name)
+        return [i for i, _ in gone]
+
     def _sync_tenant(self, tenant: Tenant) -> None:
         """Bring the scheduler's view of a tenant up to date (tenants change at run time)."""
+        self._tenants_seen[tenant.id] = tenant.name
         self.step_loop.set_tenant(tenant.name, weight=float(tenant.weight), max_queued=tenant.max_queued)
 
 

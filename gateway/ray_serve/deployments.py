@@ -154,6 +154,12 @@ class VerifierServer:
         with self._lock:
             return self.worker.resident()
 
+    def tenant_blocks(self, tenant: str, *, replica: str | None = None) -> int:
+        """Prefix-cache blocks this replica holds for a tenant id (a diagnostic: removal frees them)."""
+        with self._lock:
+            pc = self.worker.verifier.prefix_cache
+            return 0 if pc is None else pc.tenant_len(tenant)
+
     def served_requests(self, *, replica: str | None = None) -> dict[str, dict[str, int]]:
         """What this replica has served, per request (call with `replica=` to ask a given one)."""
         with self._lock:

@@ -149,3 +149,37 @@ def _hits(c: httpx.Client, tenant: str) -> float:
             if s.name == "specgate_prefix_cache_hit_tokens_total" and s.labels.get("tenant") == tenant:
                 return s.value
     return 0.0
+
+
+def test_a_tenant_removed_through_another_replica_is_dropped_here_by_the_sweep(
+        redis_url, redis_prefix):
+    """Two gateway replicas over one Redis: the DELETE reaches replica A only; replica B, which
+    served the tenant too, finds it gone from the store on its next sweep and drops its caches
+    and series as well. A tenant created again under the name is not swept."""
+    common = dict(fake_worker=True, admin_key=ADMIN, redis_url=redis_url,
+                  store_prefix=redis_prefix, tenant_sweep_s=0.05)
+    a = build_embedded(Settings(**common, replica_id="a"))
+    b = build_embedded(Settings(**common, replica_id="b"))
+    a.start()
+    b.start()
+    try:
+        with background_server(a.app) as url_a, background_server(b.app) as url_b, \
+                httpx.Client(base_url=url_a, timeout=10) as ca, \
+                httpx.Client(base_url=url_b, timeout=10) as cb:
+            acme, kept = _create(ca, "acme"), _create(ca, "kept")
+            old = a.tenants.get("acme").id
+            _complete(cb, acme, "served by b")
+            _complete(cb, kept, "served by b")
+            assert 'tenant="acme"' in cb.get("/metrics", headers=_auth(ADMIN)).text
+            assert ca.delete("/admin/tenants/acme", headers=_auth(ADMIN)).status_code == 200
+            worker_b = b.step_loop.worker
+            _wait_for(lambda: worker_b.dropped_tenants == [old])
+            text = cb.get("/metrics", headers=_auth(ADMIN)).text
+            assert 'tenant="acme"' not in text and 'tenant="kept"' in text
+            again = _create(ca, "acme")
+            _complete(cb, again, "served by b")
+            assert b.service.sweep_tenants(b.tenants.list()) == []
+            assert 'tenant="acme"' in cb.get("/metrics", headers=_auth(ADMIN)).text
+    finally:
+        a.stop()
+        b.stop()
