@@ -250,8 +250,8 @@ class GenerationService:
         room = limit - len(ids)
         max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
         rid = self.request_id(kind)
-        # caches and learnt records go by the tenant's immutable id, never by its name (a name
-        # can be removed and given to another tenant): gateway/tenancy/records.py `Tenant`
+        # the engine's caches go by the tenant's immutable id, never by its name (a name can be
+        # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
                              max_tokens=max_new, priority=tenant.priority,
                              max_tree_tokens=max_tree_tokens, tenant_id=tenant.id)
