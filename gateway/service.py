@@ -386,14 +386,18 @@ class GenerationService:
         self.step_loop.drop_tenant(tenant_id)
         self.metrics.forget_tenant(name)
 
-    def sweep_tenants(self, live: Iterable[Tenant]) -> list[str]:
-        """Forget (`forget_tenant`) every tenant this service has served that is not among `live`
-        (the store's tenants now): one removed through another gateway replica, which alone
-        heard the DELETE. A name that is live again (the tenant created anew) keeps its series.
-        Any thread. Returns the ids forgotten."""
-        live = list(live)
+    def sweep_tenants(self, list_tenants: Callable[[], Iterable[Tenant]]) -> list[str]:
+        """Forget (`forget_tenant`) every tenant this service has served that `list_tenants()`
+        (the store's tenants now) no longer holds: one removed through another gateway replica,
+        which alone heard the DELETE. A name that is live again (the tenant created anew) keeps
+        its series. Any thread. Returns the ids forgotten.
+
+        NOTE: the tenants served are read *before* the store: a tenant created and served
+        between the two reads would otherwise look removed, and its id be dropped for good."""
+        seen = list(self._tenants_seen.items())
+        live = list(list_tenants())
         ids, names = {t.id for t in live}, {t.name for t in live}
-        gone = [(i, n) for i, n in list(self._tenants_seen.items()) if i not in ids]
+        gone = [(i, n) for i, n in seen if i not in ids]
         for tenant_id, name in gone:
             self._tenants_seen.pop(tenant_id, None)
             self.step_loop.drop_tenant(tenant_id)

@@ -70,7 +70,7 @@ class Embedded:
         its caches and series (`GenerationService.sweep_tenants`)."""
         while not stopping.wait(every_s):
             try:
-                self.service.sweep_tenants(self.tenants.list())
+                self.service.sweep_tenants(self.tenants.list)
             except Exception as exc:                   # the store away: try again next time
                 log.warning("tenant sweep failed: %s", exc)
 
