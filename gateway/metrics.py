@@ -99,11 +99,23 @@ class GatewayMetrics:
         self.refusals = Counter("specgate_rate_limit_refusals",
                                 "Requests refused by a tenant limit or a full queue",
                                 ["tenant", "reason"], registry=r)
+        # every metric with a tenant label: what `forget_tenant` clears
+        self.by_tenant = (self.requests, self.ttft, self.itl, self.e2e, self.queue_time,
+                          self.in_steps, self.prompt_tokens, self.generation_tokens, self.drafted,
+                          self.accepted, self.tau, self.verified_tokens, self.prefill_tokens,
+                          self.prefix_cache_hits, self.refusals)
 
     # ---- the service ---------------------------------------------------------------------------
     def refused(self, tenant: str, reason: str, status: str) -> None:
         self.refusals.labels(tenant, reason).inc()
         self.requests.labels(tenant, status).inc()
+
+    def forget_tenant(self, tenant: str) -> None:
+        """Remove every series labelled with this tenant name (the tenant was removed): without
+        this a removed tenant's series stay in /metrics for good, and a tenant created again
+        under the name would continue the old one's counts."""
+        for metric in self.by_tenant:
+            metric.remove_by_labels({"tenant": tenant})     # every series with this tenant
 
     def rejected(self, tenant: str) -> None:
         """Refused before admission for a client error (invalid field, model, context)."""
@@ -203,7 +215,8 @@ class InstrumentedWorker:
 
     def prefill(self, request_id: str, token_ids: Sequence[int], **kwargs: Any) -> Any:
         done = self.worker.prefill(request_id, token_ids, **kwargs)     # a Prefilled
-        tenant = kwargs.get("tenant", "default")
+        # labelled by the tenant's name, as every other series; the worker got its id
+        tenant = self.tenant_of(request_id) or kwargs.get("tenant", "default")
         self.metrics.prefill_tokens.labels(tenant).inc(max(0, len(token_ids) - 1))   # the root: no KV
         if done.cached:
             self.metrics.prefix_cache_hits.labels(tenant).inc(done.cached)

@@ -151,6 +151,9 @@ class GenerationService:
         self.ready_checks = tuple(ready_checks)
         self.request_id = request_id
         self.length_oracle = length_oracle
+        # tenant id -> name, of every tenant this service has submitted for: what `sweep_tenants`
+        # checks against the store (a few dozen bytes a tenant)
+        self._tenants_seen: dict[str, str] = {}
         self.vocab_size = len(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
@@ -262,9 +265,11 @@ class GenerationService:
         room = limit - len(ids)
         max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
         rid = self.request_id(kind)
+        # the engine's caches go by the tenant's immutable id, never by its name (a name can be
+        # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
                              max_tokens=max_new, priority=tenant.priority,
-                             max_tree_tokens=max_tree_tokens)
+                             max_tree_tokens=max_tree_tokens, tenant_id=tenant.id)
         if self.length_oracle is not None:
             key = prompt_key(messages=inp.messages, prompt=inp.prompt if inp.prompt_ids is None
                              else list(inp.prompt_ids))
@@ -392,8 +397,38 @@ class GenerationService:
         stream.admitted = True
         return stream
 
+    async def forget_tenant(self, tenant_id: str, name: str) -> None:
+        """A tenant was removed (the admin API's DELETE): the engine frees its caches, keyed by
+        `tenant_id` (at the step loop's next boundary), and /metrics drops the series labelled
+        `name`. Requests of it still running finish; what they add to the metrics afterwards
+        shows again until the next removal of that name."""
+        self._tenants_seen.pop(tenant_id, None)
+        self.step_loop.drop_tenant(tenant_id)
+        self.metrics.forget_tenant(name)
+
+    def sweep_tenants(self, list_tenants: Callable[[], Iterable[Tenant]]) -> list[str]:
+        """Forget (`forget_tenant`) every tenant this service has served that `list_tenants()`
+        (the store's tenants now) no longer holds: one removed through another gateway replica,
+        which alone heard the DELETE. A name that is live again (the tenant created anew) keeps
+        its series. Any thread. Returns the ids forgotten.
+
+        NOTE: the tenants served are read *before* the store: a tenant created and served
+        between the two reads would otherwise look removed, and its id be dropped for good."""
+        seen = list(self._tenants_seen.items())
+        live = list(list_tenants())
+        ids, names = {t.id for t in live}, {t.name for t in live}
+        gone = [(i, n) for i, n in seen if i not in ids]
+        for tenant_id, name in gone:
+            self._tenants_seen.pop(tenant_id, None)
+            self.step_loop.drop_tenant(tenant_id)
+            if name not in names:
+                self.metrics.forget_tenant(name)
+            log.info("tenant %r was removed elsewhere: its caches and series dropped here", name)
+        return [i for i, _ in gone]
+
     def _sync_tenant(self, tenant: Tenant) -> None:
         """Bring the scheduler's view of a tenant up to date (tenants change at run time)."""
+        self._tenants_seen[tenant.id] = tenant.name
         self.step_loop.set_tenant(tenant.name, weight=float(tenant.weight), max_queued=tenant.max_queued)
 
 

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     # prompt tokens a step prefills beside the trees (chunked prefill); 0: whole, alone
     prefill_chunk_tokens: int = Field(24, ge=0)
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
+    # of the prefix cache, the most one tenant may hold (so one tenant cannot flush the others')
+    prefix_cache_tenant_share: float = Field(0.5, gt=0, le=1)
+    # with Redis: how often a replica checks for tenants removed through another replica, to
+    # drop their caches and series here too (GenerationService.sweep_tenants); 0: never
+    tenant_sweep_s: float = Field(30.0, ge=0)
     # per verifier: the KV memory of all resident requests and the prefix cache together (the
     # prefix cache yields first); None: half the memory available once the model is loaded
     kv_cache_mb: float | None = Field(None, gt=0)

@@ -63,6 +63,10 @@ class Worker(Protocol):
     def evict(self, request_id: str) -> None:
         """Free the KV of a request that is not finished (it is prefilled again when planned)."""
 
+    def drop_tenant(self, tenant: str) -> None:
+        """Free what is kept for a removed tenant across requests (prefix cache, drafters'
+        caches) and keep nothing more for it; `tenant` is its immutable id, as `prefill` got it."""
+
 
 @dataclass(frozen=True)
 class Delta:
@@ -185,6 +189,13 @@ class StepLoop:
                 self.admission.limits = replace(self.admission.limits, per_tenant=dict(caps))
         if self.policy.fairness.weights.get(tenant) != weight:
             self._inbox.append(("tenant", tenant, weight))
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        """A tenant was removed: the worker frees its caches (`Worker.drop_tenant`) at the next
+        step boundary, on the loop's thread like every other worker call. `tenant_id` is the
+        tenant's immutable id (`RequestStats.tenant_id`), never reused."""
+        self._inbox.append(("drop_tenant", tenant_id))
+        self._wake.set()
 
     def attach(self, request_id: str, sink: Sink) -> None:
         """Follow a request from now on (e.g. a recovered one): only tokens committed after this."""
@@ -339,7 +350,7 @@ class StepLoop:
             done = self.worker.prefill(request_id, [*req.prompt_ids, *req.output_ids],
                                        prompt_len=len(req.prompt_ids), sampling=req.sampling,
                                        max_new_tokens=self._limits[request_id] - len(req.output_ids),
-                                       tenant=req.stats.tenant, drafter=req.drafter, **extra)
+                                       tenant=req.stats.cache_tenant, drafter=req.drafter, **extra)
         except Exception as exc:
             log.warning("prefill of %s failed: %s", request_id, exc)
             self._end(request_id, Status.FAILED, "error", str(exc))
@@ -400,6 +411,8 @@ class StepLoop:
             msg = self._inbox.popleft()
             if msg[0] == "tenant":
                 self.policy.fairness.weights[msg[1]] = msg[2]
+            elif msg[0] == "drop_tenant":
+                self.worker.drop_tenant(msg[1])
             elif msg[0] == "submit":
                 req = msg[1]
                 rid = req.request_id

@@ -136,6 +136,17 @@ class RequestStats:
     kv_tokens: int = 0                     # KV slots it holds (0: none), as the worker reports
     kv_home: str | None = None             # where they are (Ray mode: the verifier replica);
                                            # None: the one worker, or none held
+    # The tenant's immutable id (gateway.tenancy.records.Tenant.id). `tenant` is its name, which
+    # quotas, fairness weights and metrics go by; a name can be removed and given to another
+    # tenant, an id never is, so whatever is cached per tenant goes by `cache_tenant`.
+    tenant_id: str | None = None
+
+    @property
+    def cache_tenant(self) -> str:
+        """What per-tenant caches (the worker's prefix cache and drafters) key this request's
+        tenant by: its id; its name only for requests made without one (offline tools, tests,
+        records stored before ids)."""
+        return self.tenant_id if self.tenant_id is not None else self.tenant
 
     def __post_init__(self) -> None:
         self.last_served_s = self.arrival_s

@@ -29,7 +29,7 @@ _Group = tuple[Drafter, list[tuple[int, DraftContext, TreeBudget]]]
 
 @dataclass
 class _Resident:
-    tenant: str
+    tenant: str               # the tenant's immutable id: what caches are keyed by
     context: list[int]        # prompt + committed output; the last token is the root
     prompt_len: int
     drafter: Drafter
@@ -47,6 +47,7 @@ class BatchWorker:
         self.default_drafter = default_drafter
         self._drafters: dict[str, Drafter] = dict(drafters or {})
         self._resident: dict[str, _Resident] = {}
+        self._dropped: list[str] = []     # removed tenants' ids, for drafters created later
         self.draft_s = 0.0                # time spent proposing trees, accumulated
 
     @property
@@ -57,7 +58,9 @@ class BatchWorker:
         """The shared instance for a drafter name (ValueError for an unknown name)."""
         name = name or self.default_drafter
         if name not in self._drafters:
-            self._drafters[name] = create_drafter(name)
+            drafter = self._drafters[name] = create_drafter(name)
+            for tenant in self._dropped:  # so a removed tenant's late request teaches it nothing
+                drafter.drop_tenant(tenant)
         return self._drafters[name]
 
     def resident(self) -> list[str]:
@@ -79,7 +82,8 @@ class BatchWorker:
                 sampling: SamplingParams, max_new_tokens: int, tenant: str = "default",
                 drafter: str | None = None, defer: bool = False) -> Prefilled:
         """Make a request resident: `token_ids` = prompt + output committed so far (a recovered or
-        evicted request re-prefills; its drafter rebuilds its index from the context). Reports the
+        evicted request re-prefills; its drafter rebuilds its index from the context). `tenant`:
+        the tenant's immutable id, which the prefix cache and drafters key their state by. Reports the
         tokens whose KV came from the prefix cache, and the verifier's features if it makes them.
         `defer`: steps compute the context's KV in chunks (`WorkItem.prefill`), none is computed
         now; `Prefilled.pending` says how much."""
@@ -102,6 +106,15 @@ class BatchWorker:
         self.verifier.release(request_id)
         if res is not None:
             res.drafter.evict(request_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """A removed tenant (its immutable id, what `prefill` got as `tenant`): its prefix-cache
+        blocks and every drafter's state for it go, and none is kept for it again. Its requests
+        still resident run on (their own KV and per-request drafter state go when they end)."""
+        self._dropped.append(tenant)
+        self.verifier.drop_tenant(tenant)
+        for drafter in self._drafters.values():
+            drafter.drop_tenant(tenant)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         """Draft every item's tree within its budget, verify all trees in one pass, commit.

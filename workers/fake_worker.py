@@ -58,6 +58,8 @@ class FakeWorker:
         self.kv_block = kv_block
         self.prefills: list[tuple[str, int]] = []   # (request id, tokens prefilled), in order
         self.batches: list[list[str]] = []          # request ids of every step, in order
+        self.tenants: dict[str, str] = {}           # request id -> the tenant its prefill named
+        self.dropped_tenants: list[str] = []        # `drop_tenant` calls, in order
         self._resident: dict[str, _Fake] = {}
 
     def resident(self) -> list[str]:
@@ -72,6 +74,7 @@ class FakeWorker:
         if request_id in self._resident:
             raise ValueError(f"request {request_id!r} is already admitted")
         self.prefills.append((request_id, len(token_ids)))
+        self.tenants[request_id] = tenant
         pending = len(token_ids) - 1 if defer else 0
         fake = self._resident[request_id] = _Fake(len(token_ids) - prompt_len, pending, prompt_len)
         if self.clock is not None and not defer:
@@ -87,6 +90,9 @@ class FakeWorker:
 
     def evict(self, request_id: str) -> None:
         self.release(request_id)            # no drafter state to keep apart
+
+    def drop_tenant(self, tenant: str) -> None:
+        self.dropped_tenants.append(tenant)  # no caches: only recorded (tests)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         if self.fail_on is not None and self.fail_on(items):

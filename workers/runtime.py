@@ -8,7 +8,7 @@ import torch
 
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
-from workers.prefix_cache import PrefixCache
+from workers.prefix_cache import DEFAULT_TENANT_SHARE, PrefixCache
 from workers.profiling import startup_profile
 from workers.verifier import Verifier
 
@@ -27,12 +27,14 @@ class Runtime:
 
     def verifier(self, max_tree_tokens: int = 64,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 kv_pool_mb: float | None = None) -> Verifier:
+                 kv_pool_mb: float | None = None,
+                 prefix_cache_tenant_share: float = DEFAULT_TENANT_SHARE) -> Verifier:
         """`prefix_cache_mb`: KV of earlier prompts' prefixes kept per verifier (0: none), at
-        most; `kv_pool_mb`: the KV memory requests and prefix cache share (None: no pool)."""
+        most; `kv_pool_mb`: the KV memory requests and prefix cache share (None: no pool);
+        `prefix_cache_tenant_share`: the most of the prefix cache one tenant may hold."""
         f = self.forward
         cache = PrefixCache.for_bytes(int(prefix_cache_mb * 2**20), f.n_layers, f.n_kv_heads,
-                                      f.head_dim, f.kv_dtype)
+                                      f.head_dim, f.kv_dtype, tenant_share=prefix_cache_tenant_share)
         return Verifier(f, max_tree_tokens=max_tree_tokens, prefix_cache=cache,
                         kv_pool_bytes=None if kv_pool_mb is None else int(kv_pool_mb * 2**20))
 

@@ -107,7 +107,7 @@ class Verifier:
         self.target = target
         self.features = features
         self.max_tree_tokens = max_tree_tokens
-        self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant
+        self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant id
         self.timings = StepTimings()
         self._slots: dict[str, _Slot] = {}
 
@@ -224,6 +224,12 @@ class Verifier:
     def release(self, request_id: str) -> None:
         """Forget a request and free its KV (idempotent)."""
         self._slots.pop(request_id, None)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """A removed tenant (its immutable id): its prefix-cache blocks go, and none are stored
+        for it again (`PrefixCache.drop_tenant`)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop_tenant(tenant)
 
     def verify(self, batch: Sequence[VerifyItem]) -> list[StepResult]:
         """One forward pass over the prefill chunks, roots and trees of every request in `batch`."""

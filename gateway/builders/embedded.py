@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -46,14 +47,32 @@ class Embedded:
     recovered: list[str] = field(default_factory=list)
     thread: Any = None
     kv_note: str | None = None          # the KV budget, as reported at start
+    _sweeping: Any = None               # set to stop the tenant sweep (`_sweep_tenants`)
 
     def start(self) -> None:
         self.thread = self.step_loop.start()
+        every = self.settings.tenant_sweep_s
+        if self.settings.redis_url and every > 0:      # in memory, every DELETE is heard here
+            self._sweeping = threading.Event()
+            threading.Thread(target=self._sweep_tenants, args=(self._sweeping, every),
+                             name="specgate-tenant-sweep", daemon=True).start()
 
     def stop(self) -> None:
+        if self._sweeping is not None:
+            self._sweeping.set()
+            self._sweeping = None
         self.step_loop.stop()
         self.thread = None
         self.step_loop.store.close()
+
+    def _sweep_tenants(self, stopping: threading.Event, every_s: float) -> None:
+        """A tenant removed through another replica (over the same Redis) is dropped here too:
+        its caches and series (`GenerationService.sweep_tenants`)."""
+        while not stopping.wait(every_s):
+            try:
+                self.service.sweep_tenants(self.tenants.list)
+            except Exception as exc:                   # the store away: try again next time
+                log.warning("tenant sweep failed: %s", exc)
 
     def loop_alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
@@ -233,6 +252,7 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
 
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb()
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
-                           prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb)
+                           prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb,
+                           prefix_cache_tenant_share=settings.prefix_cache_tenant_share)
     verifier.features = settings.length_predictor     # the length predictor reads them
     return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters)

@@ -154,6 +154,12 @@ class VerifierServer:
         with self._lock:
             return self.worker.resident()
 
+    def tenant_blocks(self, tenant: str, *, replica: str | None = None) -> int:
+        """Prefix-cache blocks this replica holds for a tenant id (a diagnostic: removal frees them)."""
+        with self._lock:
+            pc = self.worker.verifier.prefix_cache
+            return 0 if pc is None else pc.tenant_len(tenant)
+
     def served_requests(self, *, replica: str | None = None) -> dict[str, dict[str, int]]:
         """What this replica has served, per request (call with `replica=` to ask a given one)."""
         with self._lock:
@@ -267,6 +273,11 @@ class SchedulerServer:
 
     def ready(self) -> bool:
         return self.embedded.service.ready()
+
+    async def forget_tenant(self, tenant_id: str, name: str) -> None:
+        """A removed tenant: its caches on the verifier and draft replicas and its metric series
+        go (`GenerationService.forget_tenant`; the verifier pool tells every replica)."""
+        await self.embedded.service.forget_tenant(tenant_id, name)
 
     def homes(self) -> dict[str, str]:
         """Request id -> verifier replica for the requests resident now (a diagnostic)."""

@@ -24,7 +24,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
-from gateway.ray_serve.releases import Evicted, Release, apply_releases, release_id
+from gateway.ray_serve.releases import DroppedTenant, Evicted, Release, apply_releases, release_id
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
 from workers.tree import TokenTree
@@ -113,15 +113,24 @@ class RemoteDrafter(Drafter):
         learning from its output (`SuffixDrafter.evict`)."""
         self._forget(Evicted(request_id))
 
+    def drop_tenant(self, tenant: str) -> None:
+        """A removed tenant: the draft replica this one's calls go to frees its caches (a suffix
+        cache of its outputs) now, not with the next draft call, which may never come."""
+        self._releases.append(DroppedTenant(tenant))
+        self._flush()
+
     def _forget(self, entry: Release) -> None:
         self._prefetched.pop(release_id(entry), None)
         self._releases.append(entry)
         if len(self._releases) >= FLUSH_RELEASES:
-            release, self._releases = self._releases, []
-            try:
-                self.handle.forget.remote(release, drafter=self.name, affinity=self.affinity)
-            except Exception:                       # a lost replica's state is gone anyway
-                pass
+            self._flush()
+
+    def _flush(self) -> None:
+        release, self._releases = self._releases, []
+        try:
+            self.handle.forget.remote(release, drafter=self.name, affinity=self.affinity)
+        except Exception:                           # a lost replica's state is gone anyway
+            pass
 
 
 class DraftService:

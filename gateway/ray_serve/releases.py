@@ -1,4 +1,5 @@
-"""What Ray mode's release lists carry: a request id that finished, or an `Evicted` one.
+"""What Ray mode's release lists carry: a request id that finished, an `Evicted` one, or a
+`DroppedTenant` (a removed tenant, whose caches every replica frees).
 
 Releases ride along with other calls (verifier steps and prefills, draft calls), so the far side
 learns late that a request went away. It must also learn how: a finished request's output is
@@ -17,10 +18,17 @@ class Evicted:
     request_id: str
 
 
-Release = Union[str, Evicted]     # a bare id: finished (or cancelled)
+@dataclass(frozen=True, slots=True)
+class DroppedTenant:
+    """A removed tenant, by its immutable id: its prefix-cache blocks and drafters' caches go
+    (`BatchWorker.drop_tenant`, `Drafter.drop_tenant`)."""
+    tenant: str
 
 
-def release_id(entry: Release) -> str:
+Release = Union[str, Evicted, DroppedTenant]     # a bare id: finished (or cancelled)
+
+
+def release_id(entry: str | Evicted) -> str:
     return entry.request_id if isinstance(entry, Evicted) else entry
 
 
@@ -31,11 +39,16 @@ class Releasing(Protocol):
 
     def evict(self, request_id: str) -> None: ...
 
+    def drop_tenant(self, tenant: str) -> None: ...
+
 
 def apply_releases(target: Releasing, entries: Iterable[Release]) -> None:
-    """`target.release(id)` for finished requests, `target.evict(id)` for evicted ones."""
+    """`target.release(id)` for finished requests, `target.evict(id)` for evicted ones,
+    `target.drop_tenant(id)` for removed tenants."""
     for entry in entries:
         if isinstance(entry, Evicted):
             target.evict(entry.request_id)
+        elif isinstance(entry, DroppedTenant):
+            target.drop_tenant(entry.tenant)
         else:
             target.release(entry)

@@ -86,6 +86,11 @@ class RemoteService:
         except Exception:
             self._ready = False
 
+    async def forget_tenant(self, tenant_id: str, name: str) -> None:
+        """`GenerationService.forget_tenant`, at the scheduler replica (whose step loop and
+        metrics hold what there is to forget)."""
+        await self.handle.forget_tenant.remote(tenant_id, name)
+
     async def generate(self, inp: GenerateInput) -> GenerateOutput:
         kind, value = await self.handle.generate.remote(inp)
         if kind == "error":

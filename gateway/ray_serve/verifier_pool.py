@@ -13,6 +13,9 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
 - `release` and `evict` cost no call of their own: they ride along with the home's next step call,
   or, for a home with no work in a step, go out in one call that nobody waits for
   (`gateway.ray_serve.releases`: an evicted request is marked, so drafters do not learn from it yet).
+- `drop_tenant` (a removed tenant) goes to every replica that has answered, at once, in such a
+  call: each frees the tenant's prefix-cache blocks and has its remote drafters tell their draft
+  replica to free the tenant's suffix cache (`RemoteDrafter.drop_tenant`).
 
 Every call after the prefill names the home (`replica=`), and the router sends it there.
 
@@ -40,7 +43,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from typing import Any, Container, Sequence
 
-from gateway.ray_serve.releases import Evicted, Release
+from gateway.ray_serve.releases import DroppedTenant, Evicted, Release
 from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 
 log = logging.getLogger(__name__)
@@ -130,6 +133,15 @@ class VerifierPool:
         home = self.home.pop(request_id, None)
         if home is not None:
             self._queue_release(home, entry)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """A removed tenant (its immutable id): every replica that has answered frees its caches
+        now (one call each, not waited for; a replica that never answered holds none of them)."""
+        with self._lock:
+            replicas = set(self._kv) | set(self._cache_usage) | set(self.assigned) | set(self.home.values())
+            for replica in replicas - self.dead:
+                self._releases[replica].append(DroppedTenant(tenant))
+        self._flush_releases(skip=())
 
     def resident(self) -> list[str]:
         return list(self.home)

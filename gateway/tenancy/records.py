@@ -6,6 +6,7 @@ import fnmatch
 import hashlib
 import re
 import secrets
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,13 @@ class SpeculationPolicy:
 
 @dataclass(frozen=True)
 class Tenant:
+    """`name` is what operators and clients see (metrics, quotas, fairness, the admin API); `id`
+    is what the engine's caches are keyed by (prefix cache, suffix drafter): made by the registry
+    when the tenant is created, kept while it is replaced or its keys rotate, never reused, so a
+    tenant deleted and created again under the same name starts with empty caches (a cache hit
+    would tell the new owner, through timing or drafts, what the old one sent). A `Tenant` built
+    by hand gets a fresh random id; the registry ignores it and keeps its own (see
+    `TenantRegistry.put`). Left out of equality: two records of one tenant compare by content."""
     name: str
     weight: float = 1.0                 # share of verifier work within its priority class
     priority: int = 0                   # 0 = most urgent class
@@ -39,6 +47,7 @@ class Tenant:
     max_prompt_tokens: int | None = None    # longer prompts are refused (413); None = the context
     models: tuple[str, ...] = ("*",)
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    id: str = field(default_factory=lambda: new_tenant_id(), compare=False)
 
     def allows_model(self, model: str) -> bool:
         """fnmatch patterns, case-sensitive: "*" allows every model, "llama-*" a family."""
@@ -48,7 +57,8 @@ class Tenant:
 
 
 def tenant_to_dict(t: Tenant) -> dict[str, Any]:
-    """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show)."""
+    """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show;
+    the id is stored beside it by the registry, `TenantRegistry`)."""
     s = t.speculation
     return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
             "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
@@ -56,6 +66,12 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
             "models": list(t.models),
             "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
                             "max_tree_tokens": s.max_tree_tokens}}
+
+
+def new_tenant_id() -> str:
+    """A tenant's immutable id: random (uuid4), so no two tenants ever share one, even across
+    replicas and restarts, and nothing about the name can be read from it."""
+    return "t-" + uuid.uuid4().hex
 
 
 # ---- keys -------------------------------------------------------------------------------------------

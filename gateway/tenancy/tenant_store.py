@@ -4,7 +4,8 @@
 Each call of a backend is atomic (one lock, or one Lua script), so a key is never owned by two
 tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = prefix):
 
-    P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict`; no keys, no digests)
+    P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict` and the tenant's
+                             immutable "id", first; no keys, no digests)
     P tenants:owner    hash  key digest -> tenant name          (what `authenticate` reads)
     P tenants:keys     hash  tenant name -> its key digests, space-separated (for remove/rotate)
     P tenants:expiry   hash  key digest -> Redis time (s) after which it stops working: a key
@@ -15,14 +16,33 @@ tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = 
 
 Grace deadlines are kept in Redis' own clock (TIME), so replicas whose clocks disagree still end
 a rotated-out key at one moment.
+
+A tenant's id is made by the `put` that creates it and kept by every later `put` of its name
+(spliced into the stored JSON in the same atomic step); `remove` returns the removed JSON, id
+included, so the caches keyed by it can be dropped.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 
+from gateway.tenancy.records import new_tenant_id
+
 OK, NOT_EMPTY, NO_TENANT, KEY_CONFLICT, ADMIN_CONFLICT = 1, 0, -1, -2, -3   # what `put` answers
 REVOKED, NOT_ADMIN, OWN_KEY, LAST_ADMIN = 1, -1, -2, -3            # what `revoke_admin` answers
+
+
+def with_id(cfg: str, tenant_id: str) -> str:
+    """The stored JSON: `cfg` (an object) with "id" put first, as `_PUT_LUA` does."""
+    return '{"id":' + json.dumps(tenant_id) + "," + cfg[1:]
+
+
+def stored_id(stored: str | None) -> str | None:
+    if stored is None:
+        return None
+    tenant_id = json.loads(stored).get("id")
+    return tenant_id if isinstance(tenant_id, str) else None
 
 
 class MemoryBackend:
@@ -81,18 +101,19 @@ class MemoryBackend:
                     self._owner[d] = name
                     self._expiry.pop(d, None)
                 self._keys[name] = list(digests) + kept
-            if cfg is not None:
-                self._cfg[name] = cfg
+            if cfg is not None:      # a tenant keeps its id; a new one gets a fresh one
+                self._cfg[name] = with_id(cfg, stored_id(self._cfg.get(name)) or new_tenant_id())
             return OK
 
-    def remove(self, name: str) -> bool:
+    def remove(self, name: str) -> str | None:
         with self._lock:
-            if self._cfg.pop(name, None) is None:
-                return False
+            cfg = self._cfg.pop(name, None)
+            if cfg is None:
+                return None
             for d in self._keys.pop(name, []):
                 del self._owner[d]
                 self._expiry.pop(d, None)
-            return True
+            return cfg
 
     def is_admin(self, digest: str) -> bool:
         return digest in self._admins
@@ -132,15 +153,16 @@ class MemoryBackend:
 _NOW_LUA = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
 
 # KEYS: cfg, owner, keys, expiry, admins.  ARGV: name, config JSON ("" = keep; the tenant must
-# exist), "1" to replace the tenant's keys with ARGV[6:] / "0" to keep them, "1" = only if no
-# tenant exists, grace seconds for the keys replaced (0: they stop at once).
+# exist), "1" to replace the tenant's keys with ARGV[7:] / "0" to keep them, "1" = only if no
+# tenant exists, grace seconds for the keys replaced (0: they stop at once), the id a new tenant
+# gets (an existing one keeps its own).
 _PUT_LUA = _NOW_LUA + """
 local name, cfg, replace, grace = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[5])
 if ARGV[4] == '1' and redis.call('HLEN', KEYS[1]) > 0 then return 0 end
 if cfg == '' and redis.call('HEXISTS', KEYS[1], name) == 0 then return -1 end
 if replace then
   local new = {}
-  for i = 6, #ARGV do
+  for i = 7, #ARGV do
     local owner = redis.call('HGET', KEYS[2], ARGV[i])
     if owner and owner ~= name then return -2 end
     if redis.call('SISMEMBER', KEYS[5], ARGV[i]) == 1 then return -3 end
@@ -165,7 +187,7 @@ if replace then
     end
   end
   local all = {}
-  for i = 6, #ARGV do
+  for i = 7, #ARGV do
     redis.call('HSET', KEYS[2], ARGV[i], name)
     redis.call('HDEL', KEYS[4], ARGV[i])
     all[#all + 1] = ARGV[i]
@@ -173,13 +195,22 @@ if replace then
   for _, d in ipairs(keep) do all[#all + 1] = d end
   redis.call('HSET', KEYS[3], name, table.concat(all, ' '))
 end
-if cfg ~= '' then redis.call('HSET', KEYS[1], name, cfg) end
+if cfg ~= '' then
+  local id, old = ARGV[6], redis.call('HGET', KEYS[1], name)
+  if old then
+    local ok, rec = pcall(cjson.decode, old)
+    if ok and type(rec) == 'table' and type(rec['id']) == 'string' then id = rec['id'] end
+  end
+  redis.call('HSET', KEYS[1], name, '{"id":' .. cjson.encode(id) .. ',' .. string.sub(cfg, 2))
+end
 return 1
 """
 
-# KEYS: cfg, owner, keys, expiry.  ARGV: name.  Returns 1 if the tenant existed.
+# KEYS: cfg, owner, keys, expiry.  ARGV: name.  Returns the removed tenant's JSON, or nil.
 _REMOVE_LUA = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+local cfg = redis.call('HGET', KEYS[1], ARGV[1])
+if not cfg then return false end
+redis.call('HDEL', KEYS[1], ARGV[1])
 local old = redis.call('HGET', KEYS[3], ARGV[1])
 if old then
   for d in string.gmatch(old, '%S+') do
@@ -188,7 +219,7 @@ if old then
   end
 end
 redis.call('HDEL', KEYS[3], ARGV[1])
-return 1
+return cfg
 """
 
 # KEYS: cfg, owner, expiry.  ARGV: digest.  The owning tenant's config JSON, or nil (also for a
@@ -253,11 +284,11 @@ class RedisBackend:
         return int(self._put(keys=[self._cfg, self._owner, self._keys, self._expiry, self._admins],
                              args=[name, cfg or "", "0" if digests is None else "1",
                                    "1" if only_if_empty else "0", repr(float(grace_s)),
-                                   *(digests or ())]))
+                                   new_tenant_id(), *(digests or ())]))
 
-    def remove(self, name: str) -> bool:
-        return bool(self._remove(keys=[self._cfg, self._owner, self._keys, self._expiry],
-                                 args=[name]))
+    def remove(self, name: str) -> str | None:
+        v = self._remove(keys=[self._cfg, self._owner, self._keys, self._expiry], args=[name])
+        return v.decode() if v else None
 
     def is_admin(self, digest: str) -> bool:
         return bool(self._r.sismember(self._admins, digest))

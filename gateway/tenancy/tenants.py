@@ -11,6 +11,11 @@ add, a removal, a key rotation or an admin key's revocation on its next request:
 cached. The backends and the Redis layout: `gateway.tenancy.tenant_store`. `authenticate` is one
 EVALSHA (owner lookup, grace deadline and config read in one step); add, replace, remove, rotate
 and revoke are one EVALSHA each.
+
+Tenant ids (`Tenant.id`): made by the store's `put` when it creates a tenant, kept by every later
+put of the same name, gone with `remove`; so a tenant removed and created again gets a new one,
+and the engine's caches, keyed by it, start empty (`GenerationService.forget_tenant` drops the old
+one's). The id is spliced into the stored JSON inside the same atomic put (tenant_store).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import functools
 import hashlib
 import json
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from gateway.tenancy.config import load_tenants_file, parse_tenant
@@ -40,7 +46,12 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 @functools.lru_cache(maxsize=4096)
 def _tenant_from_json(text: str) -> Tenant:
     # Stored records were validated on the way in; parsing again is cheap and cached by content.
-    return parse_tenant(json.loads(text))[0]
+    doc = json.loads(text)
+    tenant_id = doc.pop("id", None)
+    tenant = parse_tenant(doc)[0]
+    # A record stored before tenants had ids gets one made from its name until its next put.
+    return replace(tenant, id=tenant_id if isinstance(tenant_id, str) else f"legacy:{tenant.name}")
+
 
 
 def _to_json(t: Tenant) -> str:
@@ -185,7 +196,9 @@ class TenantRegistry:
         """Add or replace `tenant`. Given keys (plaintext or "sha256:" digests) replace the
         tenant's keys; with none, a replaced tenant keeps its keys (a new one has none until
         `rotate_key`). KeyConflict (a ValueError) if a key is another tenant's, an admin key or
-        the metrics key; then nothing changes."""
+        the metrics key; then nothing changes. `tenant.id` is ignored: a replaced tenant keeps
+        its stored id, a new one gets a fresh one (module docstring), so no caller can give a
+        tenant someone else's id."""
         self.put_digests(tenant, [hash_key(k) for k in api_keys] or None)
 
     def put_digests(self, tenant: Tenant, digests: Sequence[str] | None) -> None:
@@ -202,12 +215,15 @@ class TenantRegistry:
         if result == ADMIN_CONFLICT:
             raise KeyConflict("admin", f"an API key given for tenant {tenant.name!r} is an admin key")
 
-    def remove(self, name: str) -> bool:
-        """Remove a tenant; its keys stop working at once, on every replica. False if unknown."""
+    def remove(self, name: str) -> Tenant | None:
+        """Remove a tenant; its keys stop working at once, on every replica. Returns the removed
+        record (its id names the caches to drop: `GenerationService.forget_tenant`); None if
+        unknown."""
         removed = self._store.remove(name)
-        if removed:
-            log.info("tenant %r removed", name)
-        return removed
+        if removed is None:
+            return None
+        log.info("tenant %r removed", name)
+        return _tenant_from_json(removed)
 
     def rotate_key(self, name: str, grace_s: float = 0.0) -> str:
         """Give tenant `name` one new random key (returned, the one time it is seen). Its old

@@ -47,7 +47,9 @@ def ray_app(model_dir, redis_url):
     prefix = unique_prefix()
     TenantRegistry(redis_url, prefix).put(Tenant(name="t1"), [KEY])
     cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url, "store_prefix": prefix,
-                                  "drafters": "ngram", "admin_key": ADMIN, "grpc_port": free_port()})
+                                  "drafters": "ngram", "admin_key": ADMIN, "grpc_port": free_port(),
+                                  # no sweep: the tenant removal test checks the DELETE's own path
+                                  "tenant_sweep_s": 0})
     cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
     cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
     port = free_port()
@@ -194,6 +196,39 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
         assert 0 < samples[("specgate_prefix_cache_bytes", ())] <= samples[
             ("specgate_prefix_cache_capacity_bytes", ())]
         assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [str(model_dir)]
+
+
+def test_removing_a_tenant_at_an_ingress_frees_its_caches_on_every_verifier_replica(
+        ray_app, model_dir, redis_url):
+    """DELETE /admin/tenants/{name} at an ingress replica: the scheduler replica drops the
+    tenant's series, and every verifier replica its prefix-cache blocks; a tenant created again
+    under the name has another id."""
+    url, cfg = ray_app
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    registry = TenantRegistry(redis_url, Settings(**cfg.settings).store_prefix)
+    verifier = serve.get_deployment_handle("verifier", app_name="specgate")
+    scheduler = serve.get_deployment_handle("scheduler", app_name="specgate")
+    with httpx.Client(base_url=url, timeout=60) as h:
+        key = h.post("/admin/tenants", headers=admin, json={"name": "gone"}).json()["api_key"]
+        old = registry.get("gone").id
+        r = h.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                   json={"model": str(model_dir), "prompt": PROMPTS[0] * 12, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        replicas = list(scheduler.calls.remote().result())
+
+        def blocks() -> int:
+            return sum(verifier.tenant_blocks.remote(old, replica=rid).result() for rid in replicas)
+
+        assert blocks() > 0
+        assert 'tenant="gone"' in h.get("/metrics", headers=admin).text
+        assert h.delete("/admin/tenants/gone", headers=admin).status_code == 200
+        deadline = time.monotonic() + 10
+        while blocks() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert blocks() == 0
+        assert 'tenant="gone"' not in h.get("/metrics", headers=admin).text
+        h.post("/admin/tenants", headers=admin, json={"name": "gone"})
+        assert registry.get("gone").id != old
 
 
 def test_the_shipped_config_file_validates():

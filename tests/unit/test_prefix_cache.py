@@ -68,7 +68,7 @@ def test_a_longer_prompt_adds_only_its_new_blocks():
 
 
 def test_least_recently_used_goes_first_and_a_prefix_outlives_its_tails():
-    pc = PrefixCache(4, block=B)
+    pc = PrefixCache(4, block=B, tenant_share=1.0)     # one tenant: the whole capacity
     shared = [1, 2, 3, 4]
     x, y = shared + [5, 6, 7, 8], shared + [9, 10, 11, 12]
     pc.store("a", x, filled(x), [])
@@ -101,6 +101,49 @@ def test_usage_counts_the_blocks_held_against_the_capacity():
     assert pc.usage_bytes() == (4 * per_block, 4 * per_block)
     sized = PrefixCache.for_bytes(10 * 2**20, 30, 3, 64, torch.float32)
     assert sized.usage_bytes() == (0, sized.capacity_blocks * 2 * 30 * 3 * 32 * 64 * 4)
+
+
+def _distinct_prompts(n: int, blocks: int, start: int = 1000) -> list[list[int]]:
+    return [list(range(start + i * 100, start + i * 100 + blocks * B)) for i in range(n)]
+
+
+def test_one_tenants_many_prompts_leave_another_tenants_prefix_intact():
+    """Tenant "a" sends many distinct long prompts: past its share it evicts its own blocks, and
+    "b"'s cached prefix still hits in full."""
+    pc = PrefixCache(8, block=B)                       # a tenant may hold 4 blocks
+    mine = list(range(1, 1 + 2 * B))
+    pc.store("b", mine, filled(mine), [])
+    for p in _distinct_prompts(20, blocks=3):
+        pc.store("a", p, filled(p), pc.match("a", p))
+        assert pc.tenant_len("a") <= pc.tenant_blocks == 4
+    assert restored(pc, "b", mine) == mine
+    last = _distinct_prompts(20, blocks=3)[-1]
+    assert restored(pc, "a", last) == last             # its own latest prompt still hits
+
+
+def test_a_full_cache_takes_blocks_from_the_tenant_holding_the_most():
+    pc = PrefixCache(6, block=B, tenant_share=1.0)     # no share cap: only the eviction order
+    mine = list(range(1, 1 + 2 * B))
+    pc.store("b", mine, filled(mine), [])
+    for p in _distinct_prompts(10, blocks=2):
+        pc.store("a", p, filled(p), [])
+    assert len(pc) == 6 and pc.tenant_len("a") == 4
+    assert restored(pc, "b", mine) == mine
+
+
+def test_dropping_a_tenant_frees_its_blocks_and_stores_none_for_it_again():
+    per_block = 2 * 2 * 1 * B * 3 * 4
+    pc = PrefixCache(8, block=B)
+    gone, kept = list(range(1, 1 + 3 * B)), list(range(200, 200 + 2 * B))
+    pc.store("t-old", gone, filled(gone), [])
+    pc.store("t-other", kept, filled(kept), [])
+    assert pc.usage_bytes()[0] == 5 * per_block
+    assert pc.drop_tenant("t-old") == 3
+    assert pc.usage_bytes()[0] == 2 * per_block and pc.tenant_len("t-old") == 0
+    assert restored(pc, "t-old", gone) == []
+    pc.store("t-old", gone, filled(gone), [])         # a request of the removed tenant ends late
+    assert restored(pc, "t-old", gone) == [] and len(pc) == 2
+    assert restored(pc, "t-other", kept) == kept
 
 
 # ---- through the verifier --------------------------------------------------------------------

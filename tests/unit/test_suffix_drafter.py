@@ -400,3 +400,28 @@ def test_merge_forwards_evict_to_the_parts_that_have_it():
     merged.propose(DraftContext("r", "A", [2, 41, 42], 1), NO_SPECULATION)
     merged.evict("r")                                # the suffix part must not store r's output yet
     assert suffix.propose(ctx([9, 31, 32]), BIG) == TokenTree.chain([33])
+
+
+def test_a_dropped_tenant_leaves_nothing_and_a_new_id_drafts_from_nothing():
+    """Tenants reach drafters by immutable id: "t-1" removed and created again under its name is
+    "t-2", which gets no draft from "t-1"'s outputs; dropping "t-1" frees its cache, and one of its
+    requests that finishes later adds nothing back."""
+    secret = [1, 2, 3, 40, 41, 42, 43]
+    s = SuffixDrafter()
+    finish(s, secret, tenant="t-1")
+    finish(s, [7, 8, 9, 10], tenant="t-other")
+    late = "late"
+    s.propose(ctx([5, 6, 1, 2, 3, 40, 41], late, tenant="t-1", prompt_len=2), NO_SPECULATION)
+    assert s.propose(ctx([9, 1, 2, 3], "q1", tenant="t-1"), BIG).tokens[:1] == (40,)
+    assert s.propose(ctx([9, 1, 2, 3], "q2", tenant="t-2"), BIG) == TokenTree.empty()
+    assert s.cached_tokens("t-1") == len(secret)
+    s.drop_tenant("t-1")
+    assert s.cached_tokens("t-1") == 0
+    s.release(late)                                   # ran on past the removal
+    assert s.cached_tokens("t-1") == 0 and s.cached_tokens("t-other") == 4
+    assert s.propose(ctx([9, 1, 2, 3], "q3", tenant="t-1"), BIG) == TokenTree.empty()
+
+
+def test_drop_tenant_is_part_of_every_drafters_protocol():
+    for name in ("ngram", "suffix", "none", "merge:ngram+suffix"):
+        create_drafter(name).drop_tenant("t-gone")    # never raises; nothing kept: nothing to do

@@ -13,6 +13,10 @@ right for a drafter without it, so callers never probe for methods:
   finished outputs may learn from it now); default, nothing kept, nothing to do.
 - ``evict``: the request's KV was evicted and it will be prefilled again; forget it without
   learning from it yet; default, ``release``.
+- ``drop_tenant``: the tenant was removed; free what is kept for it across requests (a suffix
+  cache of its outputs) and keep nothing more for it; default, nothing is kept per tenant.
+  ``DraftContext.tenant`` is the tenant's immutable id, never reused, so a tenant created again
+  under the same name never meets the old one's state.
 
 ``batched`` says whether ``propose_batch`` drafts its requests together (one call's cost for the
 whole step: a draft model, a remote drafter) rather than one ``propose`` each (the default).
@@ -56,6 +60,9 @@ class Drafter:
 
     def evict(self, request_id: str) -> None:
         self.release(request_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        return None
 
 
 class NoneDrafter(Drafter):

@@ -131,3 +131,7 @@ class MergeDrafter(Drafter):
     def evict(self, request_id: str) -> None:
         for d in self.drafters:
             d.evict(request_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        for d in self.drafters:
+            d.drop_tenant(tenant)

@@ -281,7 +281,9 @@ class SuffixDrafter(Drafter):
     more per anchor, and ≤ 1 dict entry per anchor (~100 bytes; k-grams that repeat share one):
     ~400 bytes a token measured on text that rarely repeats, so ≤ ~40 MB at the default 100,000
     tokens. Caches are never evicted across tenants (that would let one tenant's traffic change
-    another's drafts), so the total is bounded by the configured tenants × that per-tenant bound.
+    another's drafts), so the total is bounded by the configured tenants × that per-tenant bound;
+    ``drop_tenant`` frees a removed tenant's cache (tenants are keyed by their immutable id, so a
+    tenant created again under the same name starts with an empty cache).
     """
 
     name = "suffix"
@@ -324,6 +326,9 @@ class SuffixDrafter(Drafter):
         self.anchors = tuple(anchors)
         self._requests: dict[str, _RequestState] = {}
         self._tenants: dict[str, _TenantCache] = {}
+        # Removed tenants' ids: a request of theirs that finishes later adds nothing. Ids are never
+        # reused, so this only grows, by one short string per removal.
+        self._dropped: set[str] = set()
 
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
         state = self._state(ctx)
@@ -356,8 +361,8 @@ class SuffixDrafter(Drafter):
         source = state.source
         if len(source) < len(indexed) or _tail_changed(indexed, source):
             source = indexed
-        if len(source) <= state.prompt_len:
-            return  # no output
+        if len(source) <= state.prompt_len or state.tenant in self._dropped:
+            return  # no output, or its tenant was removed
         start = max(0, state.prompt_len - self.max_match)
         cache = self._tenants.get(state.tenant)
         if cache is None:
@@ -368,6 +373,16 @@ class SuffixDrafter(Drafter):
         """Forget a request that will come back (evicted, not finished): its output joins the
         tenant's cache only once, when it finishes."""
         self._requests.pop(request_id, None)
+
+    def drop_tenant(self, tenant: str) -> None:
+        """Free a removed tenant's cache of outputs; nothing is added for it again."""
+        self._dropped.add(tenant)
+        self._tenants.pop(tenant, None)
+
+    def cached_tokens(self, tenant: str) -> int:
+        """Output tokens held in `tenant`'s cache (separators not counted)."""
+        cache = self._tenants.get(tenant)
+        return 0 if cache is None else cache.tokens
 
     def _state(self, ctx: DraftContext) -> _RequestState:
         state = self._requests.get(ctx.request_id)

@@ -9,7 +9,9 @@ Responses never contain a stored key or digest: a key is shown once, when it is 
     POST   /admin/tenants                   body: one tenant as in the tenants file (api_keys
                                             optional); 201 new / 200 replaced; "api_key" when one
                                             was generated (a new tenant given no keys)
-    DELETE /admin/tenants/{name}            {"id": name, "object": "tenant", "deleted": true}
+    DELETE /admin/tenants/{name}            {"id": name, "object": "tenant", "deleted": true};
+                                            the engine frees the tenant's caches and /metrics
+                                            drops its series
     POST   /admin/tenants/{name}/rotate-key {"tenant": name, "api_key": "sk-…", "grace_s": s}
                                             ?grace_s=S: the old keys keep working S seconds more
                                             (default DEFAULT_GRACE_S; 0 = they stop now)
@@ -24,6 +26,8 @@ thread pool and a store round trip never blocks the event loop.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -35,6 +39,8 @@ from gateway.tenancy.config import TenantsConfigError, parse_tenant
 from gateway.tenancy.records import tenant_to_dict
 from gateway.tenancy.tenant_store import LAST_ADMIN, NOT_ADMIN, OWN_KEY
 from gateway.tenancy.tenants import MAX_GRACE_S, KeyConflict
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 300.0     # long enough to roll a key out to clients, short enough to end a leak
 
@@ -82,9 +88,21 @@ def put_tenant(registry: TenantsDep, body: BodyDep) -> JSONResponse:
 
 
 @router.delete("/tenants/{name}")
-def delete_tenant(registry: TenantsDep, name: str) -> dict[str, Any]:
-    if not registry.remove(name):
+async def delete_tenant(request: Request, registry: TenantsDep, name: str) -> dict[str, Any]:
+    """Remove the tenant, then have the engine drop its caches and /metrics its series (the
+    service's `forget_tenant`; in Ray mode the scheduler replica's). A tenant created again under
+    the name gets a new id (gateway/tenancy/tenants.py), so it never meets the old caches even
+    where this replica cannot reach them (another gateway replica's engine keeps them until its
+    own eviction)."""
+    removed = await asyncio.to_thread(registry.remove, name)      # a store round trip
+    if removed is None:
         raise _not_found(name)
+    service = getattr(request.app.state, "service", None)
+    if service is not None:
+        try:
+            await service.forget_tenant(removed.id, removed.name)
+        except Exception:                  # removed all the same; only the freeing is late
+            log.exception("tenant %r removed, but its caches and series were not dropped", name)
     return {"id": name, "object": "tenant", "deleted": True}
 
 

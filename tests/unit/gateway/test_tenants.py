@@ -14,7 +14,7 @@ from gateway.tenancy.tenants import TenantRegistry
 
 EXAMPLE = {
     "tenants": [
-        {"name": "acme", "api_keys": ["sk-acme-1-longkey"], "weight": 2, "priority": 0, "rpm": 600,
+        {"name": "acme", "api_keys": ["sk-acme-0000000000-1-longkey"], "weight": 2, "priority": 0, "rpm": 600,
          "tpm": 200000, "max_concurrent": 16, "max_queued": 64, "max_prompt_tokens": 4000,
          "models": ["*"],
          "speculation": {"enabled": True, "drafters": ["ngram"], "max_tree_tokens": 32}},
@@ -31,7 +31,7 @@ def _sha(key: str) -> str:
 
 # ---- keys and parsing -------------------------------------------------------------------------------
 def test_hash_key_hashes_plaintext_and_passes_digests_through():
-    assert hash_key("sk-acme-1-longkey") == _sha("sk-acme-1-longkey")
+    assert hash_key("sk-acme-0000000000-1-longkey") == _sha("sk-acme-0000000000-1-longkey")
     digest = _sha("x")
     assert hash_key(digest) == digest
     assert hash_key(digest.upper().replace("SHA256:", "sha256:")) == digest
@@ -46,7 +46,7 @@ def test_parse_example():
     assert acme == Tenant("acme", weight=2.0, priority=0, rpm=600, tpm=200000, max_concurrent=16,
                           max_queued=64, max_prompt_tokens=4000, models=("*",),
                           speculation=SpeculationPolicy(True, ("ngram",), 32))
-    assert acme_keys == [_sha("sk-acme-1-longkey")]
+    assert acme_keys == [_sha("sk-acme-0000000000-1-longkey")]
     assert beta == Tenant("beta", models=("smollm2-*",),
                           speculation=SpeculationPolicy(False, (), 32))
     assert beta_keys == [_sha("sk-beta-1-longkey")]
@@ -87,9 +87,9 @@ BAD = [
     (("tenants", 0, "speculation"), {"enabled": "yes please"}, "tenants[0].speculation.enabled", "true or false"),
     (("tenants", 0, "speculation"), {"enabled": True, "drafters": []}, "tenants[0].speculation.drafters", "drafter"),
     (("tenants", 0, "speculation"), [1], "tenants[0].speculation", "mapping"),
-    (("tenants", 1, "api_keys"), ["sk-other-longkey", "sk-acme-1-longkey"], "tenants[1].api_keys[1]", "tenants[0]"),
+    (("tenants", 1, "api_keys"), ["sk-other-longkey", "sk-acme-0000000000-1-longkey"], "tenants[1].api_keys[1]", "tenants[0]"),
     (("tenants", 0, "api_keys"), ["sha256:1234"], "tenants[0].api_keys[0]", "64 hex"),
-    (("admin_keys",), ["sk-acme-1-longkey"], "admin_keys[0]", "tenants[0]"),
+    (("admin_keys",), ["sk-acme-0000000000-1-longkey"], "admin_keys[0]", "tenants[0]"),
     (("tenants", 0, "api_keys"), ["sk-short"], "tenants[0].api_keys[0]", "at least 16 characters"),
     (("admin_keys",), ["a"], "admin_keys[0]", "at least 16 characters"),
     (("tenants",), {"acme": {}}, "tenants", "list"),
@@ -109,8 +109,8 @@ def test_parse_errors_name_the_field(where, value, field, words):
 
 def test_parse_error_never_echoes_a_key():
     with pytest.raises(TenantsConfigError) as err:
-        parse_tenants(_with(("tenants", 1, "api_keys"), ["sk-acme-1-longkey"]))
-    assert "sk-acme-1-longkey" not in str(err.value)
+        parse_tenants(_with(("tenants", 1, "api_keys"), ["sk-acme-0000000000-1-longkey"]))
+    assert "sk-acme-0000000000-1-longkey" not in str(err.value)
 
 
 def test_file_error_names_file_and_line(tmp_path):
@@ -118,7 +118,7 @@ def test_file_error_names_file_and_line(tmp_path):
     path.write_text(textwrap.dedent("""\
         tenants:
           - name: acme
-            api_keys: ["sk-acme-1-longkey"]
+            api_keys: ["sk-acme-0000000000-1-longkey"]
           - name: beta
             rpm: -3
         """))
@@ -150,14 +150,14 @@ def _registry(store) -> TenantRegistry:
 
 def test_authenticate(store):
     registry = _registry(store)
-    assert registry.authenticate("sk-acme-1-longkey").name == "acme"
+    assert registry.authenticate("sk-acme-0000000000-1-longkey").name == "acme"
     assert registry.authenticate("sk-beta-1-longkey").name == "beta"      # configured as a digest
-    assert registry.authenticate("sk-acme-2-longkey") is None
+    assert registry.authenticate("sk-acme-0000000000-2-longkey") is None
     assert registry.authenticate("") is None and registry.authenticate(None) is None
     # A digest is not a key: sending what the store (or the file) holds gets nobody in.
-    assert registry.authenticate(_sha("sk-acme-1-longkey")) is None
+    assert registry.authenticate(_sha("sk-acme-0000000000-1-longkey")) is None
     assert registry.is_admin("sk-admin-1-longkey")
-    assert not registry.is_admin("sk-acme-1-longkey") and not registry.is_admin(None)
+    assert not registry.is_admin("sk-acme-0000000000-1-longkey") and not registry.is_admin(None)
     assert not registry.is_admin(_sha("sk-admin-1-longkey"))
 
 
@@ -166,9 +166,9 @@ def test_get_list_put_remove(store):
     assert [t.name for t in registry.list()] == ["acme", "beta"]
     assert registry.get("acme").rpm == 600 and registry.get("nobody") is None
     registry.put(Tenant("acme", rpm=10))                 # replace, keeping its keys
-    assert registry.authenticate("sk-acme-1-longkey").rpm == 10
+    assert registry.authenticate("sk-acme-0000000000-1-longkey").rpm == 10
     registry.put(Tenant("acme", rpm=11), ["sk-acme-new-longkey"])  # replace keys too
-    assert registry.authenticate("sk-acme-1-longkey") is None
+    assert registry.authenticate("sk-acme-0000000000-1-longkey") is None
     assert registry.authenticate("sk-acme-new-longkey").rpm == 11
     assert registry.remove("acme") and not registry.remove("acme")
     assert registry.authenticate("sk-acme-new-longkey") is None and registry.get("acme") is None
@@ -177,10 +177,10 @@ def test_get_list_put_remove(store):
 def test_put_with_another_tenants_key_changes_nothing(store):
     registry = _registry(store)
     with pytest.raises(ValueError, match="another tenant"):
-        registry.put(Tenant("gamma"), ["sk-new-longkey", "sk-acme-1-longkey"])
+        registry.put(Tenant("gamma"), ["sk-new-longkey", "sk-acme-0000000000-1-longkey"])
     assert registry.get("gamma") is None
     assert registry.authenticate("sk-new-longkey") is None
-    assert registry.authenticate("sk-acme-1-longkey").name == "acme"
+    assert registry.authenticate("sk-acme-0000000000-1-longkey").name == "acme"
 
 
 def test_put_rejects_an_invalid_tenant(store):
@@ -195,7 +195,7 @@ def test_rotate_key(store):
     new = registry.rotate_key("acme")
     assert new.startswith("sk-") and len(new) > 40
     assert registry.authenticate(new).name == "acme"
-    assert registry.authenticate("sk-acme-1-longkey") is None
+    assert registry.authenticate("sk-acme-0000000000-1-longkey") is None
     assert registry.authenticate("sk-beta-1-longkey").name == "beta"     # other tenants untouched
     assert registry.rotate_key("acme") != new
     with pytest.raises(KeyError):
@@ -220,7 +220,7 @@ def test_no_dev_tenant_when_tenants_exist(store):
 def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
     url, prefix = store
     path = tmp_path / "tenants.yaml"
-    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1-longkey], rpm: 5}\n"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-0000000000-1-longkey], rpm: 5}\n"
                     "admin_keys: [sk-admin-1-longkey]\n")
     first = TenantRegistry(url, prefix)
 
@@ -233,15 +233,15 @@ def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
 
     new = start_replica().rotate_key("acme")
     second = start_replica()
-    assert second.authenticate("sk-acme-1-longkey") is None        # the rotation stands
+    assert second.authenticate("sk-acme-0000000000-1-longkey") is None        # the rotation stands
     assert second.authenticate(new).name == "acme"
     assert second.remove("acme")
     assert start_replica().get("acme") is None              # and so does a removal
     # An edited entry is applied again: the file is the operator's word.
-    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-1-longkey], rpm: 6}\n"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-0000000000-1-longkey], rpm: 6}\n"
                     "admin_keys: [sk-admin-2-longkey]\n")
     third = start_replica()
-    assert third.authenticate("sk-acme-1-longkey").rpm == 6
+    assert third.authenticate("sk-acme-0000000000-1-longkey").rpm == 6
     assert third.authenticate(new) is None
     assert third.is_admin("sk-admin-2-longkey") and not third.is_admin("sk-admin-1-longkey")
 
@@ -250,10 +250,10 @@ def test_reloading_the_same_file_keeps_admin_changes(store, tmp_path):
 def test_two_registries_over_one_redis_see_changes_at_once(redis_url, redis_prefix):
     a = TenantRegistry(redis_url, redis_prefix)
     b = TenantRegistry(redis_url, redis_prefix)
-    a.put(Tenant("acme", rpm=7), ["sk-acme-1-longkey"])
-    assert b.authenticate("sk-acme-1-longkey") == Tenant("acme", rpm=7)
+    a.put(Tenant("acme", rpm=7), ["sk-acme-0000000000-1-longkey"])
+    assert b.authenticate("sk-acme-0000000000-1-longkey") == Tenant("acme", rpm=7)
     new = b.rotate_key("acme")
-    assert a.authenticate("sk-acme-1-longkey") is None and a.authenticate(new).name == "acme"
+    assert a.authenticate("sk-acme-0000000000-1-longkey") is None and a.authenticate(new).name == "acme"
     a.put(Tenant("acme", rpm=8))
     assert b.get("acme").rpm == 8
     assert b.remove("acme")
@@ -307,3 +307,40 @@ def test_parse_tenant_is_the_admin_body_parser():
     with pytest.raises(TenantsConfigError) as err:
         parse_tenant({"name": "solo", "rpm": "3"})
     assert err.value.field == "rpm"
+
+
+# ---- tenant ids: what the engine's caches are keyed by --------------------------------------------------
+def test_a_tenant_keeps_its_id_until_removed_and_comes_back_with_a_new_one(store, tmp_path):
+    url, prefix = store
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-0000000000-1], rpm: 5}\n")
+    registry = TenantRegistry.from_file(path, url, prefix)
+    first = registry.get("acme").id
+    assert first and registry.authenticate("sk-acme-0000000000-1").id == first
+    # replaced, keys rotated, the file applied again: the same tenant, the same id
+    registry.put(Tenant("acme", rpm=9, id="t-chosen-by-a-caller"))    # a caller cannot set it
+    registry.rotate_key("acme")
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-0000000000-2], rpm: 6}\n")
+    registry.load_config(*load_tenants_file(path))
+    assert registry.get("acme").id == first and registry.authenticate("sk-acme-0000000000-2").id == first
+    assert [t.id for t in registry.list()] == [first]
+    # removed (the record says which id went) and created again under the same name: a new id
+    removed = registry.remove("acme")
+    assert removed.name == "acme" and removed.id == first
+    registry.put(Tenant("acme"), ["sk-acme-0000000000-3"])
+    again = registry.authenticate("sk-acme-0000000000-3").id
+    assert again not in (first, "t-chosen-by-a-caller")
+    assert registry.remove("acme").id == again and registry.remove("acme") is None
+    registry.put(Tenant("acme"))
+    assert registry.get("acme").id not in (first, again)
+    dev = TenantRegistry(url, prefix + "dev:")
+    assert dev.authenticate(dev.ensure_dev_tenant()).id.startswith("t-")
+
+
+def test_every_replica_sees_one_id_per_tenant(redis_url, redis_prefix):
+    a = TenantRegistry(redis_url, redis_prefix)
+    b = TenantRegistry(redis_url, redis_prefix)
+    a.put(Tenant("acme"), ["sk-acme-0000000000-1"])
+    assert b.authenticate("sk-acme-0000000000-1").id == a.get("acme").id
+    b.put(Tenant("acme", rpm=3))
+    assert a.get("acme").id == b.get("acme").id

@@ -317,3 +317,59 @@ def test_new_requests_go_where_kv_room_is_and_the_pool_keeps_each_replicas_budge
     # an idle pool still knows the budgets after the reports age (else a burst would start unbounded)
     later = time.monotonic() + CACHE_REPORT_TTL_S + 1
     assert pool.kv_budgets(now=later) == {"r0": workers[0].kv_slots()}
+
+
+class _DraftCall:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args, **kwargs):
+        return _Response(self.fn(*args, **kwargs))
+
+
+class DraftHandle:
+    """The draft deployment, one replica: `propose` and `forget` over a real DraftService."""
+
+    def __init__(self):
+        from gateway.ray_serve.draft_pool import DraftService
+
+        self.service = DraftService()
+        self.propose = _DraftCall(lambda items, *, drafter, affinity=None, release=():
+                                  self.service.propose(items, drafter, release))
+        self.forget = _DraftCall(lambda entries, *, drafter, affinity=None:
+                                 self.service.forget(entries, drafter))
+
+
+def test_a_removed_tenant_is_dropped_on_every_replica_and_at_their_draft_replica(tiny_model):
+    """`drop_tenant` (a tenant removed at the admin API) reaches every verifier replica at once,
+    without waiting for a step: each frees the tenant's prefix-cache blocks, and its remote
+    drafter has the draft replica free the tenant's suffix cache."""
+    from gateway.ray_serve.draft_pool import RemoteDrafter
+    from workers.contract import DraftContext
+
+    draft = DraftHandle()
+    workers = [BatchWorker(Verifier(LlamaForward(tiny_model), prefix_cache=PrefixCache(16, block=4)),
+                           drafters={"suffix": RemoteDrafter(draft, "suffix", affinity=f"r{i}")})
+               for i in range(2)]
+    handle = StandInHandle(workers)
+    pool = VerifierPool(handle, context_limit=workers[0].context_limit, lost_errors=(ReplicaGone,))
+    for rid, tenant in (("q0", "t-1"), ("q1", "t-1"), ("q2", "t-2")):
+        pool.prefill(rid, list(range(5, 14)), prompt_len=9, sampling=SamplingParams(),
+                     max_new_tokens=8, tenant=tenant, drafter="suffix")
+    assert {pool.home["q0"], pool.home["q1"]} == {"r0", "r1"}
+    # the draft replica has learnt one finished output of each tenant's
+    for rid, tenant in (("d1", "t-1"), ("d2", "t-2")):
+        draft.service.propose([(DraftContext(rid, tenant, [1, 2, 3, 4, 5, 6], 2), TreeBudget(0, 0))],
+                              "suffix")
+        draft.service.forget([rid], "suffix")
+    suffix = draft.service.drafters["suffix"]
+    kept = suffix.cached_tokens("t-2")
+    assert suffix.cached_tokens("t-1") == kept > 0
+    assert all(w.verifier.prefix_cache.tenant_len("t-1") == 2 for w in workers)
+
+    pool.drop_tenant("t-1")
+    assert [w.verifier.prefix_cache.tenant_len("t-1") for w in workers] == [0, 0]
+    assert suffix.cached_tokens("t-1") == 0
+    assert suffix.cached_tokens("t-2") == kept                  # another tenant's stays
+    assert sum(w.verifier.prefix_cache.tenant_len("t-2") for w in workers) == 2
+    assert sorted(r for name, r, _ in handle.log if name == "release") == ["r0", "r1"]

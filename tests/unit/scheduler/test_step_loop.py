@@ -248,3 +248,29 @@ def test_restart_recovery_redis_store(redis_url, redis_prefix):
     finally:
         store_a.close()
         store_b.close()
+
+
+# ---- tenants: caches keyed by id, dropped on the loop's thread -------------------------------------
+def test_the_worker_gets_the_tenants_id_and_drops_a_removed_tenant_at_a_step_boundary():
+    """The worker keys caches by `Request.tenant_id` (the name only without one); a removal
+    (`drop_tenant`, from the gateway's thread) reaches the worker at the next step boundary, on
+    the thread that steps, like every other worker call."""
+    class Recording(FakeWorker):
+        def drop_tenant(self, tenant):
+            super().drop_tenant(tenant)
+            self.drop_thread = threading.current_thread()
+
+    worker = Recording()
+    loop = make_loop(worker=worker)
+    with_id = request("r1", tenant="acme")
+    with_id.stats.tenant_id = "t-1"
+    loop.submit(with_id)
+    loop.submit(request("r2", tenant="offline"))
+    run_to_end(loop)
+    assert worker.tenants == {"r1": "t-1", "r2": "offline"}
+    loop.drop_tenant("t-1")
+    assert worker.dropped_tenants == []                  # queued, not applied off the loop
+    stepper = threading.Thread(target=loop.step)
+    stepper.start()
+    stepper.join()
+    assert worker.dropped_tenants == ["t-1"] and worker.drop_thread is stepper

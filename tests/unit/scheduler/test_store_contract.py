@@ -39,6 +39,7 @@ def rich_request(rid: str = "rich") -> Request:
         s.record_step(StepRecord(rid, 6, tau, tried=tau + 1), 1.0 + i / 3, 1.1 + i / 3)
     s.status, s.level, s.perceptible = Status.PREEMPTED, 2, True
     s.predicted_remaining_s, s.max_wait_s = 1 / 3, float("inf")
+    s.tenant_id = "t-0123abcd"
     return Request(s, [101, 7, 0, 65535, 9], SamplingParams(temperature=0.7, top_k=40, top_p=0.9,
                                                             seed=1234),
                    stop_token_ids=(2, 7), stop=("\n\n", "END", "ü"), drafter="ngram",
