@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    # one process per replica id over one Redis: its lease, renewed every third of this; a dead
+    # replica's id is free (and its requests adopted by a live replica) once it runs out
+    replica_lease_s: float = Field(10.0, gt=0)
     # what one Redis call may take before it fails (a 503 with Retry-After to a client; the step
     # loop waits and retries); socket and connect timeout of every Redis client
     redis_timeout_s: float = Field(1.0, gt=0)

@@ -165,6 +165,31 @@ class StepLoop:
         self._wake.set()
         return ADMITTED
 
+    def adopt(self, requests: Sequence[Request]) -> list[str]:
+        """Take over requests another replica's loop held (it died and its lease ran out): each
+        is written to this loop's store with what it committed, then queued as a recovered one
+        is (no KV: it is prefilled with prompt + committed output when first planned). Requests
+        already here are skipped. Returns the ids taken. Any thread."""
+        taken = []
+        for req in requests:
+            s = req.stats
+            if s.status.terminal:
+                continue
+            if s.status is Status.RUNNING:
+                s.status = Status.PREEMPTED            # its batch died with its replica
+            s.prefill_left = None
+            s.kv_tokens, s.kv_home = 0, None
+            try:
+                self.store.add(req)
+            except ValueError:                         # already stored here: adopted before
+                continue
+            with self._lock:
+                self.admission.restore(s.tenant)
+            self._inbox.append(("submit", req))
+            taken.append(req.request_id)
+        self._wake.set()
+        return taken
+
     def cancel(self, request_id: str, *, status: Status = Status.CANCELLED,
                cause: str | None = None) -> None:
         """End a request at the next step boundary: cancelled (client gone), or finished early

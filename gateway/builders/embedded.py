@@ -48,9 +48,12 @@ class Embedded:
     thread: Any = None
     kv_note: str | None = None          # the KV budget, as reported at start
     _sweeping: Any = None               # set to stop the tenant sweep (`_sweep_tenants`)
+    replica: Any = None                 # the replica id's lease (gateway/builders/replica.py)
 
     def start(self) -> None:
         self.thread = self.step_loop.start()
+        if self.replica is not None:
+            self.replica.hold(self.step_loop, on_lost=self.step_loop.stop, alive=self.loop_alive)
         every = self.settings.tenant_sweep_s
         if self.settings.redis_url and every > 0:      # in memory, every DELETE is heard here
             self._sweeping = threading.Event()
@@ -63,6 +66,8 @@ class Embedded:
             self._sweeping = None
         self.step_loop.stop()
         self.thread = None
+        if self.replica is not None:
+            self.replica.release()
         self.step_loop.store.close()
 
     def _sweep_tenants(self, stopping: threading.Event, every_s: float) -> None:
@@ -129,6 +134,15 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
                                 ridge=shipped[1] if shipped else 1.0)
     step_loop = StepLoop(policy, metrics.instrument(worker), store, admission=admission,
                          max_resident=max_resident, lengths=lengths, kv_budgets=kv_budgets)
+    replica = None
+    if recover and settings.redis_url:
+        # one process per replica id: taken before recovery, so two never step the same requests
+        from gateway.builders.replica import ReplicaLease
+        from scheduler.store.redis_client import redis_client
+        replica = ReplicaLease(redis_client(settings.redis_url, timeout_s), settings.store_prefix,
+                               settings.replica_id, settings.replica_lease_s,
+                               ended_ttl_s=settings.ended_ttl_s)
+        replica.acquire()
     recovered = step_loop.recover() if recover else []
     tenants = TenantRegistry.from_settings(settings)   # the configured admin keys, too
     dev_key = tenants.ensure_dev_tenant()
@@ -139,7 +153,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     limiter = Limiter(settings.redis_url, settings.store_prefix, timeout_s=timeout_s,
                       lease_s=settings.concurrency_lease_s)
     emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
-                   recovered, kv_note=kv_note)
+                   recovered, kv_note=kv_note, replica=replica)
     if kv_note:
         log.info(kv_note)
     checks: list[Callable[[], bool]] = [emb.loop_alive]

@@ -172,6 +172,20 @@ class RedisStore:
             known.pop(s.request_id, None)
             self._outs.pop(s.request_id, None)
 
+    def hand_over(self, request_ids: list[str]) -> None:
+        """Requests another replica's store has taken over (this one's replica died): out of
+        `live`, and their keys expire as an ended request's do. One MULTI/EXEC."""
+        if not request_ids:
+            return
+        pipe = self._r.pipeline(transaction=True)
+        pipe.zrem(self._live_key, *request_ids)
+        for rid in request_ids:
+            for key in self._keys(rid):
+                pipe.pexpire(key, self.ended_ttl_ms)
+            self._taus.pop(rid, None)
+            self._outs.pop(rid, None)
+        pipe.execute()
+
     @staticmethod
     def _push_history(pipe, key: str, stored: int, history: list[int]) -> int:
         """Queue the τ values beyond the `stored` ones; returns the new stored count. The history
