@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")
     p.add_argument("--dtype", choices=["float32", "bfloat16"])
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
-    p.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens a step may prefill beside "
-                   "the running requests' trees, so a long prompt does not stall them; 0: each "
+    p.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens a step may prefill, per "
+                   "request waiting for its context, beside the running requests' trees, so a "
+                   "long prompt does not stall them; 0: each "
                    "prompt prefilled whole, alone (default 24)")
     p.add_argument("--kv-cache-mb", type=float, help="KV memory of the resident requests and the "
                    "prefix cache together; past it requests wait or are preempted (default: half "

@@ -195,8 +195,9 @@ class LAPS(Policy):
             return max(1.0, mean_beyond(mu, max(sigma, 1e-3), max(0, s.committed - at),
                                         max(1, s.max_tokens - at)))
         if self.lengths is not None:
-            # the arrival prediction goes through the tenant's record (length_model.py)
-            return self.lengths.expected_remaining(s.tenant, s.predicted_len, s.committed,
+            # the arrival prediction goes through the tenant's record (length_model.py), kept by its
+            # id: a tenant created again under a name starts without the old one's record
+            return self.lengths.expected_remaining(s.cache_tenant, s.predicted_len, s.committed,
                                                    s.max_tokens)
         left = s.max_tokens - s.committed
         if s.predicted_len is None:
@@ -234,7 +235,7 @@ class LAPS(Policy):
         finished = super().update(state, records, now, step_s)
         if self.lengths is not None:
             for s in finished:
-                self.lengths.observe(s.tenant, s.predicted_len, s.committed)
+                self.lengths.observe(s.cache_tenant, s.predicted_len, s.committed)
         return finished
 
     def key(self, s: RequestStats) -> float:

@@ -276,6 +276,11 @@ def test_laps_learns_lengths_from_finished_requests():
     policy.refresh(state, unknown)                             # the tenant's record stands in
     assert unknown.perceptible
     assert make_policy("laps", lengths="predicted").remaining_tokens(fresh) == 44
+    # the record is the tenant's id's: a tenant created again under the name starts without it
+    recreated = stats("z", tenant="t", predicted=50, taus=(2, 2, 2))
+    recreated.tenant_id = "t-created-again"
+    stranger = stats("w", tenant="never-seen", predicted=50, taus=(2, 2, 2))
+    assert policy.remaining_tokens(recreated) == policy.remaining_tokens(stranger) < 150
     with pytest.raises(ValueError):
         make_policy("laps", lengths="oracle")
 
