@@ -158,6 +158,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
         log.info(kv_note)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
+    store_probe = None
     if settings.redis_url:
         from scheduler.store.redis_client import StoreProbe, redis_client
         # the store answers a ping (bounded, cached) and the loop's writes go through
@@ -165,12 +166,14 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
         checks += [probe, step_loop.store_writing]
         components["state_store"] = probe.last                # a scrape runs on the event loop
         components["state_store_writes"] = step_loop.store_writing
+        store_probe = probe
     metrics.watch(step_loop, components)
     emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
                                     limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,
                                     drafters=settings.drafter_names, ready_checks=checks,
                                     length_oracle=oracle)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
+    emb.app.state.store_probe = store_probe       # new requests fail fast while Redis is away
     return emb
 
 

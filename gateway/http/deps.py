@@ -66,12 +66,36 @@ def bearer_key(request: Request) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
+def _store_down(request: Request, tenants: TenantRegistry) -> bool:
+    """Redis known not to answer (the last bounded ping, refreshed in the background: never
+    waits): a new request gets its 503 at once, instead of each holding a thread for a timeout
+    (a burst during an outage would queue behind the thread pool for many seconds)."""
+    probe = getattr(request.app.state, "store_probe", None)
+    return tenants.remote and probe is not None and not probe.last()
+
+
+def _authenticate(request: Request, tenants: TenantRegistry, key: str) -> Tenant | None:
+    # asked again on the thread: a request queued for a thread while the first ping failed is
+    # refused at once, not after a timeout of its own
+    if _store_down(request, tenants):
+        raise errors.store_unavailable()
+    try:
+        return tenants.authenticate(key)
+    except errors.STORE_ERRORS:
+        probe = getattr(request.app.state, "store_probe", None)
+        if probe is not None:
+            probe.failed()
+        raise
+
+
 async def current_tenant(request: Request, tenants: TenantsDep) -> Tenant:
     key = bearer_key(request)
+    if key and _store_down(request, tenants):
+        raise errors.store_unavailable()
     # In Redis the lookup waits on the network (up to the store's timeout when Redis does not
     # answer): a thread's, never the event loop's. In memory it is a dict lookup: no hop.
-    tenant = (await asyncio.to_thread(tenants.authenticate, key) if key and tenants.remote
-              else tenants.authenticate(key))
+    tenant = (await asyncio.to_thread(_authenticate, request, tenants, key)
+              if key and tenants.remote else tenants.authenticate(key))
     if tenant is None:
         raise errors.unauthorized()
     return tenant
@@ -90,6 +114,8 @@ async def require_admin(request: Request, tenants: TenantsDep, settings: Setting
     key = bearer_key(request)
     if key is None:
         raise errors.unauthorized("missing admin key: send 'Authorization: Bearer <admin key>'")
+    if _store_down(request, tenants):
+        raise errors.store_unavailable()
     if tenants.remote:
         await asyncio.to_thread(_check_admin, tenants, settings, key)
     else:

@@ -65,6 +65,11 @@ class StoreProbe:
         finally:
             self._lock.release()
 
+    def failed(self) -> None:
+        """A call elsewhere just timed out or failed: Redis is down until a ping says otherwise
+        (a cache time from now), so the requests behind it need not wait a timeout each."""
+        self._up, self._at = False, time.monotonic()
+
     def last(self) -> bool:
         """The last answer, never waiting; a stale one is refreshed on a short-lived thread, for
         callers on the event loop (a /metrics scrape)."""

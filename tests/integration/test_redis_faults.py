@@ -152,6 +152,40 @@ def test_a_request_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_re
         emb.stop()
 
 
+def test_a_burst_while_redis_hangs_gets_its_503s_in_2s_and_service_resumes(own_redis):
+    """Each request that waits on Redis holds a thread for a timeout; a burst of them would
+    queue behind the thread pool. Once a ping has failed, new requests are refused at once; when
+    Redis answers again, requests are served again within the probe's cache time."""
+    emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
+    emb.tenants.put(Tenant("acme", rpm=10_000, max_concurrent=64), ["sk-acme"])
+    emb.start()
+    try:
+        with background_server(emb.app, log_level="critical") as url:
+            async def scenario():
+                async with httpx.AsyncClient(timeout=30) as client:
+                    assert (await post(client, url, "sk-acme", body(3))).status_code == 200
+                    with paused(own_redis):
+                        t0 = time.monotonic()
+                        burst = await asyncio.gather(*[post(client, url, "sk-acme", body(3))
+                                                       for _ in range(24)])
+                        burst_s = time.monotonic() - t0
+                    deadline = time.monotonic() + 10
+                    while True:
+                        r = await post(client, url, "sk-acme", body(3))
+                        if r.status_code == 200 or time.monotonic() > deadline:
+                            return burst, burst_s, r, time.monotonic() - (t0 + burst_s)
+                        await asyncio.sleep(0.1)
+
+            burst, burst_s, after, resumed_s = asyncio.run(scenario())
+        for r in burst:
+            check_refused(r, (503,))
+        assert burst_s < 2.0, burst_s
+        assert after.status_code == 200, after.text
+        assert resumed_s < 3.0, resumed_s
+    finally:
+        emb.stop()
+
+
 def test_admin_auth_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_redis):
     """The admin key is checked in Redis too: off the event loop, and a 503 when it hangs."""
     admin = "adm-" + uuid.uuid4().hex
