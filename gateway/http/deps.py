@@ -67,11 +67,11 @@ def bearer_key(request: Request) -> str | None:
 
 
 def _store_down(request: Request, tenants: TenantRegistry) -> bool:
-    """Redis known not to answer (the last bounded ping, refreshed in the background: never
-    waits): a new request gets its 503 at once, instead of each holding a thread for a timeout
-    (a burst during an outage would queue behind the thread pool for many seconds)."""
+    """Redis failed a ping or a call within the probe's cache time (never waits): a new request
+    gets its 503 at once, instead of each holding a thread for a timeout (a burst during an
+    outage would queue behind the thread pool for many seconds)."""
     probe = getattr(request.app.state, "store_probe", None)
-    return tenants.remote and probe is not None and not probe.last()
+    return tenants.remote and probe is not None and probe.down_now()
 
 
 def _authenticate(request: Request, tenants: TenantRegistry, key: str) -> Tenant | None:

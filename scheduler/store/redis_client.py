@@ -66,9 +66,15 @@ class StoreProbe:
             self._lock.release()
 
     def failed(self) -> None:
-        """A call elsewhere just timed out or failed: Redis is down until a ping says otherwise
-        (a cache time from now), so the requests behind it need not wait a timeout each."""
+        """A call elsewhere just timed out or failed: Redis counts as down for a cache time
+        (`down_now`), so the requests behind it need not wait a timeout each."""
         self._up, self._at = False, time.monotonic()
+
+    def down_now(self) -> bool:
+        """Did a ping or a call fail within the cache time? Never waits, never pings: once that
+        is older, the next caller tries Redis itself (and, failing, marks it down again), so a
+        Redis that is back is used at once."""
+        return not self._up and time.monotonic() - self._at < self._cache_s
 
     def last(self) -> bool:
         """The last answer, never waiting; a stale one is refreshed on a short-lived thread, for
