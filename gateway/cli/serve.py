@@ -24,7 +24,7 @@ from gateway.settings import Settings
 log = logging.getLogger("specgate.serve")
 
 # flag → settings field; flags left out keep the environment's value or the default
-_FLAGS = ("host", "port", "model", "tenants_file", "redis_url", "policy", "drafters", "grpc_port",
+_FLAGS = ("host", "port", "model", "served_model_name", "tenants_file", "redis_url", "policy", "drafters", "grpc_port",
           "dtype", "max_batch", "prefill_chunk_tokens", "kv_cache_mb", "step_profile", "log_level",
           "fake_worker", "fake_step_ms")
 
@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--model", help="built-in name, HF model directory or .gguf file "
                                    "(default smollm2-135m)")
+    p.add_argument("--served-model-name", help="the model id clients send and /v1/models lists "
+                   "(default: --model; set it when --model is a path)")
     p.add_argument("--tenants", dest="tenants_file", help="tenants YAML file (default: one 'dev' "
                    "tenant whose key is printed at start-up)")
     p.add_argument("--redis-url", help="Redis for scheduler state, tenants and rate limits "

@@ -40,6 +40,29 @@ def test_flags_override_the_environment_which_overrides_defaults(monkeypatch):
     assert (s.policy, s.grpc_port, s.redis_url, str(s.tenants_file)) == ("las", 0, "redis://h:1/0", "t.yaml")
 
 
+def test_served_model_name_is_a_flag_and_the_id_clients_send(tmp_path):
+    """A model given as a path need not be the id clients send: --served-model-name names it,
+    /v1/models lists it, and a request naming it is served (the path is not accepted)."""
+    s = serve_cmd.settings_from_args(parse(["--fake-worker", "--model", str(tmp_path / "my-model"),
+                                            "--served-model-name", "acme-chat"]))
+    assert (s.model_id, s.model) == ("acme-chat", str(tmp_path / "my-model"))
+    emb = build_embedded(s)
+    emb.tenants.put(Tenant("acme"), ["sk-acme-0123456789"])
+    emb.start()
+    try:
+        with background_server(emb.app, log_level="critical") as url:
+            h = {"Authorization": "Bearer sk-acme-0123456789"}
+            assert [m["id"] for m in httpx.get(url + "/v1/models", headers=h).json()["data"]] == ["acme-chat"]
+            ok = httpx.post(url + "/v1/completions", headers=h, timeout=30,
+                            json={"model": "acme-chat", "prompt": "hi", "max_tokens": 2})
+            assert ok.status_code == 200, ok.text
+            by_path = httpx.post(url + "/v1/completions", headers=h, timeout=30,
+                                 json={"model": str(tmp_path / "my-model"), "prompt": "hi", "max_tokens": 2})
+            assert by_path.status_code == 404 and by_path.json()["error"]["code"] == "model_not_found"
+    finally:
+        emb.stop()
+
+
 def test_bad_settings_are_refused_before_anything_loads(monkeypatch):
     with pytest.raises(SystemExit):
         parse(["--policy", "random"])
