@@ -12,6 +12,7 @@ Qwen2: q/k/v biases are honoured); transformers stays the reference in the exact
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from workers import small_gemm
 from workers.cpu_linear import Linear, pick_backend
 from workers.kv_cache import KVCache
+from workers.model_support import attention_window, unsupported
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,13 +46,22 @@ class LlamaForward:
         if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported by the lean forward; "
                              f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}")
+        problems = unsupported(hf_model)
+        if problems:
+            raise ValueError(f"this {cfg.model_type} checkpoint uses what the lean forward does not "
+                             f"compute, so it would not decode as its model does: {'; '.join(problems)}")
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        self.max_positions = cfg.max_position_embeddings
+        # a sliding window is exact only while every sequence fits in it (model_support.py)
+        self.window = attention_window(cfg)
+        self.max_positions = min(cfg.max_position_embeddings, self.window or cfg.max_position_embeddings)
+        if self.window is not None and self.window < cfg.max_position_embeddings:
+            log.warning("%s: context limited to its %d-token sliding window (attention past it "
+                        "is not implemented)", cfg.model_type, self.window)
         self.vocab_size = cfg.vocab_size
         inner = hf_model.model
         self.dtype = inner.embed_tokens.weight.dtype
