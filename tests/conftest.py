@@ -21,9 +21,14 @@ def tiny_llama(seed: int = 0, *, vocab: int = 128, layers: int = 2, max_position
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
                       attention_bias=attention_bias, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     # head_dim 64 (wider than hidden / heads), as SmolLM2's: the CPU attention kernel serves it
-    model = LlamaForCausalLM(cfg).eval()
-    # Larger-than-default init spreads the logits, so greedy ties (which would make exactness
-    # comparisons depend on rounding) are vanishingly rare.
+    return spread_weights(LlamaForCausalLM(cfg).eval())
+
+
+def spread_weights(model):
+    """Larger-than-default init of every weight matrix: it spreads the logits, so greedy ties
+    (which would make exactness comparisons depend on rounding) are vanishingly rare."""
+    import torch
+
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

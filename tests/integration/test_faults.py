@@ -89,16 +89,6 @@ class OwnRedis:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-@pytest.fixture
-def own_redis():
-    server = OwnRedis()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
-
-
 def expected_ids(rid: str, n: int) -> list[int]:
     return [token_at(rid, i) for i in range(n)]
 

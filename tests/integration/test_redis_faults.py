@@ -42,20 +42,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.0          # Settings.redis_timeout_s's default, what these bounds are built on
 
 
-@pytest.fixture
-def own_redis():
-    """test_faults.py's server of our own (never the shared one), resumed before it is stopped
-    should a test end while it is paused."""
-    server = OwnRedis()
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None:
-            server.proc.send_signal(signal.SIGCONT)
-        server.close()
-
-
 @contextlib.contextmanager
 def paused(server: OwnRedis):
     """SIGSTOP our own redis-server: connections are still accepted (the kernel's backlog), no
@@ -119,6 +105,26 @@ def test_every_redis_client_of_the_gateway_times_out(own_redis):
         emb.stop()
 
 
+async def one_call_while_paused(own: OwnRedis, url: str, call) -> tuple[httpx.Response, float, list[float]]:
+    """`call(client)` once with Redis answering (it must succeed: connections open), then once
+    while Redis is paused, /health polled every 20 ms until it is answered. Returns that answer,
+    its seconds, and each /health's seconds (each must be a 200)."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await call(client)                                   # warm: connections open
+        assert r.status_code == 200, r.text
+        with paused(own):
+            t0 = time.monotonic()
+            req = asyncio.create_task(call(client))
+            health = []
+            while not req.done():
+                h0 = time.monotonic()
+                h = await client.get(url + "/health")
+                health.append(time.monotonic() - h0)
+                assert h.status_code == 200
+                await asyncio.sleep(0.02)
+            return await req, time.monotonic() - t0, health
+
+
 # ---- 2. no Redis call on the event loop --------------------------------------------------------------
 def test_a_request_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_redis):
     emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
@@ -126,24 +132,8 @@ def test_a_request_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_re
     emb.start()
     try:
         with background_server(emb.app, log_level="critical") as url:
-            async def scenario():
-                async with httpx.AsyncClient(timeout=30) as client:
-                    r = await post(client, url, "sk-acme", body(3))     # warm: connections open
-                    assert r.status_code == 200, r.text
-                    with paused(own_redis):
-                        t0 = time.monotonic()
-                        req = asyncio.create_task(post(client, url, "sk-acme", body(3)))
-                        health = []
-                        while not req.done():
-                            h0 = time.monotonic()
-                            h = await client.get(url + "/health")
-                            health.append(time.monotonic() - h0)
-                            assert h.status_code == 200
-                            await asyncio.sleep(0.02)
-                        refused, refused_s = await req, time.monotonic() - t0
-                    return refused, refused_s, health
-
-            refused, refused_s, health = asyncio.run(scenario())
+            refused, refused_s, health = asyncio.run(one_call_while_paused(
+                own_redis, url, lambda client: post(client, url, "sk-acme", body(3))))
         check_refused(refused, (503,))
         assert refused.json()["error"]["code"] == "store_unavailable"
         assert refused_s < 2.0, refused_s
@@ -193,23 +183,9 @@ def test_admin_auth_while_redis_hangs_gets_503_in_2s_and_health_stays_fast(own_r
     emb.start()
     try:
         with background_server(emb.app, log_level="critical") as url:
-            async def scenario():
-                headers = {"Authorization": f"Bearer {admin}"}
-                async with httpx.AsyncClient(timeout=30) as client:
-                    r = await client.get(url + "/admin/tenants", headers=headers)   # warm
-                    assert r.status_code == 200, r.text
-                    with paused(own_redis):
-                        t0 = time.monotonic()
-                        req = asyncio.create_task(client.get(url + "/admin/tenants", headers=headers))
-                        health = []
-                        while not req.done():
-                            h0 = time.monotonic()
-                            assert (await client.get(url + "/health")).status_code == 200
-                            health.append(time.monotonic() - h0)
-                            await asyncio.sleep(0.02)
-                        return await req, time.monotonic() - t0, health
-
-            refused, refused_s, health = asyncio.run(scenario())
+            headers = {"Authorization": f"Bearer {admin}"}
+            refused, refused_s, health = asyncio.run(one_call_while_paused(
+                own_redis, url, lambda client: client.get(url + "/admin/tenants", headers=headers)))
         check_refused(refused, (503,))
         assert refused_s < 2.0, refused_s
         assert len(health) >= 10 and max(health) < 0.25, health
@@ -227,21 +203,8 @@ def test_the_state_store_write_of_a_new_request_leaves_the_event_loop(own_redis)
     emb.start()
     try:
         with background_server(emb.app, log_level="critical") as url:
-            async def scenario():
-                async with httpx.AsyncClient(timeout=30) as client:
-                    assert (await post(client, url, "sk-acme", body(3))).status_code == 200
-                    with paused(own_redis):
-                        t0 = time.monotonic()
-                        req = asyncio.create_task(post(client, url, "sk-acme", body(3)))
-                        health = []
-                        while not req.done():
-                            h0 = time.monotonic()
-                            assert (await client.get(url + "/health")).status_code == 200
-                            health.append(time.monotonic() - h0)
-                            await asyncio.sleep(0.02)
-                        return await req, time.monotonic() - t0, health
-
-            refused, refused_s, health = asyncio.run(scenario())
+            refused, refused_s, health = asyncio.run(one_call_while_paused(
+                own_redis, url, lambda client: post(client, url, "sk-acme", body(3))))
         check_refused(refused, (503,))
         assert refused_s < 2.0, refused_s
         assert len(health) >= 10 and max(health) < 0.25, health

@@ -30,24 +30,13 @@ from gateway.tenancy.tenants import TenantRegistry
 from gateway.http.server import free_port
 from scheduler.request import Status
 from scheduler.store.redis_store import RedisStore
-from test_faults import MODEL, OwnRedis, expected_ids
+from test_faults import MODEL, expected_ids
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 LEASE_S = 2.0
 KEY = "sk-replicas-0123456789"
-
-
-@pytest.fixture
-def own_redis():
-    """A redis-server of our own (test_faults.py's), never the shared one."""
-    server = OwnRedis()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def serve(url: str, prefix: str, replica: str, port: int, *, step_ms: float = 20.0,

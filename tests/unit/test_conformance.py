@@ -20,6 +20,7 @@ import functools
 import pytest
 import torch
 
+from tests.conftest import spread_weights
 from tests.helpers import OracleDrafter, hf_greedy
 from scheduler.generation import Engine, GenerationRequest
 from workers import small_gemm
@@ -64,12 +65,10 @@ def model(arch: str):
     cfg_name, model_name, fields = ARCHS[arch]
     torch.manual_seed(sorted(ARCHS).index(arch))
     cfg = getattr(transformers, cfg_name)(**{**COMMON, **fields})
-    m = getattr(transformers, model_name)(cfg).eval()
+    m = spread_weights(getattr(transformers, model_name)(cfg).eval())
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)        # spread logits: no greedy ties to depend on rounding
-            elif name.endswith("bias"):
+            if name.endswith("bias"):
                 p.normal_(0, 0.3)         # Qwen2's q/k/v biases, trained-like
     return m
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
+from tests.conftest import spread_weights, tiny_llama
 from tests.helpers import OracleDrafter, hf_greedy
 from scheduler.generation import Engine, GenerationRequest
 from workers.contract import SamplingParams, TreeBudget
@@ -61,12 +61,7 @@ def tiny_mistral(window: int):
             "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
     cfg = MistralConfig(**{k: base[k] for k in keep}, max_position_embeddings=512,
                         sliding_window=window)
-    model = MistralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    return model
+    return spread_weights(MistralForCausalLM(cfg).eval())
 
 
 @pytest.mark.parametrize("speculate", [False, True])
