@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from gateway.builders.replica import ReplicaLease, replica_prefix
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.service import GenerationService
@@ -85,7 +86,7 @@ class Embedded:
 
 def scheduler_prefix(settings: Settings) -> str:
     """Where this replica's scheduler keeps its requests (tenants and limits are shared)."""
-    return f"{settings.store_prefix}sched:{settings.replica_id}:"
+    return replica_prefix(settings.store_prefix, settings.replica_id)
 
 
 def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = None,
@@ -137,7 +138,6 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     replica = None
     if recover and settings.redis_url:
         # one process per replica id: taken before recovery, so two never step the same requests
-        from gateway.builders.replica import ReplicaLease
         from scheduler.store.redis_client import redis_client
         replica = ReplicaLease(redis_client(settings.redis_url, timeout_s), settings.store_prefix,
                                settings.replica_id, settings.replica_lease_s,

@@ -39,6 +39,16 @@ log = logging.getLogger(__name__)
 LEASE_KEY = "lease"          # under the replica's scheduler prefix, as Ray mode's scheduler
 
 
+def replica_prefix(store_prefix: str, replica_id: str) -> str:
+    """Where a replica's scheduler keeps its requests (tenants and limits are shared)."""
+    return f"{store_prefix}sched:{replica_id}:"
+
+
+def lease_key(store_prefix: str, replica_id: str) -> str:
+    """The replica id's lease: embedded gateways and Ray mode's scheduler hold the same key."""
+    return replica_prefix(store_prefix, replica_id) + LEASE_KEY
+
+
 class ReplicaIdHeld(ValueError):
     """Another live process holds this replica id's lease (a configuration error: exit 2)."""
 
@@ -61,12 +71,13 @@ def acquire_within(lease: Lease, wait_s: float, poll_s: float = 0.2) -> bool:
 
 def orphans(client: Any, store_prefix: str, me: str) -> list[str]:
     """Replica ids other than `me` with live requests in the store and no lease."""
-    head, tail = f"{store_prefix}sched:", ":live"
+    pattern = replica_prefix(store_prefix, "*") + "live"         # every replica's live set
+    head, tail = pattern.split("*")
     found = []
-    for key in client.scan_iter(match=f"{head}*{tail}", count=500):
+    for key in client.scan_iter(match=pattern, count=500):
         key = key.decode() if isinstance(key, bytes) else key
         rid = key[len(head):-len(tail)]
-        if rid and rid != me and ":" not in rid and not client.exists(f"{head}{rid}:{LEASE_KEY}"):
+        if rid and rid != me and ":" not in rid and not client.exists(lease_key(store_prefix, rid)):
             found.append(rid)
     return sorted(found)
 
@@ -86,8 +97,7 @@ class ReplicaLease:
         self._thread: threading.Thread | None = None
 
     def _lease(self, replica_id: str) -> Lease:
-        return Lease(self.client, f"{self.store_prefix}sched:{replica_id}:{LEASE_KEY}",
-                     self.holder, self.ttl_s)
+        return Lease(self.client, lease_key(self.store_prefix, replica_id), self.holder, self.ttl_s)
 
     def acquire(self) -> None:
         """Take the id's lease (waiting up to one lease time), or raise ReplicaIdHeld."""
@@ -143,7 +153,7 @@ class ReplicaLease:
             if not theirs.try_acquire():       # another live replica is adopting them
                 continue
             try:
-                store = RedisStore(self.client, f"{self.store_prefix}sched:{rid}:",
+                store = RedisStore(self.client, replica_prefix(self.store_prefix, rid),
                                    **({} if self.ended_ttl_s is None else {"ended_ttl_s": self.ended_ttl_s}))
                 requests = store.load().requests
                 ids = loop.adopt(requests)

@@ -233,11 +233,12 @@ class SchedulerServer:
         # crash Serve may run two scheduler replicas at once (scheduler/lease.py).
         from ray import serve
 
+        from gateway.builders.replica import lease_key
         from scheduler.lease import Lease
 
         holder = serve.get_replica_context().replica_id.unique_id
         self._redis = _redis_client(s.redis_url, s.redis_timeout_s)
-        self.lease = Lease(self._redis, f"{s.store_prefix}sched:{s.replica_id}:lease", holder, LEASE_TTL_S)
+        self.lease = Lease(self._redis, lease_key(s.store_prefix, s.replica_id), holder, LEASE_TTL_S)
         self.lease_lost = False
         self._stopping = threading.Event()
         threading.Thread(target=self._hold_lease, name="specgate-lease", daemon=True).start()
