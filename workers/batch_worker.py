@@ -88,7 +88,8 @@ class BatchWorker:
         `defer`: steps compute the context's KV in chunks (`WorkItem.prefill`), none is computed
         now; `Prefilled.pending` says how much."""
         chosen = self.drafter(drafter)
-        done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer)
+        done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer,
+                                     prompt_len=prompt_len)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen)
         return done
 

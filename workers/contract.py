@@ -24,12 +24,23 @@ class SamplingParams:
     """How the target samples. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off.
 
     ``seed`` seeds the request's own RNG, so one request's output does not depend on its batch.
+
+    What changes the target's logits before sampling (OpenAI's parameters), applied at every tree
+    node from that node's own path (workers/processors.py), so speculation stays lossless:
+    ``presence_penalty`` / ``frequency_penalty`` (subtracted once / per occurrence of a token in
+    the output so far), ``logit_bias`` ((token id, bias) pairs, added), and ``constraint``, a JSON
+    string the output must follow: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "schema": {...}}`` (enforced by a grammar, workers/grammar.py).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
@@ -38,6 +49,19 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:   # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        # stored records come back as lists (JSON): normalise to the hashable form
+        bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
+            raise ValueError("logit_bias takes token ids >= 0 with biases in [-100, 100]")
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether anything changes the target's logits before sampling (workers/processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.constraint)
 
     @property
     def greedy(self) -> bool:

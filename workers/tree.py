@@ -35,6 +35,8 @@ __all__ = [
     "leaf_paths",
     "merge",
     "truncate",
+    "row_paths",
+    "keep",
 ]
 
 
@@ -251,6 +253,42 @@ def truncate(tree: TokenTree, max_nodes: int, max_depth: int) -> TokenTree:
             continue
         remap[i] = len(kept)
         kept.append(i)
+    return TokenTree(
+        tuple(tree.tokens[i] for i in kept),
+        tuple(remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in kept),
+        None if tree.draft_probs is None else tuple(tree.draft_probs[i] for i in kept),
+    )
+
+
+def row_paths(tree: TokenTree) -> list[tuple[int, ...]]:
+    """The tokens below the root on every row's path: row 0 (the root) has none, row i + 1 has
+    node i's ancestors then node i. What a rule that depends on the text so far (a penalty, a
+    grammar) reads to judge a row as if decoding had reached it.
+
+    >>> row_paths(TokenTree((1, 2, 3), (-1, 0, -1)))
+    [(), (1,), (1, 2), (3,)]
+    """
+    out: list[tuple[int, ...]] = [()]
+    for tok, par in zip(tree.tokens, tree.parents):
+        out.append(out[par + 1] + (tok,))
+    return out
+
+
+def keep(tree: TokenTree, allowed: Sequence[bool]) -> TokenTree:
+    """The sub-tree of the nodes that are allowed and whose ancestors all are (a node a rule
+    forbids takes its descendants with it). Parents are re-indexed; order is kept.
+
+    >>> keep(TokenTree((1, 2, 3, 4), (-1, 0, 1, -1)), [True, False, True, True])
+    TokenTree(tokens=(1, 4), parents=(-1, -1))
+    """
+    if all(allowed):
+        return tree
+    remap = [-1] * len(tree)
+    kept: list[int] = []
+    for i, p in enumerate(tree.parents):
+        if allowed[i] and (p < 0 or remap[p] >= 0):
+            remap[i] = len(kept)
+            kept.append(i)
     return TokenTree(
         tuple(tree.tokens[i] for i in kept),
         tuple(remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in kept),

@@ -41,6 +41,7 @@ from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
 
 from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult
 from workers.llama_forward import LlamaForward, Segment
+from workers.processors import NodeProcessor, ProcessorFactory, sampling_processors
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
 
@@ -71,6 +72,8 @@ class _Slot:
     pending: list[int] = field(default_factory=list)   # context tokens without KV yet
     # what the prefix cache stores once the context is complete: (tenant, context, chain)
     to_store: tuple | None = None
+    # rules that change the target's logits at every tree row (workers/processors.py)
+    processors: list[NodeProcessor] = field(default_factory=list)
 
 
 @dataclass
@@ -94,12 +97,14 @@ class StepTimings:
 class Verifier:
     def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
                  prefix_cache: PrefixCache | None = None, features: bool = False,
-                 kv_block: int = KV_BLOCK, kv_pool_bytes: int | None = None):
+                 kv_block: int = KV_BLOCK, kv_pool_bytes: int | None = None,
+                 processors: ProcessorFactory | None = None):
         """`features`: report each request's hidden state with its step result
         (`StepResult.features`); `kv_block`: tokens of KV a request grows by (module docstring);
         `kv_pool_bytes`: the KV memory requests and the prefix cache share; the prefix cache
         gives up blocks whenever the requests' KV needs them (the planner keeps the requests'
-        KV within this pool: scheduler/kv_budget.py)."""
+        KV within this pool: scheduler/kv_budget.py); `processors`: builds each request's
+        logit rules (workers/processors.py; default: penalties and logit_bias)."""
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         self.kv_block = kv_block
@@ -108,6 +113,7 @@ class Verifier:
         self.features = features
         self.max_tree_tokens = max_tree_tokens
         self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant id
+        self.processors = processors or sampling_processors(target.vocab_size)
         self.timings = StepTimings()
         self._slots: dict[str, _Slot] = {}
 
@@ -119,7 +125,8 @@ class Verifier:
         return list(self._slots)
 
     def prefill(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-                max_new_tokens: int, tenant: str = "default", *, defer: bool = False) -> Prefilled:
+                max_new_tokens: int, tenant: str = "default", *, defer: bool = False,
+                prompt_len: int | None = None) -> Prefilled:
         """Admit a request: compute the KV of every token but the last, which becomes the root.
 
         `token_ids` is the prompt, or prompt + committed output when a request is re-admitted
@@ -130,6 +137,8 @@ class Verifier:
         context and overwritten by the first step), so a predictor has it before any step.
         `defer`: compute nothing past the prefix cache's hit; steps compute the rest in chunks
         (module docstring), and `Prefilled.pending` says how many tokens that is.
+        `prompt_len`: where the prompt ends in `token_ids` (None: all of it), so logit rules that
+        read the output so far (penalties, a grammar) start from the committed output.
         """
         if request_id in self._slots:
             raise ValueError(f"request {request_id!r} is already admitted")
@@ -148,6 +157,9 @@ class Verifier:
         seed = sampling.seed % 2**64 if sampling.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
         most = min(len(token_ids) + max_new_tokens + self.max_tree_tokens + 1, self.context_limit)
         slot = _Slot(cache, int(token_ids[-1]), sampling, seed, most)
+        if sampling.adjusts_logits:
+            output = token_ids[len(token_ids) if prompt_len is None else prompt_len:]
+            slot.processors = self.processors(sampling, [int(t) for t in output])
         context = list(token_ids[:-1])
         pc = self.prefix_cache
         chain = pc.match(tenant, context) if pc is not None else []
@@ -266,6 +278,8 @@ class Verifier:
             features = None
             if rp.decode:
                 acc = self._accept(slot, tree, lo, logits, greedy_rows, slot.cache.length + c)
+                for rule in slot.processors:
+                    rule.commit(acc.tokens)
                 slot.cache.commit(c + 1, list(acc.path))
                 slot.root = acc.tokens[-1]
                 tokens, accepted, drafted = acc.tokens, acc.accepted, len(tree)
@@ -302,7 +316,10 @@ class Verifier:
         c = min(max(item.prefill, 0), len(slot.pending))
         complete = c == len(slot.pending)
         if complete and item.decode:
-            return _Rows(c, self._fit(slot, item.tree, c), True, True)
+            tree = self._fit(slot, item.tree, c)
+            for rule in slot.processors:
+                tree = rule.prune(tree)
+            return _Rows(c, tree, True, True)
         root_row = complete and c > 0 and self.features
         return _Rows(c, _EMPTY, False, root_row)
 
@@ -363,9 +380,17 @@ class Verifier:
                 greedy_rows: list[int] | None, root_pos: int) -> Acceptance:
         """Acceptance of the tree whose root's logits are row `lo` of the step's logits rows."""
         n = 1 + len(tree)
+        rows = logits[lo: lo + n]                                                   # [n, V]
+        if slot.processors:
+            # every row judged from its own path (workers/processors.py), in float32 so a
+            # bias or penalty is not rounded away in a bf16 logit
+            rows = rows.to(torch.float32, copy=True)
+            for rule in slot.processors:
+                rule.adjust(rows, tree)
+            if slot.sampling.greedy:
+                return accept_greedy(tree, self.target.argmax(rows))
         if slot.sampling.greedy:
             return accept_greedy(tree, greedy_rows[lo: lo + n])
-        rows = logits[lo: lo + n]
 
         def target_probs(row: int) -> np.ndarray:
             return warp(rows[row].double().numpy(), slot.sampling)

@@ -164,7 +164,9 @@ def stats_from_dict(d: Mapping[str, Any]) -> RequestStats:
 
 
 def sampling_to_dict(p: SamplingParams) -> dict[str, Any]:
-    return {name: getattr(p, name) for name in _SAMPLING_FIELDS}
+    d = {name: getattr(p, name) for name in _SAMPLING_FIELDS}
+    d["logit_bias"] = [list(pair) for pair in p.logit_bias]     # as JSON gives it back
+    return d
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> SamplingParams:
@@ -190,11 +192,13 @@ def request_to_dict(req: Request) -> dict[str, Any]:
 def request_from_dict(d: Mapping[str, Any]) -> Request:
     """Inverse of `request_to_dict`; lists come back as the tuples `Request` declares.
 
+    >>> import json
+    >>> sampling = SamplingParams(temperature=0.5, seed=7, logit_bias=((9, -2.5),), constraint='{"type": "json_object"}')
     >>> req = Request(RequestStats("r1", "acme", 0.0, prompt_len=2, max_tokens=8), [5, 6],
-    ...               SamplingParams(temperature=0.5, seed=7), stop_token_ids=(2,), stop=("\\n",))
-    >>> back = request_from_dict(request_to_dict(req))
-    >>> back.sampling, back.stop_token_ids, back.stop
-    (SamplingParams(temperature=0.5, top_k=0, top_p=1.0, seed=7), (2,), ('\\n',))
+    ...               sampling, stop_token_ids=(2,), stop=("\\n",))
+    >>> back = request_from_dict(json.loads(json.dumps(request_to_dict(req))))
+    >>> back.sampling == sampling, back.sampling.logit_bias, back.stop_token_ids, back.stop
+    (True, ((9, -2.5),), (2,), ('\\n',))
     """
     return Request(stats=stats_from_dict(d["stats"]),
                    prompt_ids=[int(t) for t in d.get("prompt_ids", ())],
