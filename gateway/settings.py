@@ -27,7 +27,9 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     model: str = DEFAULT_MODEL                 # built-in name, HF directory or .gguf file
     served_model_name: str | None = None       # the id clients send; default: `model`
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # where the engine runs (workers/device.py): auto = CUDA when torch sees a GPU, else the CPU
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     tenants_file: Path | None = None
     redis_url: str | None = None               # scheduler state, tenants and rate limits
     store_prefix: str = "specgate:"

@@ -155,6 +155,10 @@ class LlamaForward:
             if seg.cache.length + seg.rows > seg.cache.capacity:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
                                  f"({seg.cache.length} + {seg.rows} rows)")
+        if self.device.type != "cpu":
+            # callers build a step's ids, positions and masks on the host: one small copy each
+            input_ids, positions = input_ids.to(self.device), positions.to(self.device)
+            logit_rows = None if logit_rows is None else logit_rows.to(self.device)
         x = self.embed[input_ids]                                   # x: [T, H]
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D] each
         plan = self._plan(segments)
@@ -318,10 +322,10 @@ class LlamaForward:
         # Every new row sees the whole committed context; among new rows, the segment's own mask.
         # NOTE: the mask must be additive float: a boolean mask is silently wrong under eager attention.
         if seg.past is not None:
-            past = seg.past.to(self.kv_dtype)
+            past = seg.past.to(self.device, self.kv_dtype)
         else:
             past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
-        mask = torch.cat([past, seg.mask.to(self.kv_dtype)], dim=1)    # [rows, length + rows]
+        mask = torch.cat([past, seg.mask.to(self.device, self.kv_dtype)], dim=1)    # [rows, length + rows]
         if self._folds(seg.rows):
             mask = mask.repeat(self.n_heads // self.n_kv_heads, 1)     # [g * rows, length + rows]
         return mask

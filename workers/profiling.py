@@ -42,9 +42,10 @@ import datetime
 import platform
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from workers.device import elapsed
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_NODES = (0, 1, 3, 7, 15)
@@ -68,14 +69,10 @@ def _monotone(ys: Sequence[float]) -> list[float]:
     return out
 
 
-def _median_s(fn, repeats: int) -> float:
+def _median_s(fn, repeats: int, device: Any = "cpu") -> float:
+    """The median of `repeats` timings of `fn` on `device` (synchronised: workers/device.py)."""
     fn()                                                # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(elapsed(fn, device) for _ in range(repeats))
 
 
 def _headroom(nodes: Sequence[int], repeats: int, interleaved: bool) -> int:
@@ -107,6 +104,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
                          f"({verifier.max_tree_tokens})")
     rng = random.Random(seed)
     vocab = verifier.target.vocab_size
+    device = verifier.target.device
     greedy = SamplingParams()
     headroom = _headroom(nodes, repeats, interleaved)
     ns = sorted(set(nodes))
@@ -137,7 +135,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
             for n in ns:
                 for rid in ids:
                     prefill(rid, length)
-                step_s.append(_median_s(lambda n=n: step(ids, n), repeats))
+                step_s.append(_median_s(lambda n=n: step(ids, n), repeats, device))
             for rid in ids:
                 verifier.release(rid)
             curves.append(curve(b, step_s))
@@ -154,9 +152,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
         times: dict[tuple[int, int], list[float]] = {pt: [] for pt in points}
         for _ in range(repeats):
             for b, n in points:
-                t0 = time.perf_counter()
-                step(groups[b], n)
-                times[b, n].append(time.perf_counter() - t0)
+                times[b, n].append(elapsed(lambda b=b, n=n: step(groups[b], n), device))
         for ids in groups.values():
             for rid in ids:
                 verifier.release(rid)
@@ -169,7 +165,7 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
         out["contexts"] = [{"context": c, "curves": measure(c)} for c in others]
     lengths = sorted(set(t for t in prefill_tokens if 2 <= t < verifier.context_limit))
     if lengths:
-        times = [_median_s(lambda t=t: prefill("prefill", t), repeats) for t in lengths]
+        times = [_median_s(lambda t=t: prefill("prefill", t), repeats, device) for t in lengths]
         verifier.release("prefill")
         out["prefill"] = {"tokens": [t - 1 for t in lengths], "step_s": _monotone(times),
                           "step_s_raw": times}
@@ -241,9 +237,7 @@ def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKE
         items = [VerifyItem(rid, TokenTree.chain(tokens(nodes))) for rid in ids]
         if k:
             items.append(VerifyItem("chunk", TokenTree.chain([]), prefill=k, decode=False))
-        t0 = time.perf_counter()
-        verifier.verify(items)
-        return time.perf_counter() - t0
+        return elapsed(lambda: verifier.verify(items), verifier.target.device)
 
     points = []
     for o, k in series:

@@ -4,15 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from workers.device import resolve_device, resolve_dtype
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
 from workers.prefix_cache import DEFAULT_TENANT_SHARE, PrefixCache
 from workers.profiling import startup_profile
 from workers.verifier import Verifier
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Per verifier: SmolLM2-135M's fp32 KV is 46 KiB a token, so 256 MiB holds ~5,700 prompt tokens.
 DEFAULT_PREFIX_CACHE_MB = 256.0
 
@@ -47,11 +45,12 @@ class Runtime:
         return self._profiles[key]
 
 
-def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", keep_hf: bool = False,
-                 progress: bool = True) -> Runtime:
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    hf_model, tokenizer = load_target(model, dtype=DTYPES[dtype], progress=progress)
+def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "auto",
+                 keep_hf: bool = False, progress: bool = True) -> Runtime:
+    """`device`: where the target, its KV and every step's tensors live (workers/device.py:
+    'auto' takes CUDA when torch sees a GPU)."""
+    hf_model, tokenizer = load_target(model, dtype=resolve_dtype(dtype), device=resolve_device(device),
+                                      progress=progress)
     return Runtime(tokenizer, LlamaForward(hf_model), hf_model if keep_hf else None,
                    stop_token_ids(hf_model, tokenizer))
 

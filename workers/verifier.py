@@ -393,7 +393,7 @@ class Verifier:
             return accept_greedy(tree, greedy_rows[lo: lo + n])
 
         def target_probs(row: int) -> np.ndarray:
-            return warp(rows[row].double().numpy(), slot.sampling)
+            return warp(rows[row].double().cpu().numpy(), slot.sampling)   # [V] on the host
 
         # One RNG per (seed, position): a request's draws depend on where it is in its output, not
         # on how it got there, so its sampled text is the same alone, batched, after being evicted

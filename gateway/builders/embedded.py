@@ -220,9 +220,14 @@ def replica_kv_budget(fields: dict[str, int], note: str | None) -> tuple[dict[st
     return fields, f"{note} per verifier replica; the planner keeps each replica within its own"
 
 
-def default_kv_cache_mb() -> float:
-    """Half the memory available now (the model loaded): what KV may take by default. Linux's
-    MemAvailable (free memory plus what caches would give back), else free pages."""
+def default_kv_cache_mb(device: Any = None) -> float:
+    """Half the memory available now (the model loaded) where the KV lives: what KV may take by
+    default. On a GPU, its free memory; on the CPU, Linux's MemAvailable (free memory plus what
+    caches would give back), else free pages."""
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        from workers.device import free_bytes
+
+        return free_bytes(device) / 2 / 2**20
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -246,7 +251,8 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
         return tok, worker, {tok.eos_token_id}, None
     from workers.runtime import load_runtime
 
-    rt = runtime or load_runtime(settings.model, dtype=settings.dtype, progress=progress)
+    rt = runtime or load_runtime(settings.model, dtype=settings.dtype, device=settings.device,
+                                 progress=progress)
     return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt)
 
 
@@ -267,7 +273,7 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
     where `drafters` are the draft workers' remote drafters by name)."""
     from workers.batch_worker import BatchWorker
 
-    kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb()
+    kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(rt.forward.device)
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),
                            prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb,
                            prefix_cache_tenant_share=settings.prefix_cache_tenant_share)

@@ -25,7 +25,7 @@ log = logging.getLogger("specgate.serve")
 
 # flag → settings field; flags left out keep the environment's value or the default
 _FLAGS = ("host", "port", "model", "served_model_name", "tenants_file", "redis_url", "policy", "drafters", "grpc_port",
-          "dtype", "max_batch", "prefill_chunk_tokens", "kv_cache_mb", "step_profile", "log_level",
+          "dtype", "device", "max_batch", "prefill_chunk_tokens", "kv_cache_mb", "step_profile", "log_level",
           "fake_worker", "fake_step_ms")
 
 
@@ -45,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", help="comma-separated drafter names; the first is the default "
                                       "(default ngram)")
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="where the engine runs: auto (CUDA when torch sees a GPU, "
+                   "else the CPU), cpu, cuda or cuda:N (default auto)")
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
     p.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens a step may prefill, per "
                    "request waiting for its context, beside the running requests' trees, so a "

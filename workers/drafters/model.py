@@ -248,7 +248,7 @@ class ModelDrafter(Drafter):
         (widths), or one token drawn from q (sample)."""
         logq = torch.log_softmax(logits.float(), dim=-1)          # [V]
         if self.sample:
-            q = logq.double().exp().numpy()
+            q = logq.double().exp().cpu().numpy()                  # [V] on the host
             q /= q.sum()
             # Seeded by request and position: a retried step drafts the same chain.
             rng = np.random.default_rng([self.seed, zlib.crc32(ctx.request_id.encode()), len(ctx.tokens), depth])

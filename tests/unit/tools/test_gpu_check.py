@@ -1,0 +1,50 @@
+"""The prepared GPU check (tools/gpu_check.py) runs end to end here, on tiny shapes on the CPU, so
+a session lent a GPU spends its minutes on the check, not on fixing the script; and what it
+reports can fail: the engine must match transformers in float32 and serve every stream."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tools.gpu_check import run, table
+from workers.loader import resolve_model
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "report.json"
+    args = argparse.Namespace(device="cpu", quick=True, sections="exact,steps,speed,serve", serve_s=5.0,
+                              tokenizer=resolve_model(progress=False), json=str(out))
+    rep = run(args)
+    assert json.loads(out.read_text()) == json.loads(json.dumps(rep))   # written after each section
+    return rep
+
+
+def test_every_section_runs_without_error(report):
+    assert {n: s.get("error") for n, s in report["sections"].items()} == dict.fromkeys(
+        ("exact", "steps", "speed", "serve"))
+
+
+def test_float32_speculation_matches_transformers_and_bfloat16_only_at_near_ties(report):
+    rows = report["sections"]["exact"]["result"]
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    assert all(r["ok"] for r in rows), rows
+    f32 = next(r for r in rows if r["dtype"] == "float32")
+    assert f32["spec_vs_hf_identical"] == f32["prompts"] == f32["plain_vs_hf_identical"]
+
+
+def test_step_times_cover_the_grid_and_speed_compares_with_transformers(report):
+    steps = report["sections"]["steps"]["result"]
+    assert {r["batch"] for r in steps} == {1, 2} and all(len(r["step_ms"]) == 2 for r in steps)
+    assert all(ms > 0 for r in steps for ms in r["step_ms"])
+    (speed,) = report["sections"]["speed"]["result"]
+    assert {"hf_single_tok_s", "engine_none_single_tok_s", "engine_ngram_batched_tok_s"} <= set(speed)
+
+
+def test_the_served_gateway_answers_every_stream(report):
+    serve = report["sections"]["serve"]["result"]
+    assert serve["ok"], serve
+    assert serve["completed"] > 0 and serve["failed"] == 0
+    assert "serve:" in table(report)

@@ -1,0 +1,415 @@
+"""One prepared check of the engine on a GPU (issue 33): `scripts/gpu_check.sh` runs it.
+
+A GPU machine is lent for minutes, with no network and no model files, so everything it needs is
+built here: random-weight Llama-family models of real shapes (SmolLM2-135M's, a 1B-class and an
+8B-class one), their weights spread so greedy ties are rare. Sections, each recorded even when
+another fails (one JSON, one printed table):
+
+    exact     greedy output of the engine with n-gram drafts forced on against transformers' own
+              greedy on the same device: float32 with TF32 off must be identical; bfloat16 may
+              differ only at near-ties (tools/near_tie.py), each divergence classified
+    steps     step time against tree tokens (nodes per request) and batch size, synchronised
+    speed     tokens/s: the engine plain and with batched trees against transformers' generate,
+              single stream and batched, in one run
+    serve     `specgate serve --device <device>` for a while, concurrent streaming requests
+              through its OpenAI API, every one answered
+
+`--quick` shrinks every section to the tiny shapes so the whole script runs on a CPU in
+seconds: the test suite runs it that way (tests/unit/tools/test_gpu_check.py), so the script a
+GPU session gets is known to run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+# name -> LlamaConfig fields (the public configs' shapes; vocabulary as the models ship)
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                     tie_word_embeddings=True, rope_theta=500000.0),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                     tie_word_embeddings=False, rope_theta=500000.0),
+    # --quick: a CPU runs every section on these in seconds
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=512, tie_word_embeddings=True,
+                 rope_theta=10000.0),
+}
+
+
+def build_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A random-weight LlamaForCausalLM of `shape`, built on `device` (no host copy of 8B weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                      pad_token_id=0, **SHAPES[shape])
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    # spread the logits so exact ties are rare (tests/conftest.py spread_weights),
+                    # scaled by width so deep, wide models stay finite
+                    p.normal_(0, min(0.08, 2.0 / p.shape[1] ** 0.5))
+    return model
+
+
+def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Half repeat a motif (n-gram drafts hit), half are random (drafts mostly miss)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        if i % 2:
+            motif = torch.randint(3, vocab, (7,), generator=g).tolist()
+            out.append((motif * (length // 7 + 1))[:length])
+        else:
+            out.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return out
+
+
+EOS = 2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def hf_generate(model, batch: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy `generate` for prompts of one length (no padding: exact per row),
+    each row cut after its first EOS as the engine stops there."""
+    inp = torch.tensor(batch, device=model.device)
+    with torch.inference_mode():
+        out = model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_new,
+                             min_new_tokens=0, do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    rows = out[:, inp.shape[1]:].tolist()
+    return [r[: r.index(EOS) + 1] if EOS in r else r for r in rows]
+
+
+def engine(forward, drafter: str, budget: tuple[int, int], max_tree: int = 64):
+    from scheduler.generation import Engine
+    from workers.contract import TreeBudget
+    from workers.drafters.base import NoneDrafter
+    from workers.drafters.registry import create_drafter
+    from workers.verifier import Verifier
+
+    d = NoneDrafter() if drafter == "none" else create_drafter(drafter)
+    return Engine(Verifier(forward, max_tree_tokens=max_tree), d, TreeBudget(*budget), adaptive=False)
+
+
+def generate(forward, batch: list[list[int]], max_new: int, drafter: str,
+             budget: tuple[int, int]) -> tuple[list[list[int]], float]:
+    from scheduler.generation import GenerationRequest
+    from workers.device import synchronize
+
+    reqs = [GenerationRequest(f"r{i}", tuple(p), max_new, stop_token_ids=frozenset({EOS}))
+            for i, p in enumerate(batch)]
+    e = engine(forward, drafter, budget)
+    synchronize(forward.device)
+    t0 = time.perf_counter()
+    out = e.generate(reqs)
+    synchronize(forward.device)
+    return [o.token_ids for o in out], time.perf_counter() - t0
+
+
+def section_exact(shapes: list[str], device: torch.device, n_prompts: int, length: int,
+                  max_new: int) -> list[dict]:
+    from tools.near_tie import NEAR_TIE_LOGITS, first_divergence, logit_gap
+    from workers.llama_forward import LlamaForward
+
+    rows = []
+    for shape, dtype in [(s, d) for s in shapes for d in (torch.float32, torch.bfloat16)]:
+        model = build_model(shape, dtype, device)
+        forward = LlamaForward(model)
+        ps = prompts(model.config.vocab_size, n_prompts, length)
+        ref = [hf_generate(model, [p], max_new)[0] for p in ps]
+        spec, _ = generate(forward, ps, max_new, "ngram", (16, 8))
+        plain, _ = generate(forward, ps, max_new, "none", (0, 0))
+        row: dict[str, Any] = {"shape": shape, "dtype": str(dtype).replace("torch.", ""),
+                               "prompts": len(ps), "new_tokens": max_new,
+                               "spec_vs_hf_identical": sum(a == b for a, b in zip(spec, ref)),
+                               "plain_vs_hf_identical": sum(a == b for a, b in zip(plain, ref)),
+                               "spec_vs_plain_identical": sum(a == b for a, b in zip(spec, plain))}
+        divergences = []
+        for p, a, b in zip(ps, spec, ref):
+            at = first_divergence(a, b)
+            if at is not None and at < min(len(a), len(b)):
+                gap = logit_gap(forward, p + b[:at], a[at], b[at])
+                divergences.append({"at": at, "gap": round(gap, 4), "near_tie": gap < NEAR_TIE_LOGITS})
+        row["divergences"] = divergences
+        row["ok"] = (row["spec_vs_hf_identical"] == len(ps) if dtype == torch.float32
+                     else all(d["near_tie"] for d in divergences))
+        rows.append(row)
+        del model, forward
+        _free(device)
+    return rows
+
+
+def section_steps(shapes: list[tuple[str, torch.dtype]], device: torch.device, nodes: list[int],
+                  batches: list[int], context: int, repeats: int) -> list[dict]:
+    from workers.llama_forward import LlamaForward
+    from workers.profiling import measure_profile
+    from workers.verifier import Verifier
+
+    rows = []
+    for shape, dtype in shapes:
+        model = build_model(shape, dtype, device)
+        forward = LlamaForward(model)
+        del model
+        _free(device)
+        verifier = Verifier(forward, max_tree_tokens=max(nodes))
+        prof = measure_profile(verifier, batches=batches, nodes=nodes, prompt_len=context,
+                               repeats=repeats, prefill_tokens=(), interleaved=True)
+        for c in prof["curves"]:
+            rows.append({"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": c["batch"],
+                         "nodes": c["nodes"], "step_ms": [round(s * 1e3, 3) for s in c["step_s_raw"]]})
+        del forward, verifier
+        _free(device)
+    return rows
+
+
+def section_speed(shapes: list[tuple[str, torch.dtype]], device: torch.device, batch: int, length: int,
+                  max_new: int) -> list[dict]:
+    from workers.device import synchronize
+    from workers.llama_forward import LlamaForward
+
+    rows = []
+    for shape, dtype in shapes:
+        model = build_model(shape, dtype, device)
+        forward = LlamaForward(model)
+        ps = prompts(model.config.vocab_size, batch, length, seed=1)
+        row: dict[str, Any] = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": batch,
+                               "new_tokens": max_new}
+        hf_generate(model, [ps[0]], 4)                                     # warm-up
+        for label, group in (("single", ps[:1]), ("batched", ps)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            made = hf_generate(model, group, max_new)
+            synchronize(device)
+            row[f"hf_{label}_tok_s"] = round(sum(map(len, made)) / (time.perf_counter() - t0), 1)
+            for drafter, budget in (("none", (0, 0)), ("ngram", (16, 8))):
+                generate(forward, group[:1], 4, drafter, budget)           # warm-up
+                out, s = generate(forward, group, max_new, drafter, budget)
+                row[f"engine_{drafter}_{label}_tok_s"] = round(sum(map(len, out)) / s, 1)
+        rows.append(row)
+        del model, forward
+        _free(device)
+    return rows
+
+
+def section_serve(device: torch.device, seconds: float, tokenizer_dir: Path | None, streams: int) -> dict:
+    """`specgate serve` on a random SmolLM2-shaped model (the default tokenizer's files from
+    `tokenizer_dir`) for `seconds`, `streams` concurrent streaming requests at a time."""
+    if tokenizer_dir is None or not (tokenizer_dir / "tokenizer.json").exists():
+        return {"skipped": "no tokenizer files (scripts/gpu_check.sh --prepare copies them)"}
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    shape = "tiny" if device.type == "cpu" else "smollm2-135m"
+    model = build_model(shape, torch.float32, torch.device("cpu"))
+    model.config.vocab_size = model.get_input_embeddings().weight.shape[0]
+    if model.config.vocab_size < 49152:     # the tokenizer's ids must exist in the model
+        model.resize_token_embeddings(49152)
+    model.save_pretrained(work)
+    for name in TOKENIZER_FILES:            # only these: the directory may hold a whole model
+        if (tokenizer_dir / name).exists():
+            (work / name).write_bytes((tokenizer_dir / name).read_bytes())
+    port = _free_port()
+    env = {**os.environ, "SPECGATE_ADMIN_KEY": "gpu-check-admin-key-0000", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-c", "import sys; from specgate.cli import main; sys.exit(main())", "serve",
+           "--model", str(work), "--served-model-name", "check", "--device", str(device), "--port", str(port),
+           "--kv-cache-mb", "2048"]
+    if device.type == "cpu":
+        # a shipped profile: measuring one at start-up takes minutes on a loaded 2-core CPU, and
+        # the quick run checks the serving path, not this machine's step costs
+        cmd += ["--step-profile", str(Path(__file__).resolve().parents[1] / "scheduler/profiles/default.json")]
+    log = open(work / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    result: dict[str, Any] = {"device": str(device), "seconds": seconds, "streams": streams}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        key = _wait_ready(base, proc, work / "serve.log", timeout=300)
+        result.update(_stream_load(base, key, seconds, streams))
+    except Exception as e:  # noqa: BLE001 — recorded in the report, the script goes on
+        result["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        result["log_tail"] = (work / "serve.log").read_text(errors="replace")[-3000:]
+    result["ok"] = "error" not in result and result.get("failed", 1) == 0 and result.get("completed", 0) > 0
+    return result
+
+
+def _wait_ready(base: str, proc, log: Path, timeout: float) -> str:
+    """The dev key the gateway prints once it serves (its log), after /health answers."""
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                for line in log.read_text(errors="replace").splitlines():
+                    if "dev tenant API key:" in line:
+                        return line.split("dev tenant API key:")[1].strip()
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("serve did not become ready")
+
+
+def _stream_load(base: str, key: str, seconds: float, streams: int) -> dict:
+    import concurrent.futures as cf
+
+    import httpx
+
+    deadline = time.time() + seconds
+
+    def one(i: int) -> tuple[int, int, float]:
+        done = failed = 0
+        tokens = 0
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=120) as c:
+            while time.time() < deadline:
+                body = {"model": "check", "stream": True, "max_tokens": 64,
+                        "messages": [{"role": "user", "content": f"Count from {i} upwards: {i} {i+1} {i+2}"}]}
+                try:
+                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        if r.status_code != 200:
+                            failed += 1
+                            continue
+                        for line in r.iter_lines():
+                            if line.startswith("data: ") and line != "data: [DONE]":
+                                tokens += 1
+                    done += 1
+                except httpx.HTTPError:
+                    failed += 1
+        return done, failed, tokens
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(streams) as pool:
+        parts = list(pool.map(one, range(streams)))
+    wall = time.time() - t0
+    return {"completed": sum(p[0] for p in parts), "failed": sum(p[1] for p in parts),
+            "chunks": sum(p[2] for p in parts), "chunks_per_s": round(sum(p[2] for p in parts) / wall, 1)}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run(args: argparse.Namespace) -> dict:
+    from workers.device import resolve_device
+
+    device = resolve_device(args.device)
+    # float32 exactness against transformers needs both to do the same float32 arithmetic
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "torch": torch.__version__, "quick": args.quick, "sections": {}}
+    if device.type == "cuda":
+        report["cuda"] = torch.version.cuda
+    q = args.quick
+    plan: dict[str, Callable[[], Any]] = {
+        "exact": lambda: section_exact(["tiny"] if q else ["smollm2-135m", "llama-1b"], device,
+                                       n_prompts=2 if q else 6, length=24 if q else 96,
+                                       max_new=12 if q else 64),
+        "steps": lambda: section_steps([("tiny", torch.float32)] if q else
+                                       [("smollm2-135m", torch.float32), ("llama-1b", torch.bfloat16),
+                                        ("llama-8b", torch.bfloat16)],
+                                       device, nodes=[1, 4] if q else [1, 16, 64, 256],
+                                       batches=[1, 2] if q else [1, 8, 32], context=32 if q else 512,
+                                       repeats=2 if q else 5),
+        "speed": lambda: section_speed([("tiny", torch.float32)] if q else
+                                       [("smollm2-135m", torch.float32), ("llama-8b", torch.bfloat16)],
+                                       device, batch=2 if q else 8, length=24 if q else 128,
+                                       max_new=8 if q else 128),
+        "serve": lambda: section_serve(device, 5 if q else args.serve_s, args.tokenizer, 2 if q else 8),
+    }
+    for name in args.sections.split(","):
+        t0 = time.time()
+        try:
+            report["sections"][name] = {"result": plan[name]()}
+        except Exception:  # noqa: BLE001 — one broken section must not lose the others' figures
+            report["sections"][name] = {"error": traceback.format_exc()[-4000:]}
+        report["sections"][name]["seconds"] = round(time.time() - t0, 1)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"[gpu_check] {name}: {report['sections'][name]['seconds']} s", flush=True)
+    return report
+
+
+def table(report: dict) -> str:
+    lines = [f"device {report['device']}, torch {report['torch']}"]
+    for name, sec in report["sections"].items():
+        if "error" in sec:
+            lines.append(f"{name}: ERROR {sec['error'].strip().splitlines()[-1]}")
+            continue
+        res = sec["result"]
+        if name == "exact":
+            for r in res:
+                lines.append(f"exact {r['shape']:>13} {r['dtype']:>8}: spec=hf {r['spec_vs_hf_identical']}/"
+                             f"{r['prompts']}, plain=hf {r['plain_vs_hf_identical']}/{r['prompts']}, "
+                             f"spec=plain {r['spec_vs_plain_identical']}/{r['prompts']}, "
+                             f"divergences {[(d['at'], d['gap']) for d in r['divergences']]} ok={r['ok']}")
+        elif name == "steps":
+            for r in res:
+                lines.append(f"steps {r['shape']:>13} {r['dtype']:>8} batch {r['batch']:>3}: "
+                             + ", ".join(f"{n} nodes {ms} ms" for n, ms in zip(r["nodes"], r["step_ms"])))
+        elif name == "speed":
+            for r in res:
+                lines.append(f"speed {r['shape']:>13} {r['dtype']:>8}: "
+                             + ", ".join(f"{k[:-6]} {v}" for k, v in r.items() if k.endswith("_tok_s")))
+        elif name == "serve":
+            lines.append("serve: " + json.dumps({k: v for k, v in res.items() if k != "log_tail"}))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quick", action="store_true", help="tiny shapes: the whole script in seconds on a CPU")
+    p.add_argument("--sections", default="exact,steps,speed,serve")
+    p.add_argument("--serve-s", type=float, default=60.0)
+    p.add_argument("--tokenizer", type=Path, help="the default model's tokenizer files (serve section)")
+    p.add_argument("--json", help="write the report here (after every section)")
+    args = p.parse_args(argv)
+    report = run(args)
+    print(table(report))
+    return 0 if all("error" not in s and _ok(s["result"]) for s in report["sections"].values()) else 1
+
+
+def _ok(result: Any) -> bool:
+    if isinstance(result, list):
+        return all(r.get("ok", True) for r in result)
+    return result.get("ok", True) or "skipped" in result
+
+
+if __name__ == "__main__":
+    sys.exit(main())
