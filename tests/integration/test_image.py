@@ -97,6 +97,17 @@ def test_pins_user_and_command_agree_with_the_project():
     assert int(port) == parsed.port == chart["service"]["port"]
 
 
+def test_the_cpu_and_cuda_flavours_install_torch_from_their_own_index():
+    froms = values("FROM")
+    assert args()["FLAVOR"] == "cpu" and froms[-1] == "torch-${FLAVOR}"
+    stages = {f.split(" AS ")[1] for f in froms if " AS " in f}
+    assert {"torch-cpu", "torch-cuda"} <= stages
+    index = dict(e.split("=", 1) for e in values("ENV") if e.startswith("TORCH_INDEX="))
+    assert index["TORCH_INDEX"] in ("https://download.pytorch.org/whl/cpu", "${TORCH_CUDA_INDEX}")
+    assert "/whl/cu" in args()["TORCH_CUDA_INDEX"]
+    assert '--index-url "$TORCH_INDEX" "$TORCH"' in " ".join(values("RUN"))
+
+
 def build_context(tmp: Path) -> Path:
     """What `COPY` puts in /opt/specgate/src, and nothing else."""
     ctx = tmp / "ctx"

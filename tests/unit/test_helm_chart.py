@@ -156,6 +156,14 @@ def test_gpu_values_make_a_gpu_worker_group():
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+    # the CUDA image, and its verifiers on the GPU; the CPU group keeps the CPU image, no device
+    gpu, cpu = pod["containers"][0], groups["cpu"]["template"]["spec"]["containers"][0]
+    assert gpu["image"] == cpu["image"] + "-cuda"
+    assert {"name": "SPECGATE_DEVICE", "value": "cuda"} in gpu["env"]
+    assert all(e["name"] != "SPECGATE_DEVICE" for e in cpu["env"])
+    named = render({**GPU, "ray": {**GPU["ray"], "gpuWorkers": {**GPU["ray"]["gpuWorkers"], "image": "reg/sg:gpu"}}})
+    named_groups = by_kind(named, "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert next(g for g in named_groups if g["groupName"] == "gpu")["template"]["spec"]["containers"][0]["image"] == "reg/sg:gpu"
     assert set(groups_default := {g["groupName"] for g in by_kind(render(BASE), "RayService")[0]
                                   ["spec"]["rayClusterConfig"]["workerGroupSpecs"]}) == {"cpu"}, groups_default
 

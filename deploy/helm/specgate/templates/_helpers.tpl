@@ -31,6 +31,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (include "specgate.image" .) .Values.ray.image -}}
 {{- end -}}
 
+{{- define "specgate.gpuImage" -}}
+{{- default (printf "%s-cuda" (include "specgate.rayImage" .)) .Values.ray.gpuWorkers.image -}}
+{{- end -}}
+
 {{- define "specgate.secretName" -}}
 {{- default (printf "%s-secret" (include "specgate.fullname" .)) .Values.existingSecret -}}
 {{- end -}}
@@ -171,12 +175,17 @@ spec:
   {{- end }}
   containers:
     - name: ray-{{ .name }}
-      image: {{ include "specgate.rayImage" $ }}
+      image: {{ if .gpus }}{{ include "specgate.gpuImage" $ }}{{ else }}{{ include "specgate.rayImage" $ }}{{ end }}
       imagePullPolicy: {{ $.Values.image.pullPolicy }}
       securityContext:
         {{- toYaml $.Values.securityContext | nindent 8 }}
       env:
         {{- include "specgate.env" . | nindent 8 }}
+        {{- if .gpus }}
+        # the verifier replicas Ray places here run on their GPU (gateway/ray_serve/deployments.py)
+        - name: SPECGATE_DEVICE
+          value: cuda
+        {{- end }}
       resources:
         requests:
           {{- toYaml .group.resources.requests | nindent 10 }}
