@@ -13,6 +13,10 @@ another fails (one JSON, one printed table):
               single stream and batched, in one run
     serve     `specgate serve --device <device>` for a while, concurrent streaming requests
               through its OpenAI API, every one answered
+    attention the candidates for batched tree attention on the device (issue 33, item 2), each
+              checked against the forward's own per-request SDPA and timed: that loop, one
+              padded SDPA call for the batch, and flex_attention over the packed rows with a
+              block mask built from each tree's ancestors (compiled; not in --quick)
 
 `--quick` shrinks every section to the tiny shapes so the whole script runs on a CPU in
 seconds: the test suite runs it that way (tests/unit/tools/test_gpu_check.py), so the script a
@@ -253,6 +257,78 @@ def section_serve(device: torch.device, seconds: float, tokenizer_dir: Path | No
     return result
 
 
+def tree_batch(batch: int, context: int, nodes: int, nq: int, nkv: int, d: int, device, dtype, seed: int = 0):
+    """Random queries, caches and trees for `batch` requests: per request `context` cached keys
+    then 1 + nodes new rows (the root, then nodes with random parents in topological order).
+    Returns q [B, Hq, R, D], k/v [B, Hkv, C + R, D] and visible [B, R, C + R] bool."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 1 + nodes
+    q = torch.randn(batch, nq, rows, d, generator=g).to(device, dtype)
+    k = torch.randn(batch, nkv, context + rows, d, generator=g).to(device, dtype)
+    v = torch.randn(batch, nkv, context + rows, d, generator=g).to(device, dtype)
+    visible = torch.zeros(batch, rows, context + rows, dtype=torch.bool)
+    visible[:, :, :context] = True
+    for b in range(batch):
+        anc = torch.zeros(rows, rows, dtype=torch.bool)
+        anc[0, 0] = True
+        for i in range(1, rows):
+            parent = int(torch.randint(0, i, (1,), generator=g))     # row index (0 = the root)
+            anc[i] = anc[parent]
+            anc[i, i] = True
+        visible[b, :, context:] = anc
+    return q, k, v, visible.to(device)
+
+
+def section_attention(device: torch.device, configs: list[tuple], flex: bool, repeats: int) -> list[dict]:
+    """configs: (label, Hq, Hkv, D, batch, context, nodes, dtype)."""
+    import torch.nn.functional as F
+
+    from workers.device import elapsed
+
+    rows_out = []
+    for label, nq, nkv, d, batch, context, nodes, dtype in configs:
+        q, k, v, visible = tree_batch(batch, context, nodes, nq, nkv, d, device, dtype)
+        additive = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+
+        def loop():   # what the lean forward does today: one call per request
+            return torch.cat([F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                                             attn_mask=additive[b], enable_gqa=True)
+                              for b in range(batch)])
+
+        def padded():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=additive[:, None], enable_gqa=True)
+
+        methods: dict[str, Callable[[], torch.Tensor]] = {"sdpa_loop": loop, "sdpa_padded": padded}
+        if flex:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            vis = visible
+
+            def mask_mod(b, h, qi, ki):
+                return vis[b, qi, ki]
+
+            block = create_block_mask(mask_mod, B=batch, H=None, Q_LEN=q.shape[2], KV_LEN=k.shape[2],
+                                      device=device)
+            compiled = torch.compile(flex_attention)
+            methods["flex"] = lambda: compiled(q, k, v, block_mask=block, enable_gqa=True)
+        ref = loop()
+        row: dict[str, Any] = {"config": label, "batch": batch, "context": context, "nodes": nodes,
+                               "heads": f"{nq}/{nkv}x{d}", "dtype": str(dtype).replace("torch.", "")}
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for name, fn in methods.items():
+            try:
+                out = fn()                                                       # warm-up, compile
+                row[f"{name}_max_diff"] = float((out.float() - ref.float()).abs().max())
+                row[f"{name}_ms"] = round(min(elapsed(fn, device) for _ in range(repeats)) * 1e3, 3)
+            except Exception as e:  # noqa: BLE001 — a candidate that fails to build is a finding
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["ok"] = all(row.get(f"{n}_max_diff", float("inf")) <= tol for n in methods)
+        if flex:
+            torch._dynamo.reset()       # each shape compiles afresh (no recompile limits hit)
+        rows_out.append(row)
+    return rows_out
+
+
 def _wait_ready(base: str, proc, log: Path, timeout: float) -> str:
     """The dev key the gateway prints once it serves (its log), after /health answers."""
     import httpx
@@ -350,6 +426,12 @@ def run(args: argparse.Namespace) -> dict:
                                        [("smollm2-135m", torch.float32), ("llama-8b", torch.bfloat16)],
                                        device, batch=2 if q else 8, length=24 if q else 128,
                                        max_new=8 if q else 128),
+        "attention": lambda: section_attention(
+            device, [("tiny", 4, 2, 32, 2, 40, 8, torch.float32)] if q else
+            [(f"{name} b{b} n{n}", hq, hkv, d, b, 1024, n, dt)
+             for name, hq, hkv, d, dt in (("smollm2", 9, 3, 64, torch.float32), ("8b", 32, 8, 128, torch.bfloat16))
+             for b, n in ((1, 16), (8, 64), (32, 64), (8, 256))],
+            flex=not q, repeats=3 if q else 10),
         "serve": lambda: section_serve(device, 5 if q else args.serve_s, args.tokenizer, 2 if q else 8),
     }
     for name in args.sections.split(","):
@@ -386,6 +468,11 @@ def table(report: dict) -> str:
             for r in res:
                 lines.append(f"speed {r['shape']:>13} {r['dtype']:>8}: "
                              + ", ".join(f"{k[:-6]} {v}" for k, v in r.items() if k.endswith("_tok_s")))
+        elif name == "attention":
+            for r in res:
+                lines.append(f"attention {r['config']:>16} {r['heads']} ctx {r['context']}: "
+                             + ", ".join(f"{k[:-3]} {v} ms" for k, v in r.items() if k.endswith("_ms"))
+                             + f" ok={r['ok']}")
         elif name == "serve":
             lines.append("serve: " + json.dumps({k: v for k, v in res.items() if k != "log_tail"}))
     return "\n".join(lines)
@@ -395,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="tiny shapes: the whole script in seconds on a CPU")
-    p.add_argument("--sections", default="exact,steps,speed,serve")
+    p.add_argument("--sections", default="exact,attention,steps,speed,serve")
     p.add_argument("--serve-s", type=float, default=60.0)
     p.add_argument("--tokenizer", type=Path, help="the default model's tokenizer files (serve section)")
     p.add_argument("--json", help="write the report here (after every section)")

@@ -15,7 +15,7 @@ from workers.loader import resolve_model
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "report.json"
-    args = argparse.Namespace(device="cpu", quick=True, sections="exact,steps,speed,serve", serve_s=5.0,
+    args = argparse.Namespace(device="cpu", quick=True, sections="exact,attention,steps,speed,serve", serve_s=5.0,
                               tokenizer=resolve_model(progress=False), json=str(out))
     rep = run(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(rep))   # written after each section
@@ -24,7 +24,7 @@ def report(tmp_path_factory):
 
 def test_every_section_runs_without_error(report):
     assert {n: s.get("error") for n, s in report["sections"].items()} == dict.fromkeys(
-        ("exact", "steps", "speed", "serve"))
+        ("exact", "attention", "steps", "speed", "serve"))
 
 
 def test_float32_speculation_matches_transformers_and_bfloat16_only_at_near_ties(report):
@@ -41,6 +41,11 @@ def test_step_times_cover_the_grid_and_speed_compares_with_transformers(report):
     assert all(ms > 0 for r in steps for ms in r["step_ms"])
     (speed,) = report["sections"]["speed"]["result"]
     assert {"hf_single_tok_s", "engine_none_single_tok_s", "engine_ngram_batched_tok_s"} <= set(speed)
+
+
+def test_the_batched_tree_attention_candidates_agree_with_the_forwards_own(report):
+    (row,) = report["sections"]["attention"]["result"]
+    assert row["ok"] and row["sdpa_padded_max_diff"] < 1e-4 and row["sdpa_loop_max_diff"] == 0.0
 
 
 def test_the_served_gateway_answers_every_stream(report):
