@@ -65,7 +65,8 @@ def table(doc: dict[str, Any]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None,
                         help="target model, as `specgate serve` takes it (default: its default)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="auto", help="auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)),
                         help="comma-separated batch sizes")
     parser.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),
@@ -88,10 +89,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", dest="json_out", default=None, help="write the profile here")
 
 
-def _load_verifier(model: str, dtype: str, max_tree_tokens: int):
+def _load_verifier(model: str, dtype: str, max_tree_tokens: int, device: str = "auto"):
     from workers.runtime import load_runtime
 
-    return load_runtime(model, dtype=dtype).verifier(max_tree_tokens=max_tree_tokens)
+    return load_runtime(model, dtype=dtype, device=device).verifier(max_tree_tokens=max_tree_tokens)
 
 
 def run(args) -> int:
@@ -102,7 +103,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     model = args.model or DEFAULT_MODEL
     nodes = _ints(args.nodes)
-    verifier = _load_verifier(model, args.dtype, max(64, max(nodes)))
+    verifier = _load_verifier(model, args.dtype, max(64, max(nodes)), args.device)
     measured = measure_profile(verifier, batches=_ints(args.batches), nodes=nodes,
                                prompt_len=args.prompt_len, repeats=args.repeats,
                                prefill_tokens=_ints(args.prefill_tokens),

@@ -161,9 +161,12 @@ def section_exact(shapes: list[str], device: torch.device, n_prompts: int, lengt
 
 
 def section_steps(shapes: list[tuple[str, torch.dtype]], device: torch.device, nodes: list[int],
-                  batches: list[int], context: int, repeats: int) -> list[dict]:
+                  batches: list[int], context: int, repeats: int, profiles: Path | None = None) -> list[dict]:
+    """Also writes each shape's measurements as a step-cost profile (`profile_<shape>.json` in
+    `profiles`), which the planner (`--step-profile`) and the simulator (`specgate sim
+    --profile`) read: item 3's GPU profile."""
     from workers.llama_forward import LlamaForward
-    from workers.profiling import measure_profile
+    from workers.profiling import describe_device, measure_profile, profile_document
     from workers.verifier import Verifier
 
     rows = []
@@ -174,7 +177,11 @@ def section_steps(shapes: list[tuple[str, torch.dtype]], device: torch.device, n
         _free(device)
         verifier = Verifier(forward, max_tree_tokens=max(nodes))
         prof = measure_profile(verifier, batches=batches, nodes=nodes, prompt_len=context,
-                               repeats=repeats, prefill_tokens=(), interleaved=True)
+                               repeats=repeats, prefill_tokens=(context,), interleaved=True)
+        if profiles is not None:
+            doc = profile_document(prof, model=f"random {shape}", dtype=str(dtype).replace("torch.", ""),
+                                   device=describe_device(forward), prompt_len=context, repeats=repeats)
+            (profiles / f"profile_{shape}.json").write_text(json.dumps(doc, indent=1))
         for c in prof["curves"]:
             rows.append({"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": c["batch"],
                          "nodes": c["nodes"], "step_ms": [round(s * 1e3, 3) for s in c["step_s_raw"]]})
@@ -421,7 +428,8 @@ def run(args: argparse.Namespace) -> dict:
                                         ("llama-8b", torch.bfloat16)],
                                        device, nodes=[1, 4] if q else [1, 16, 64, 256],
                                        batches=[1, 2] if q else [1, 8, 32], context=32 if q else 512,
-                                       repeats=2 if q else 5),
+                                       repeats=2 if q else 5,
+                                       profiles=Path(args.json).parent if args.json else None),
         "speed": lambda: section_speed([("tiny", torch.float32)] if q else
                                        [("smollm2-135m", torch.float32), ("llama-8b", torch.bfloat16)],
                                        device, batch=2 if q else 8, length=24 if q else 128,

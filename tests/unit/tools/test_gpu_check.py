@@ -19,6 +19,7 @@ def report(tmp_path_factory):
                               tokenizer=resolve_model(progress=False), json=str(out))
     rep = run(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(rep))   # written after each section
+    rep["_dir"] = out.parent
     return rep
 
 
@@ -33,6 +34,19 @@ def test_float32_speculation_matches_transformers_and_bfloat16_only_at_near_ties
     assert all(r["ok"] for r in rows), rows
     f32 = next(r for r in rows if r["dtype"] == "float32")
     assert f32["spec_vs_hf_identical"] == f32["prompts"] == f32["plain_vs_hf_identical"]
+
+
+def test_the_step_grid_is_a_profile_the_simulator_reads(report, tmp_path):
+    from scheduler.profile import StepCostModel
+    from tools.sim import SimSettings, run_sim
+
+    path = report["_dir"] / "profile_tiny.json"
+    cost = StepCostModel.from_json(str(path))
+    assert 0 < cost(1, 2) < 10 and 0 < cost(2, 10) < 10     # seconds, from the measured grid
+    sim = run_sim(["fcfs"], SimSettings(profile=str(path), n_requests=40, max_batch=2, token_budget=10,
+                                        calibration_requests=40, calibration_steps=400))
+    assert sim["settings"]["profile_source"].endswith("random tiny")
+    assert sim["policies"]["fcfs"]["completed"] == 40
 
 
 def test_step_times_cover_the_grid_and_speed_compares_with_transformers(report):
