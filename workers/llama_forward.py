@@ -8,7 +8,7 @@ linear layers run once over all rows, attention runs per request against that re
 preallocated KV (`KVCache`), and logits are computed only for the rows acceptance needs.
 
 The weights are taken from a transformers `LlamaForCausalLM`-shaped model (Llama, SmolLM, Mistral,
-Qwen2, Qwen3: what of their configs is computed and what is refused is workers/model_support.py);
+Qwen2, Qwen3, Phi-3: what of their configs is computed and what is refused is workers/model_support.py);
 transformers stays the reference in the exactness tests (tests/unit/test_conformance.py).
 
 Sliding-window attention: a layer with a window hides from a row at position p every key at
@@ -124,12 +124,10 @@ class LlamaForward:
         b = self.gemm
         w = {
             "ln1": layer.input_layernorm.weight.detach(),
-            "wqkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                           _fused_bias(att.q_proj, att.k_proj, att.v_proj), b),      # [(Hq+2Hkv)D, H]
+            "wqkv": Linear(*_fused(att, "qkv_proj", "q_proj", "k_proj", "v_proj"), b),  # [(Hq+2Hkv)D, H]
             "wo": Linear(att.o_proj.weight, _fused_bias(att.o_proj), b),             # [H, HqD]
             "ln2": layer.post_attention_layernorm.weight.detach(),
-            "wgu": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-                          _fused_bias(mlp.gate_proj, mlp.up_proj), b),                # [2I, H]
+            "wgu": Linear(*_fused(mlp, "gate_up_proj", "gate_proj", "up_proj"), b),  # [2I, H]
             "wdown": Linear(mlp.down_proj.weight, _fused_bias(mlp.down_proj), b),    # [H, I]
         }
         if getattr(att, "q_norm", None) is not None:     # Qwen3: RMSNorm over each head before the rope
@@ -379,7 +377,18 @@ class LlamaForward:
         return rows <= _FOLD_MAX_ROWS and self.n_heads > self.n_kv_heads
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+
+
+def _fused(module, fused: str, *parts: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight [sum of outs, in] and bias of `parts` stacked in that order, or of the one
+    linear `fused` where the checkpoint already stacks them so (Phi-3's qkv_proj and gate_up_proj:
+    q, k, v and gate, up, the order the forward reads them in)."""
+    if getattr(module, fused, None) is not None:
+        lin = getattr(module, fused)
+        return lin.weight, _fused_bias(lin)
+    linears = [getattr(module, name) for name in parts]
+    return torch.cat([lin.weight for lin in linears]), _fused_bias(*linears)
 
 
 def _fused_bias(*linears) -> torch.Tensor | None:

@@ -15,6 +15,7 @@ with speculation off and on, on the CPU-kernel path and on the plain torch path.
     qwen2-mixed     full attention on layer 0, the window on layers 1-2            32       2
     qwen3           q/k norms (trained), head_dim wider than hidden / heads        32       2
     qwen3-window    q/k norms and a window on the last layer (Phi-3's head dim)    96       2
+    phi3            fused qkv_proj / gate_up_proj weights, its window on every layer 96      2
 
 Windows are WINDOW tokens and every sequence runs several windows past it (prompt + output
 longer than 3 windows), so each windowed layer's mask binds on most steps: prefill, plain steps
@@ -68,12 +69,15 @@ ARCHS = {
     "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         num_attention_heads=2, num_key_value_heads=1, head_dim=96, tie_word_embeddings=False,
         max_window_layers=1, **QWEN_WINDOW)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        hidden_size=192, num_attention_heads=2, num_key_value_heads=1, sliding_window=WINDOW,
+        tie_word_embeddings=False)),
 }
 PROMPTS = [list(range(5, 17)), [7, 3, 9, 3, 7, 3, 9, 3, 11, 40, 41, 42]]
 MAX_NEW = 3 * WINDOW + 4                  # every sequence ends 4 windows long, past the window
 # The rows the CPU attention kernel serves where it runs (its head dims); the rest run on torch.
 KERNEL_ARCHS = {"llama3", "smollm2", "llama-bias", "llama-d256", "mistral", "qwen2-mixed", "qwen3",
-                "qwen3-window"}
+                "qwen3-window", "phi3"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,7 +136,7 @@ def test_the_matrix_covers_both_attention_paths_where_the_kernels_exist():
         assert kernel == []
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2-window", "qwen2-mixed", "qwen3-window"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2-window", "qwen2-mixed", "qwen3-window", "phi3"])
 def test_the_windowed_rows_decode_differently_without_their_window(arch):
     """The windowed rows test the window: the same weights attending over the whole context
     decode other tokens, so a forward that ignored the window would fail the matrix."""

@@ -78,6 +78,39 @@ def test_partial_rotary_and_softcapping_are_refused_by_name():
         LlamaForward(model)
 
 
+def test_dynamic_rope_is_exact_up_to_the_models_positions():
+    """transformers rescales "dynamic" rope only past max_position_embeddings, which the forward
+    never reaches, so its one cos/sin table is exact (test up to the last position)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    base = tiny_llama().config.to_dict()
+    rope = {**base["rope_parameters"], "rope_type": "dynamic", "factor": 4.0}
+    torch.manual_seed(3)
+    model = spread_weights(LlamaForCausalLM(LlamaConfig(**{**base, "max_position_embeddings": 40,
+                                                           "rope_parameters": rope})).eval())
+    assert unsupported(model) == []
+    lf = LlamaForward(model)
+    prompt = list(range(5, 15))
+    ref = hf_greedy(model, prompt, 40 - len(prompt), eos=None)
+    out = Engine(Verifier(lf), NoneDrafter(), TreeBudget(8, 4), adaptive=False).generate(
+        [GenerationRequest("d", tuple(prompt), 40 - len(prompt), SamplingParams(), frozenset())])
+    assert out[0].token_ids == ref
+
+
+def test_longrope_is_refused_where_the_context_can_pass_its_original_length():
+    from transformers import Phi3Config, Phi3ForCausalLM
+    dims = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, pad_token_id=0, eos_token_id=2)
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 16,   # head dim 32:
+            "long_factor": [2.0] * 16, "original_max_position_embeddings": 64}           # 16 frequencies
+    long = Phi3Config(**dims, max_position_embeddings=256, original_max_position_embeddings=64,
+                      rope_parameters=rope)
+    with pytest.raises(ValueError, match="longrope.*original_max_position_embeddings=64"):
+        LlamaForward(Phi3ForCausalLM(long).eval())
+    within = Phi3Config(**dims, max_position_embeddings=64, original_max_position_embeddings=64,
+                        rope_parameters=rope)
+    assert unsupported(Phi3ForCausalLM(within).eval()) == []
+
+
 def test_an_attention_kind_other_than_full_or_sliding_is_refused_by_name():
     from transformers import Qwen3Config, Qwen3ForCausalLM
     cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
