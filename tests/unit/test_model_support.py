@@ -168,7 +168,12 @@ def test_qwen_windows_follow_use_sliding_window_and_max_window_layers():
     assert layer_windows(types) == [32, None, 32]
 
 
-def test_mistral_windows_every_layer_and_a_draft_opts_out():
+def test_mistral_windows_every_layer_and_a_draft_opts_out(tmp_path):
+    """A draft's cache is packed to sink + window (slots are not positions), so a draft loaded
+    from a windowed model's directory attends as its own masks say, with no window of the model's."""
+    from workers.drafters.model import ModelDrafter
     model = tiny_mistral(16)
     assert layer_windows(model.config) == [16, 16]
-    assert LlamaForward(model, windowed=False).windows == [None, None]
+    assert LlamaForward(model).windows == [16, 16]
+    model.save_pretrained(tmp_path)
+    assert ModelDrafter.load(tmp_path).forward.windows == [None, None]
