@@ -102,17 +102,18 @@ class LlamaForward:
 
     def _layer_stack(self, intermediate: int):
         """Every decoder layer for one kernel call (small_gemm.layer_stack) where the step's
-        kernels all run: the fused attention and every linear on the few-row kernel, and no q/k
-        norm (Qwen3's: the stack has none; the loop below applies them). Returns the stack (or
-        None) and the most rows it serves (every linear's own limit)."""
+        kernels all run: the fused attention and every linear on the few-row kernel (q/k norms
+        too, where their eps is the layer norms'; it is in Qwen3). Returns the stack (or None)
+        and the most rows it serves (every linear's own limit)."""
         linears = [w[k] for w in self.layers for k in ("wqkv", "wo", "wgu", "wdown")]
         if (not self.fused_attention or any(lin.small is None for lin in linears)
-                or any("q_norm" in w for w in self.layers)):
+                or any(w.get("qk_eps", self.eps) != self.eps for w in self.layers)):
             return None, 0
         empty = torch.empty(0)
         bias = lambda lin: empty if lin.small_bias is None else lin.small_bias   # noqa: E731
         layers = [[w["ln1"].contiguous(), w["wqkv"].small, bias(w["wqkv"]), w["wo"].small, bias(w["wo"]),
-                   w["ln2"].contiguous(), w["wgu"].small, bias(w["wgu"]), w["wdown"].small, bias(w["wdown"])]
+                   w["ln2"].contiguous(), w["wgu"].small, bias(w["wgu"]), w["wdown"].small, bias(w["wdown"]),
+                   w.get("q_norm", empty).contiguous(), w.get("k_norm", empty).contiguous()]
                   for w in self.layers]
         stack = small_gemm.layer_stack(layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden,
                                        intermediate, self.eps)
@@ -278,15 +279,19 @@ class LlamaForward:
         plan.long = [i for i in range(len(segments)) if i not in short]
         plan.chunked = {i: _chunkable(segments[i]) for i in plan.long}
         # One mask set per window that some row reaches past (a windowed mask hides more keys,
-        # so a prefill stays causal and `chunked` holds); every other layer shares the plain one.
-        plain = self._mask_set(plan, [seg.mask for seg in segments], [seg.past for seg in segments])
-        sets: dict[int | None, _MaskSet] = {None: plain}
+        # so a prefill stays causal and `chunked` holds); the other layers share the plain one
+        # (None), built only if some layer reads it.
         top = int(positions.max()) if positions.numel() and any(self.windows) else -1
-        for window in {w for w in self.windows if w is not None and top >= w}:
-            own, past = zip(*(_windowed(seg, positions[seg.start: seg.start + seg.rows], window)
-                              for seg in segments))
+        keys = [w if w is not None and top >= w else None for w in self.windows]
+        sets: dict[int | None, _MaskSet] = {}
+        for window in dict.fromkeys(keys):
+            if window is None:
+                own, past = [seg.mask for seg in segments], [seg.past for seg in segments]
+            else:
+                own, past = zip(*(_windowed(seg, positions[seg.start: seg.start + seg.rows], window)
+                                  for seg in segments))
             sets[window] = self._mask_set(plan, list(own), list(past))
-        plan.layer_masks = [sets.get(w, plain) for w in self.windows]
+        plan.layer_masks = [sets[k] for k in keys]
         return plan
 
     def _mask_set(self, plan: _AttentionPlan, masks: list[torch.Tensor],
@@ -407,16 +412,19 @@ def _windowed(seg: Segment, positions: torch.Tensor, window: int) -> tuple[torch
     positions 4 and 5 over 4 cached slots, window 3: row 4 sees slots 2, 3 and itself; row 5
     sees slot 3, row 4 and itself (and what the segment's own masks let each see of those).
     """
-    if int(positions.max()) < window:                      # this request is not that far along
+    if not positions.numel() or int(positions.max()) < window:   # not that far along
         return seg.mask, seg.past
-    hide = lambda far: torch.zeros(far.shape, dtype=torch.float32, device=far.device).masked_fill_(  # noqa: E731
-        far, float("-inf"))
     slots = torch.arange(seg.cache.length, device=positions.device)
-    past = hide(positions[:, None] - slots[None, :] >= window)                           # [rows, length]
+    past = _hidden(positions[:, None] - slots[None, :] >= window)                         # [rows, length]
     if seg.past is not None:
         past = past + seg.past.to(torch.float32)
-    own = seg.mask.to(torch.float32) + hide(positions[:, None] - positions[None, :] >= window)   # [rows, rows]
+    own = seg.mask.to(torch.float32) + _hidden(positions[:, None] - positions[None, :] >= window)  # [rows, rows]
     return own, past
+
+
+def _hidden(far: torch.Tensor) -> torch.Tensor:
+    """An additive float32 mask: -inf where `far`, else 0."""
+    return torch.zeros(far.shape, dtype=torch.float32, device=far.device).masked_fill_(far, float("-inf"))
 
 
 @dataclass

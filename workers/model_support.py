@@ -31,11 +31,6 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
 
 
-def _nonzero(bias: Any) -> bool:
-    # a bias of zeros (e.g. a config's attention_bias=True on freshly built weights) changes nothing
-    return bias is not None and bool(bias.detach().abs().max() > 0)
-
-
 def unsupported(hf_model: Any) -> list[str]:
     """Every feature of `hf_model` that changes the math and the lean forward does not compute,
     in words a user can find in the config or the weights. Empty: the forward is exact."""

@@ -238,8 +238,8 @@ def tree_attention(q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list
 def layer_stack(layers: list[list[torch.Tensor]], n_heads: int, n_kv_heads: int, head_dim: int, hidden: int,
                 intermediate: int, eps: float):
     """A model's decoder layers held for `forward` in one call (csrc/decoder.cpp): per layer
-    [ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown], the linears `pack`ed, each bias
-    float32 or empty.
+    [ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, q_norm, k_norm], the linears `pack`ed,
+    each bias float32 or empty, the q/k norms' weights [D] (Qwen3's, applied with `eps`) or empty.
     `.forward(x, cos, sin, k_caches, v_caches, starts, rows, lengths, masks, pasts, causal,
     logits)` runs every layer over the packed rows x [T, H] (the residual stream, updated in
     place; T within every linear's `max_rows`) as the lean forward's loop does, and returns the
