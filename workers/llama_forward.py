@@ -8,11 +8,22 @@ linear layers run once over all rows, attention runs per request against that re
 preallocated KV (`KVCache`), and logits are computed only for the rows acceptance needs.
 
 The weights are taken from a transformers `LlamaForCausalLM`-shaped model (Llama, SmolLM, Mistral,
-Qwen2: q/k/v biases are honoured); transformers stays the reference in the exactness tests.
+Qwen2, Qwen3, Phi-3: what of their configs is computed and what is refused is workers/model_support.py);
+transformers stays the reference in the exactness tests (tests/unit/test_conformance.py).
+
+Sliding-window attention: a layer with a window hides from a row at position p every key at
+position p - window or earlier, on top of the segment's own masks. The forward works the
+windowed masks out from the rows' `positions` and the cache's slots, since a target's cache
+slot j holds position j (the verifier and the prefix cache keep it so), once a pass and only when
+some row is that far along. The KV keeps every slot, including those no query can see again:
+exact, and no more memory than a model without a window, since the planner's KV budget bounds
+every request's cache anyway; trimming the cache to the window would save memory for long
+contexts, at the cost of slots that no longer equal positions. A draft model's cache does not
+keep slots at their positions (workers/draft_model.py packs it to sink + window), so a draft
+builds its forward with `windowed=False` and its own `past` masks say what each row sees.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +32,7 @@ import torch.nn.functional as F
 from workers import small_gemm
 from workers.cpu_linear import Linear, pick_backend
 from workers.kv_cache import KVCache
-from workers.model_support import attention_window, unsupported
-
-log = logging.getLogger(__name__)
+from workers.model_support import layer_windows, unsupported
 
 
 @dataclass
@@ -39,9 +48,11 @@ class Segment:
 
 
 class LlamaForward:
-    def __init__(self, hf_model, *, gemm: str | None = None):
+    def __init__(self, hf_model, *, gemm: str | None = None, windowed: bool = True):
         """`gemm`: the linears' weight layout, one of workers.cpu_linear.BACKENDS; None: the fastest
-        known for this machine, device and dtype (`pick_backend`)."""
+        known for this machine, device and dtype (`pick_backend`). `windowed`: apply the model's
+        sliding windows (False: the caller's masks alone say what a row sees, for a cache whose
+        slots are not positions: a draft's)."""
         cfg = hf_model.config
         if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported by the lean forward; "
@@ -56,12 +67,9 @@ class LlamaForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
-        # a sliding window is exact only while every sequence fits in it (model_support.py)
-        self.window = attention_window(cfg)
-        self.max_positions = min(cfg.max_position_embeddings, self.window or cfg.max_position_embeddings)
-        if self.window is not None and self.window < cfg.max_position_embeddings:
-            log.warning("%s: context limited to its %d-token sliding window (attention past it "
-                        "is not implemented)", cfg.model_type, self.window)
+        # per layer, the sliding window it attends within (None: the whole context)
+        self.windows: list[int | None] = layer_windows(cfg) if windowed else [None] * self.n_layers
+        self.max_positions = cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
         inner = hf_model.model
         self.dtype = inner.embed_tokens.weight.dtype
@@ -72,7 +80,7 @@ class LlamaForward:
         self.fused = small_gemm.available(self.dtype, self.device)
         # The fused CPU kernels also do the step's rope + KV write and its attention
         # (workers/csrc/attention.cpp), for the head sizes that kernel is built for.
-        self.fused_attention = self.fused and self.head_dim in (64, 128)
+        self.fused_attention = self.fused and self.head_dim in small_gemm.ATTENTION_HEAD_DIMS
         # KV in the weights' dtype, except bf16 weights on CPU without that kernel: torch's bf16
         # flash attention there is slow for few query rows (the whole forward ran markedly faster
         # with a float32 KV). The kernel reads bf16 KV into float32 arithmetic: half the bytes of
@@ -94,15 +102,19 @@ class LlamaForward:
 
     def _layer_stack(self, intermediate: int):
         """Every decoder layer for one kernel call (small_gemm.layer_stack) where the step's
-        kernels all run: the fused attention and every linear on the few-row kernel. Returns the
-        stack (or None) and the most rows it serves (every linear's own limit)."""
+        kernels all run: the fused attention and every linear on the few-row kernel (q/k norms
+        too, where their eps is the layer norms'; it is in Qwen3). Returns the stack (or None)
+        and the most rows it serves (every linear's own limit)."""
         linears = [w[k] for w in self.layers for k in ("wqkv", "wo", "wgu", "wdown")]
-        if not self.fused_attention or any(lin.small is None for lin in linears):
+        if (not self.fused_attention or any(lin.small is None for lin in linears)
+                or any(w.get("qk_eps", self.eps) != self.eps for w in self.layers)):
             return None, 0
         empty = torch.empty(0)
-        layers = [[w["ln1"].contiguous(), w["wqkv"].small,
-                   empty if w["wqkv"].small_bias is None else w["wqkv"].small_bias,
-                   w["wo"].small, w["ln2"].contiguous(), w["wgu"].small, w["wdown"].small] for w in self.layers]
+        bias = lambda lin: empty if lin.small_bias is None else lin.small_bias   # noqa: E731
+        layers = [[w["ln1"].contiguous(), w["wqkv"].small, bias(w["wqkv"]), w["wo"].small, bias(w["wo"]),
+                   w["ln2"].contiguous(), w["wgu"].small, bias(w["wgu"]), w["wdown"].small, bias(w["wdown"]),
+                   w.get("q_norm", empty).contiguous(), w.get("k_norm", empty).contiguous()]
+                  for w in self.layers]
         stack = small_gemm.layer_stack(layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden,
                                        intermediate, self.eps)
         return stack, min(lin.small_max_rows for lin in linears)
@@ -110,18 +122,19 @@ class LlamaForward:
     def _layer_weights(self, layer) -> dict:
         att, mlp = layer.self_attn, layer.mlp
         # Fusing q/k/v and gate/up into one matmul each halves the per-layer op count.
-        qkv_bias, b = None, self.gemm
-        if att.q_proj.bias is not None:
-            qkv_bias = torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).detach()
-        return {
+        b = self.gemm
+        w = {
             "ln1": layer.input_layernorm.weight.detach(),
-            "wqkv": Linear(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]),
-                            qkv_bias, b),                                             # [(Hq+2Hkv)D, H]
-            "wo": Linear(att.o_proj.weight, None, b),                                # [H, HqD]
+            "wqkv": Linear(*_fused(att, "qkv_proj", "q_proj", "k_proj", "v_proj"), b),  # [(Hq+2Hkv)D, H]
+            "wo": Linear(att.o_proj.weight, _fused_bias(att.o_proj), b),             # [H, HqD]
             "ln2": layer.post_attention_layernorm.weight.detach(),
-            "wgu": Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, b),  # [2I, H]
-            "wdown": Linear(mlp.down_proj.weight, None, b),                          # [H, I]
+            "wgu": Linear(*_fused(mlp, "gate_up_proj", "gate_proj", "up_proj"), b),  # [2I, H]
+            "wdown": Linear(mlp.down_proj.weight, _fused_bias(mlp.down_proj), b),    # [H, I]
         }
+        if getattr(att, "q_norm", None) is not None:     # Qwen3: RMSNorm over each head before the rope
+            w["q_norm"], w["k_norm"] = att.q_norm.weight.detach(), att.k_norm.weight.detach()   # [D] each
+            w["qk_eps"] = att.q_norm.variance_epsilon
+        return w
 
     def _rope_tables(self, rotary_emb) -> tuple[torch.Tensor, torch.Tensor]:
         # Reuse the model's own rotary module so every rope scaling type transformers knows is honoured.
@@ -155,23 +168,31 @@ class LlamaForward:
             if seg.cache.length + seg.rows > seg.cache.capacity:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
                                  f"({seg.cache.length} + {seg.rows} rows)")
+        host_positions = positions      # the masks are worked out on the host (_plan), as built
         if self.device.type != "cpu":
             # callers build a step's ids, positions and masks on the host: one small copy each
             input_ids, positions = input_ids.to(self.device), positions.to(self.device)
             logit_rows = None if logit_rows is None else logit_rows.to(self.device)
         x = self.embed[input_ids]                                   # x: [T, H]
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D] each
-        plan = self._plan(segments)
-        if self._stack is not None and plan.kernel and not plan.long and x.shape[0] <= self._stack_rows:
+        plan = self._plan(segments, host_positions)
+        one_mask_set = all(m is plan.layer_masks[0] for m in plan.layer_masks)
+        if (self._stack is not None and plan.kernel and not plan.long and one_mask_set
+                and x.shape[0] <= self._stack_rows):
             # every layer in one call (csrc/decoder.cpp): the loop below, without its Python
+            masks = plan.layer_masks[0]
             delta = self._stack.forward(x, cos, sin, plan.k_caches, plan.v_caches, plan.starts, plan.rows,
-                                        plan.lengths, plan.short_masks, [small_gemm.no_past(p) for p in plan.short_pasts],
+                                        plan.lengths, masks.short_masks,
+                                        [small_gemm.no_past(p) for p in masks.short_pasts],
                                         plan.short_causal, logit_rows is not None)
             return (None, None) if logit_rows is None else self._logits(x, delta, logit_rows)
         delta = None                    # the MLP output not yet added to x (added by the next norm)
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["ln1"], delta)                                   # x += delta first
-            q = self._rope_store(li, w["wqkv"](h), cos, sin, plan)               # [T, Hq, D]
+            qkv = w["wqkv"](h)                                                   # [T, (Hq+2Hkv)D]
+            if "q_norm" in w:
+                qkv = self._qk_norm(qkv, w)
+            q = self._rope_store(li, qkv, cos, sin, plan)                        # [T, Hq, D]
             if logit_rows is None and li == self.n_layers - 1:
                 # Nothing reads the last layer's output but logits: with none wanted (a
                 # prefill), its KV is all that is needed (a few percent of a prefill).
@@ -196,6 +217,15 @@ class LlamaForward:
         # the index is the same either way.
         return logits.float().argmax(-1).tolist()
 
+    def _qk_norm(self, qkv: torch.Tensor, w: dict) -> torch.Tensor:
+        """Qwen3's RMSNorm over each query head's and each key head's D (the values untouched),
+        between the q/k/v linear and the rope, as its modeling does. qkv: [T, (Hq+2Hkv)D]."""
+        nq, nkv, d = self.n_heads, self.n_kv_heads, self.head_dim
+        heads = qkv.view(-1, nq + 2 * nkv, d)                                    # [T, Hq+2Hkv, D]
+        heads[:, :nq] = F.rms_norm(heads[:, :nq], (d,), w["q_norm"], w["qk_eps"])
+        heads[:, nq: nq + nkv] = F.rms_norm(heads[:, nq: nq + nkv], (d,), w["k_norm"], w["qk_eps"])
+        return qkv
+
     def _rope_store(self, li: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
                     plan: _AttentionPlan) -> torch.Tensor:
         """Rotate the rows' queries and keys and write every segment's keys and values to its
@@ -217,23 +247,24 @@ class LlamaForward:
         The CPU kernel serves tree steps and prefills up to _KERNEL_MAX_KEYS keys in one call;
         torch's kernel longer prefills, in blocks of rows that skip the keys they cannot see."""
         nq, d = self.n_heads, self.head_dim
+        masks = plan.layer_masks[li]
         if plan.short:
-            att = small_gemm.tree_attention(q, *plan.short_caches, li, *plan.short_rows, plan.short_masks,
-                                            plan.short_pasts, self.dtype, plan.short_causal)  # [T, Hq*D]
+            att = small_gemm.tree_attention(q, *plan.short_caches, li, *plan.short_rows, masks.short_masks,
+                                            masks.short_pasts, self.dtype, plan.short_causal)  # [T, Hq*D]
             if not plan.long:
                 return att
         elif len(plan.segments) == 1:   # one request: its attention output is the whole step's
             seg = plan.segments[0]
-            return self._attend(li, seg, plan.full_masks[0], q, plan.chunked[0]).reshape(-1, nq * d)
+            return self._attend(li, seg, masks.full_masks[0], q, plan.chunked[0]).reshape(-1, nq * d)
         else:
             att = torch.empty(q.shape[0], nq * d, dtype=self.dtype, device=q.device)
         rows = att.view(-1, nq, d)                                                # [T, Hq, D]
         for i in plan.long:
             seg = plan.segments[i]
-            rows[seg.start: seg.start + seg.rows] = self._attend(li, seg, plan.full_masks[i], q, plan.chunked[i])
+            rows[seg.start: seg.start + seg.rows] = self._attend(li, seg, masks.full_masks[i], q, plan.chunked[i])
         return att
 
-    def _plan(self, segments: list[Segment]) -> _AttentionPlan:
+    def _plan(self, segments: list[Segment], positions: torch.Tensor) -> _AttentionPlan:
         """Work out once a pass what every layer's attention needs (masks, cache lists)."""
         plan = _AttentionPlan(segments, kernel=self.fused_attention and bool(segments))
         if plan.kernel:
@@ -248,15 +279,34 @@ class LlamaForward:
             pick = lambda values: [values[i] for i in plan.short]   # noqa: E731
             plan.short_caches = (pick(plan.k_caches), pick(plan.v_caches))
             plan.short_rows = (pick(plan.starts), pick(plan.rows), pick(plan.lengths))
-            plan.short_masks = [segments[i].mask.to(torch.float32).contiguous() for i in plan.short]
-            plan.short_pasts = [None if segments[i].past is None else segments[i].past.to(torch.float32).contiguous()
-                                for i in plan.short]
             plan.short_causal = [_chunkable(segments[i]) for i in plan.short]
         short = set(plan.short)
         plan.long = [i for i in range(len(segments)) if i not in short]
-        plan.full_masks = {i: self._full_mask(segments[i]) for i in plan.long}
         plan.chunked = {i: _chunkable(segments[i]) for i in plan.long}
+        # One mask set per window that some row reaches past (a windowed mask hides more keys,
+        # so a prefill stays causal and `chunked` holds); the other layers share the plain one
+        # (None), built only if some layer reads it.
+        top = int(positions.max()) if positions.numel() and any(self.windows) else -1
+        keys = [w if w is not None and top >= w else None for w in self.windows]
+        sets: dict[int | None, _MaskSet] = {}
+        for window in dict.fromkeys(keys):
+            if window is None:
+                own, past = [seg.mask for seg in segments], [seg.past for seg in segments]
+            else:
+                own, past = zip(*(_windowed(seg, positions[seg.start: seg.start + seg.rows], window)
+                                  for seg in segments))
+            sets[window] = self._mask_set(plan, list(own), list(past))
+        plan.layer_masks = [sets[k] for k in keys]
         return plan
+
+    def _mask_set(self, plan: _AttentionPlan, masks: list[torch.Tensor],
+                  pasts: list[torch.Tensor | None]) -> _MaskSet:
+        """Each segment's masks in the form its attention path reads: float32 for the kernel's
+        (`short`) segments, torch's [rows, length + rows] for the others."""
+        return _MaskSet(
+            short_masks=[masks[i].to(torch.float32).contiguous() for i in plan.short],
+            short_pasts=[None if pasts[i] is None else pasts[i].to(torch.float32).contiguous() for i in plan.short],
+            full_masks={i: self._full_mask(plan.segments[i], masks[i], pasts[i]) for i in plan.long})
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """RMSNorm of x after the residual add x += delta (in place: x is this pass's own tensor).
@@ -318,14 +368,15 @@ class LlamaForward:
             out = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nkv * g, d)     # [n, Hq, D]
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
-    def _full_mask(self, seg: Segment) -> torch.Tensor:
-        # Every new row sees the whole committed context; among new rows, the segment's own mask.
+    def _full_mask(self, seg: Segment, own: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
+        # The new rows see the committed context through `past` (None: all of it), each other
+        # through `own` ([rows, rows]).
         # NOTE: the mask must be additive float: a boolean mask is silently wrong under eager attention.
-        if seg.past is not None:
-            past = seg.past.to(self.device, self.kv_dtype)
+        if past is not None:
+            past = past.to(self.device, self.kv_dtype)
         else:
             past = torch.zeros(seg.rows, seg.cache.length, dtype=self.kv_dtype, device=self.device)
-        mask = torch.cat([past, seg.mask.to(self.device, self.kv_dtype)], dim=1)    # [rows, length + rows]
+        mask = torch.cat([past, own.to(self.device, self.kv_dtype)], dim=1)        # [rows, length + rows]
         if self._folds(seg.rows):
             mask = mask.repeat(self.n_heads // self.n_kv_heads, 1)     # [g * rows, length + rows]
         return mask
@@ -336,7 +387,57 @@ class LlamaForward:
         return rows <= _FOLD_MAX_ROWS and self.n_heads > self.n_kv_heads
 
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+
+
+def _fused(module, fused: str, *parts: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight [sum of outs, in] and bias of `parts` stacked in that order, or of the one
+    linear `fused` where the checkpoint already stacks them so (Phi-3's qkv_proj and gate_up_proj:
+    q, k, v and gate, up, the order the forward reads them in)."""
+    if getattr(module, fused, None) is not None:
+        lin = getattr(module, fused)
+        return lin.weight, _fused_bias(lin)
+    linears = [getattr(module, name) for name in parts]
+    return torch.cat([lin.weight for lin in linears]), _fused_bias(*linears)
+
+
+def _fused_bias(*linears) -> torch.Tensor | None:
+    """The bias of the linears' weights stacked into one, zeros for any without one (so one
+    projection's bias never needs the others'); None where none has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.weight.new_zeros(lin.weight.shape[0]) if lin.bias is None else lin.bias.detach()
+                      for lin in linears])
+
+
+def _windowed(seg: Segment, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The segment's masks (own [rows, rows], past [rows, length]) with a sliding window on top:
+    a row at position p no longer sees keys at position p - window or earlier. Cache slot j holds
+    position j (a target's cache); positions: the segment's rows' [rows]. Example: rows at
+    positions 4 and 5 over 4 cached slots, window 3: row 4 sees slots 2, 3 and itself; row 5
+    sees slot 3, row 4 and itself (and what the segment's own masks let each see of those).
+    """
+    if not positions.numel() or int(positions.max()) < window:   # not that far along
+        return seg.mask, seg.past
+    slots = torch.arange(seg.cache.length, device=positions.device)
+    past = _hidden(positions[:, None] - slots[None, :] >= window)                         # [rows, length]
+    if seg.past is not None:
+        past = past + seg.past.to(torch.float32)
+    own = seg.mask.to(torch.float32) + _hidden(positions[:, None] - positions[None, :] >= window)  # [rows, rows]
+    return own, past
+
+
+def _hidden(far: torch.Tensor) -> torch.Tensor:
+    """An additive float32 mask: -inf where `far`, else 0."""
+    return torch.zeros(far.shape, dtype=torch.float32, device=far.device).masked_fill_(far, float("-inf"))
+
+
+@dataclass
+class _MaskSet:
+    """Every segment's masks as one group of layers reads them (those sharing a window)."""
+    short_masks: list[torch.Tensor]                 # the `short` segments' [rows, rows] float32
+    short_pasts: list[torch.Tensor | None]          # their [rows, length] float32, None: all visible
+    full_masks: dict[int, torch.Tensor]             # the `long` ones': torch's [rows, length + rows]
 
 
 @dataclass
@@ -355,12 +456,10 @@ class _AttentionPlan:
     short: list[int] = field(default_factory=list)
     short_caches: tuple = ()                                       # (k, v) lists of the short ones
     short_rows: tuple = ()                                         # (starts, rows, lengths) of the short ones
-    short_masks: list[torch.Tensor] = field(default_factory=list)  # [rows, rows] float32
-    short_pasts: list[torch.Tensor | None] = field(default_factory=list)
     short_causal: list[bool] = field(default_factory=list)
     long: list[int] = field(default_factory=list)
-    full_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # torch's [rows, length + rows]
     chunked: dict[int, bool] = field(default_factory=dict)
+    layer_masks: list[_MaskSet] = field(default_factory=list)      # per layer (shared where windows agree)
 
 # Up to this many rows a segment's attention folds its query-head groups into rows (measured with
 # SmolLM2's 9/3 heads: faster than enable_gqa for tree-sized segments); longer runs such as

@@ -1,26 +1,34 @@
 """What of a transformers checkpoint the lean forward computes, and what makes it refuse one.
 
 The lean forward (workers/llama_forward.py) implements the Llama-family block: RMSNorm, rotary
-attention with grouped KV heads (any rope scaling transformers knows: it reuses the model's own
-rotary module), q/k/v biases, and a SiLU-gated MLP. A checkpoint whose config or weights ask for
-more would decode text that is not its model's, so the forward refuses it at load, naming each
-such feature (`unsupported`), instead of running it silently wrong.
+attention with grouped KV heads (the rope scalings whose frequencies depend on the position
+alone: it reuses the model's own rotary module), biases on any of the q/k/v/o projections and on the MLP's, Qwen3's per-head q/k
+RMSNorm, a SiLU-gated MLP, and sliding-window attention per layer (`layer_windows`). A checkpoint
+whose config or weights ask for more would decode text that is not its model's, so the forward
+refuses it at load, naming each such feature (`unsupported`), instead of running it silently wrong.
 
-Sliding-window attention (Mistral; Qwen2 with `use_sliding_window`) is exact as long as no
-sequence is longer than the window: every key is then inside every query's window. The forward
-serves such a model with its context limited to the window (`attention_window`), so a longer
-request is refused with a context-length error rather than decoded wrong.
+Sliding windows follow transformers' own masks (masking_utils.sliding_window_overlay): a query at
+position q sees a key at position k iff k <= q and q - k < window. Mistral and Phi-3 apply their
+window on every layer (their modeling ignores `layer_types`); Qwen2 and Qwen3 only with
+`use_sliding_window`, on the layers `layer_types` marks "sliding_attention" (by default those from
+`max_window_layers` on).
+
+Rope: the forward tabulates cos/sin once per position, which is exact for every rope type whose
+frequencies depend on the position alone, and for "dynamic" (transformers rescales only past
+`max_position_embeddings`, which the forward never reaches). "longrope" (Phi-3's 128k models)
+switches every position's frequencies when a forward's sequence passes
+`original_max_position_embeddings`, keys already cached included, so it is refused where the
+context can pass that.
 """
 from __future__ import annotations
 
 from typing import Any
 
 SILU = ("silu", "swish")
-
-
-def _nonzero(bias: Any) -> bool:
-    # a bias of zeros (e.g. a config's attention_bias=True on freshly built weights) changes nothing
-    return bias is not None and bool(bias.detach().abs().max() > 0)
+# The attention kinds of `config.layer_types` the forward computes (`layer_windows`).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Model types whose modeling applies `sliding_window` on every layer, whatever `layer_types` says.
+WINDOW_ON_EVERY_LAYER = ("mistral", "phi3")
 
 
 def unsupported(hf_model: Any) -> list[str]:
@@ -31,34 +39,39 @@ def unsupported(hf_model: Any) -> list[str]:
     act = getattr(cfg, "hidden_act", "silu")
     if act not in SILU:
         found.append(f"hidden_act={act!r} (only a SiLU-gated MLP is implemented)")
-    factor = getattr(cfg, "partial_rotary_factor", 1.0)
-    if factor not in (None, 1, 1.0):
-        found.append(f"partial_rotary_factor={factor} (rotary embedding over part of each head)")
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    for factor in (getattr(cfg, "partial_rotary_factor", None), rope.get("partial_rotary_factor")):
+        if factor not in (None, 1, 1.0):
+            found.append(f"partial_rotary_factor={factor} (rotary embedding over part of each head)")
+            break
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, name, None) is not None:
             found.append(f"{name}={getattr(cfg, name)}")
-    layers = hf_model.model.layers
-    if any(_nonzero(layer.self_attn.o_proj.bias) for layer in layers):
-        found.append("an o_proj bias (attention_bias=True with trained output biases)")
-    mlp = [getattr(layer.mlp, n, None) for layer in layers for n in ("gate_proj", "up_proj", "down_proj")]
-    if any(m is not None and _nonzero(getattr(m, "bias", None)) for m in mlp):
-        found.append("MLP biases (mlp_bias=True)")
-    if layers:
-        att = layers[0].self_attn
-        if len({p.bias is None for p in (att.q_proj, att.k_proj, att.v_proj)}) > 1:
-            found.append("biases on some of q/k/v but not all")
+    if rope.get("rope_type") == "longrope":
+        original = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+        if original is not None and cfg.max_position_embeddings > original:
+            found.append(f"rope_type 'longrope' past original_max_position_embeddings={original} "
+                         f"(its frequencies change with the sequence's length)")
+    kinds = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if kinds and getattr(cfg, "model_type", "") not in WINDOW_ON_EVERY_LAYER:
+        found.append(f"layer_types {', '.join(map(repr, kinds))} (only full and sliding-window "
+                     f"attention are implemented)")
     return found
 
 
-def attention_window(cfg: Any) -> int | None:
-    """The sliding window any layer of this config attends within (keys a query sees, itself
-    included), or None when every layer attends over the whole context."""
+def layer_windows(cfg: Any) -> list[int | None]:
+    """Per decoder layer, the sliding window it attends within (keys a query sees, itself
+    included), or None where the layer attends over the whole context."""
+    n = cfg.num_hidden_layers
     window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "model_type", "") in ("qwen2", "qwen3") and not getattr(cfg, "use_sliding_window", False):
+        window = None                     # their configs keep a window that is off by default
     if not window:
-        return None
+        return [None] * n
     types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return int(window) if "sliding_attention" in types else None
-    if getattr(cfg, "model_type", "") == "qwen2":
-        return int(window) if getattr(cfg, "use_sliding_window", False) else None
-    return int(window)
+    if types is None or getattr(cfg, "model_type", "") in WINDOW_ON_EVERY_LAYER:
+        if getattr(cfg, "model_type", "") in ("qwen2", "qwen3"):
+            start = getattr(cfg, "max_window_layers", 0)
+            return [int(window) if i >= start else None for i in range(n)]
+        return [int(window)] * n
+    return [int(window) if t == "sliding_attention" else None for t in types]

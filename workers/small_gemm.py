@@ -62,6 +62,9 @@ from pathlib import Path
 import torch
 
 PANEL = 64                  # output features per panel (csrc/small_gemm.cpp: NR)
+# Head dims `tree_attention` is built for (csrc/attention.cpp: D = 16 * DV, one template each;
+# the rope's half-heads also need D % 32 == 0): a 32..256 range of common models' heads.
+ATTENTION_HEAD_DIMS = (32, 64, 96, 128, 256)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp", "attention.cpp",
                                                                       "decoder.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP; the extension binds to the libgomp.so.1 torch has
@@ -235,7 +238,8 @@ def tree_attention(q: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list
 def layer_stack(layers: list[list[torch.Tensor]], n_heads: int, n_kv_heads: int, head_dim: int, hidden: int,
                 intermediate: int, eps: float):
     """A model's decoder layers held for `forward` in one call (csrc/decoder.cpp): per layer
-    [ln1, wqkv, bqkv, wo, ln2, wgu, wdown], the linears `pack`ed, bqkv float32 or empty.
+    [ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, q_norm, k_norm], the linears `pack`ed,
+    each bias float32 or empty, the q/k norms' weights [D] (Qwen3's, applied with `eps`) or empty.
     `.forward(x, cos, sin, k_caches, v_caches, starts, rows, lengths, masks, pasts, causal,
     logits)` runs every layer over the packed rows x [T, H] (the residual stream, updated in
     place; T within every linear's `max_rows`) as the lean forward's loop does, and returns the

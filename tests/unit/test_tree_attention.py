@@ -1,6 +1,6 @@
 """The step's attention kernels (workers/csrc/attention.cpp) against torch's ops: rope + KV write
 for several requests at once, and tree attention with tree masks, past masks, grouped heads, row
-counts across the 16-row tasks, head dims 64 and 128, float32 and bf16 outputs."""
+counts across the 16-row tasks, every head dim it is built for, float32 and bf16 outputs."""
 from __future__ import annotations
 
 import math
@@ -27,9 +27,10 @@ MODES = [(dt, kv) for dt, kv in ((torch.float32, torch.float32), (torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", MODES)
-def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype, kv_dtype):
+@pytest.mark.parametrize("D", small_gemm.ATTENTION_HEAD_DIMS)
+def test_rope_store_writes_every_requests_kv_and_returns_the_queries(dtype, kv_dtype, D):
     g = torch.Generator().manual_seed(4)
-    nq, nkv, D, cap, layer = 6, 2, 64, 20, 1
+    nq, nkv, cap, layer = 6, 2, 20, 1
     rows, lengths = [3, 1, 5], [4, 0, 15]
     starts = [0, 3, 4]
     T = sum(rows)
@@ -82,7 +83,7 @@ def _tree_mask(rows, g):
 
 
 @pytest.mark.parametrize("dtype,kv_dtype", MODES)
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", small_gemm.ATTENTION_HEAD_DIMS)
 def test_tree_attention_matches_torch_for_each_request(dtype, kv_dtype, D):
     g = torch.Generator().manual_seed(D)
     nq, nkv, layer = 9, 3, 1                           # SmolLM2's grouping: 3 query heads a kv head
@@ -123,8 +124,8 @@ def test_tree_attention_a_row_that_sees_nothing_gets_zeros_and_sizes_are_checked
         small_gemm.tree_attention(q, [k], [v], 0, [0], [2], [7], [mask], [None], torch.float32)
     with pytest.raises(RuntimeError, match="mask"):
         small_gemm.tree_attention(q, [k], [v], 0, [0], [2], [3], [mask[:1]], [None], torch.float32)
-    with pytest.raises(RuntimeError, match="head_dim"):
-        small_gemm.tree_attention(torch.randn(2, nq, 32), [k[..., :32].contiguous()], [v[..., :32].contiguous()],
+    with pytest.raises(RuntimeError, match="head_dim"):                 # 48: no template for it
+        small_gemm.tree_attention(torch.randn(2, nq, 48), [k[..., :48].contiguous()], [v[..., :48].contiguous()],
                                   0, [0], [2], [3], [mask], [None], torch.float32)
 
 

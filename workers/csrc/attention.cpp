@@ -189,7 +189,7 @@ template <int DV, typename KV, typename O>
 void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int64_t nq, int64_t g,
                  float scale, O* out, std::vector<float>& buf) {
   constexpr int64_t D = DV * 16;
-  constexpr int MR = 24 / DV;                    // 24 accumulators: MR rows x DV vectors
+  constexpr int MR = 24 / DV;                    // up to 24 accumulators: MR rows x DV vectors (D 256: 1 x 16)
   static constexpr auto pv = pv_table<DV, KV>(std::make_index_sequence<MR>{});
   int64_t end = s.length + s.rows;               // keys these rows may see
   if (s.causal) {
@@ -317,7 +317,8 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
   return q;
 }
 
-// q [T, nq, D] float32 (rope_store's output), D 64 or 128; segment i's rows starts[i]..+rows[i]
+// q [T, nq, D] float32 (rope_store's output), D 32, 64, 96, 128 or 256 (HEAD_DIMS in
+// workers/small_gemm.py); segment i's rows starts[i]..+rows[i]
 // attend to slots [0, lengths[i] + rows[i]) of its layer-`layer` KV (their own KV written there
 // already), with masks[i] [rows, rows] among the new rows and pasts[i] [rows, lengths[i]] over the
 // cached slots (empty: all visible), both additive float32. Returns [T, nq D] in `dtype`; rows of
@@ -328,7 +329,7 @@ torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std
                              std::vector<torch::Tensor> pasts, std::vector<bool> causal, c10::ScalarType dtype) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == torch::kFloat32, "q: contiguous float32 [T, nq, D]");
   const int64_t T = q.size(0), nq = q.size(1), D = q.size(2);
-  TORCH_CHECK(D == 64 || D == 128, "tree_attention: head_dim 64 or 128");
+  TORCH_CHECK(D == 32 || D == 64 || D == 96 || D == 128 || D == 256, "tree_attention: head_dim 32, 64, 96, 128 or 256");
   TORCH_CHECK(!kc.empty(), "tree_attention: no segments");
   const int64_t nkv = kc[0].dim() == 4 ? kc[0].size(1) : 0;
   TORCH_CHECK(nkv > 0 && nq % nkv == 0, "tree_attention: query heads a multiple of kv heads");
@@ -339,13 +340,17 @@ torch::Tensor tree_attention(torch::Tensor q, std::vector<torch::Tensor> kc, std
   const float* qp = q.data_ptr<float>();
   const bool kf = kc[0].scalar_type() == torch::kFloat32, of = dtype == torch::kFloat32;
 #define ATT(DV, KV, O) attend_all<DV, KV, O>(segs, qp, nq, nkv, reinterpret_cast<O*>(out.data_ptr()))
-  if (D == 64) {
-    if (kf) { if (of) ATT(4, float, float); else ATT(4, float, u16); }
-    else    { if (of) ATT(4, u16, float);   else ATT(4, u16, u16); }
-  } else {
-    if (kf) { if (of) ATT(8, float, float); else ATT(8, float, u16); }
-    else    { if (of) ATT(8, u16, float);   else ATT(8, u16, u16); }
+#define ATT_D(DV) do { \
+    if (kf) { if (of) ATT(DV, float, float); else ATT(DV, float, u16); } \
+    else    { if (of) ATT(DV, u16, float);   else ATT(DV, u16, u16); } } while (0)
+  switch (D) {
+    case 32: ATT_D(2); break;
+    case 64: ATT_D(4); break;
+    case 96: ATT_D(6); break;
+    case 128: ATT_D(8); break;
+    default: ATT_D(16); break;   // 256, the only other size checked above
   }
+#undef ATT_D
 #undef ATT
   return out;
 }

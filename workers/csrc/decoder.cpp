@@ -12,9 +12,10 @@
 namespace {
 
 // One layer's weights as workers/llama_forward.py holds them: norms in the model's dtype, the
-// linears packed for the few-row kernel (small_gemm.pack), the q/k/v bias float32 or empty.
+// linears packed for the few-row kernel (small_gemm.pack), each linear's bias float32 or empty,
+// and Qwen3's per-head q/k norm weights [D] in the model's dtype or empty.
 struct LayerWeights {
-  torch::Tensor ln1, wqkv, bqkv, wo, ln2, wgu, wdown;
+  torch::Tensor ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, qn, kn;
 };
 
 class LayerStack {
@@ -23,8 +24,8 @@ class LayerStack {
              int64_t hidden, int64_t intermediate, double eps)
       : nq_(nq), nkv_(nkv), d_(head_dim), hidden_(hidden), inter_(intermediate), eps_(eps) {
     for (auto& w : layers) {
-      TORCH_CHECK(w.size() == 7, "LayerStack: per layer ln1, wqkv, bqkv, wo, ln2, wgu, wdown");
-      layers_.push_back({w[0], w[1], w[2], w[3], w[4], w[5], w[6]});
+      TORCH_CHECK(w.size() == 12, "LayerStack: per layer ln1, wqkv, bqkv, wo, bo, ln2, wgu, bgu, wdown, bdown, qn, kn");
+      layers_.push_back({w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11]});
     }
   }
 
@@ -42,12 +43,17 @@ class LayerStack {
     for (size_t li = 0; li < layers_.size(); ++li) {
       const LayerWeights& w = layers_[li];
       auto h = rms_norm(x, delta, w.ln1, eps_);                                   // x += delta first
-      auto q = rope_store(linear(h, w.wqkv, n_qkv, w.bqkv), cos, sin, kc, vc, (int64_t)li, starts, rows,
-                          lengths, nq_, nkv_);                                       // [T, Hq, D]
+      auto qkv = linear(h, w.wqkv, n_qkv, w.bqkv);                               // [T, (Hq+2Hkv)D]
+      if (w.qn.numel()) {   // Qwen3: RMSNorm over each query and key head before the rope (ATen's, as the loop)
+        auto heads = qkv.view({qkv.size(0), nq_ + 2 * nkv_, d_});
+        heads.narrow(1, 0, nq_).copy_(at::rms_norm(heads.narrow(1, 0, nq_), {d_}, w.qn, eps_));
+        heads.narrow(1, nq_, nkv_).copy_(at::rms_norm(heads.narrow(1, nq_, nkv_), {d_}, w.kn, eps_));
+      }
+      auto q = rope_store(qkv, cos, sin, kc, vc, (int64_t)li, starts, rows, lengths, nq_, nkv_);   // [T, Hq, D]
       if (!logits && li + 1 == layers_.size()) return torch::empty({0}, x.options());
       auto att = tree_attention(q, kc, vc, (int64_t)li, starts, rows, lengths, masks, pasts, causal, dtype);
-      h = rms_norm(x, linear(att, w.wo, hidden_, empty_), w.ln2, eps_);          // x += attention out
-      delta = linear(silu_mul(linear(h, w.wgu, 2 * inter_, empty_)), w.wdown, hidden_, empty_);
+      h = rms_norm(x, linear(att, w.wo, hidden_, w.bo), w.ln2, eps_);            // x += attention out
+      delta = linear(silu_mul(linear(h, w.wgu, 2 * inter_, w.bgu)), w.wdown, hidden_, w.bdown);
     }
     return delta;
   }
@@ -56,7 +62,6 @@ class LayerStack {
   std::vector<LayerWeights> layers_;
   int64_t nq_, nkv_, d_, hidden_, inter_;
   double eps_;
-  torch::Tensor empty_ = torch::empty({0});
 };
 
 // Index of each row's largest value, the first where several are equal (as torch.argmax).

@@ -99,7 +99,9 @@ class ModelDrafter(Drafter):
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         options.setdefault("name", str(path))
-        return cls(LlamaForward(model), read_spec(path), **options)
+        # the draft attends as its spec says over a cache packed to sink + window (slots are not
+        # positions), so the forward applies no window of the model's own
+        return cls(LlamaForward(model, windowed=False), read_spec(path), **options)
 
     # -- the Drafter protocol -------------------------------------------------------------------
 
