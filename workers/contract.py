@@ -24,12 +24,16 @@ class SamplingParams:
     """How the target samples. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` are off.
 
     ``seed`` seeds the request's own RNG, so one request's output does not depend on its batch.
+    ``constraint`` restricts the output to a grammar (a forced tool call's schema, for one).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: Optional[int] = None
+    # A JSON string the engine enforces per token: {"type": "json_object"} or
+    # {"type": "json_schema", "schema": {...}}; None: unconstrained.
+    constraint: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
