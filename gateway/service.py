@@ -263,7 +263,15 @@ class GenerationService:
             raise errors.too_large(f"the prompt has {len(ids)} tokens; this API key may send at "
                                    f"most {cap}", param, code="max_prompt_tokens_exceeded")
         room = limit - len(ids)
-        max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
+        if inp.max_tokens is not None and inp.max_tokens > room:
+            # NOTE: OpenAI's answer (400), where specgate used to clamp silently: a client that
+            # asked for more than fits should know it will not get it.
+            raise errors.invalid(f"this model's context is {limit} tokens; the request asks for "
+                                 f"{len(ids) + inp.max_tokens} ({len(ids)} in the {param}, "
+                                 f"{inp.max_tokens} for the output). Lower max_tokens (or "
+                                 f"max_completion_tokens) to at most {room}, or shorten the {param}",
+                                 "max_tokens", code="context_length_exceeded")
+        max_new = room if inp.max_tokens is None else inp.max_tokens
         rid = self.request_id(kind)
         # the engine's caches go by the tenant's immutable id, never by its name (a name can be
         # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
