@@ -278,27 +278,25 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_input(self, tenant: Tenant) -> GenerateInput:
-        choice = self.tool_choice
         return self.generate_input(
-            tenant, messages=[m.as_dict() for m in self.messages],
-            tools=None if self.tools is None else tuple(t.model_dump(exclude_none=True)
-                                                         for t in self.tools),
-            tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice,
-            parallel_tool_calls=self.parallel_tool_calls)
-
-    @property
-    def tool_mode(self) -> tools.Mode | None:
-        """How the output is read for calls (gateway/tools.py `call_mode`)."""
-        dumped = [t.model_dump(exclude_none=True) for t in self.tools or ()]
-        choice = self.tool_choice
-        return tools.call_mode(dumped, choice.model_dump() if isinstance(choice, BaseModel) else choice)
+            tenant, messages=[m.as_dict() for m in self.messages], tools=self._tools(),
+            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls)
 
     def tool_parser(self) -> tools.ToolStreamParser | None:
-        mode = self.tool_mode
+        """What reads the output for calls (gateway/tools.py), or None: plain content."""
+        mode = tools.call_mode(self._tools(), self._tool_choice())
         if mode is None:
             return None
-        return tools.ToolStreamParser([t.model_dump(exclude_none=True) for t in self.tools],
-                                      mode, parallel=self.parallel_tool_calls is not False)
+        return tools.ToolStreamParser(self._tools(), mode,
+                                      parallel=self.parallel_tool_calls is not False)
+
+    def _tools(self) -> tuple[dict, ...] | None:
+        return None if self.tools is None else tuple(t.model_dump(exclude_none=True)
+                                                     for t in self.tools)
+
+    def _tool_choice(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, BaseModel) else choice
 
 
 # ---- responses ---------------------------------------------------------------------------------------
