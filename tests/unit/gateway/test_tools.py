@@ -224,3 +224,10 @@ def test_call_ids_are_random_and_openai_shaped():
     a = tools.parse_output(W, TOOLS, "auto")[1][0].id
     b = tools.parse_output(W, TOOLS, "auto")[1][0].id
     assert a != b and a.startswith("call_") and len(a) > 10
+
+
+def test_doctests():
+    import doctest
+
+    result = doctest.testmod(tools)
+    assert result.failed == 0 and result.attempted >= 3
