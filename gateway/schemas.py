@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo,
+                      field_validator)
 
+from gateway import tools
 from gateway.service import MAX_STOP_CHARS, MAX_STOPS, GenerateInput, GenerateOutput, SpecStats
 from gateway.tenancy.records import Tenant
 
@@ -150,16 +152,94 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _CONFIG
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(max_length=4096)]
-    name: Annotated[str, Field(max_length=256)] | None = None
+Name = Annotated[str, Field(max_length=256)]
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+class FunctionDef(BaseModel):
+    model_config = _CONFIG
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Annotated[str, Field(max_length=65_536)] | None = None
+    parameters: dict[str, Any] | None = None       # a JSON schema (object)
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _CONFIG
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: Name
+    arguments: str                                 # JSON text, as the model wrote it
+
+
+class ToolCallIn(BaseModel):
+    """A call of an earlier assistant turn, sent back in the conversation."""
+    model_config = _CONFIG
+    id: Name
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One turn. Fields are declared in the order their checks need: each check sees the fields
+    before it (`info.data`), and a refusal names the field at fault (`messages.0.content`)."""
+    model_config = _CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: Annotated[list[ToolCallIn], Field(min_length=1, max_length=128)] | None = None
+    tool_call_id: Annotated[Name | None, Field(validate_default=True)] = None
+    name: Name | None = None
+    content: Annotated[str | Annotated[list[TextPart], Field(max_length=4096)] | None,
+                       Field(validate_default=True)] = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_on_assistant(cls, v: list | None, info: ValidationInfo) -> list | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")
+        if role == "tool" and v is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if role not in (None, "tool") and v is not None:
+            raise ValueError("only tool messages carry a tool_call_id")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (it may be null only in an assistant message "
+                             "with tool_calls)")
+        return v
+
+    def as_dict(self) -> dict[str, Any]:
+        text = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
         # NOTE: "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Sampling):
@@ -167,7 +247,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Count | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[ToolDef], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -178,11 +260,11 @@ class ChatRequest(_Sampling):
             raise ValueError("logprobs are not supported")
         return v
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
+    def _no_functions(cls, v: list | None) -> list | None:
         if v:
-            raise ValueError("tool calling is not supported")
+            raise ValueError("the legacy 'functions' field is not supported: send 'tools'")
         return v
 
     @field_validator("response_format")
@@ -196,7 +278,25 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_input(self, tenant: Tenant) -> GenerateInput:
-        return self.generate_input(tenant, messages=[m.as_dict() for m in self.messages])
+        return self.generate_input(
+            tenant, messages=[m.as_dict() for m in self.messages], tools=self._tools(),
+            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls)
+
+    def tool_parser(self) -> tools.ToolStreamParser | None:
+        """What reads the output for calls (gateway/tools.py), or None: plain content."""
+        mode = tools.call_mode(self._tools(), self._tool_choice())
+        if mode is None:
+            return None
+        return tools.ToolStreamParser(self._tools(), mode,
+                                      parallel=self.parallel_tool_calls is not False)
+
+    def _tools(self) -> tuple[dict, ...] | None:
+        return None if self.tools is None else tuple(t.model_dump(exclude_none=True)
+                                                     for t in self.tools)
+
+    def _tool_choice(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, BaseModel) else choice
 
 
 # ---- responses ---------------------------------------------------------------------------------------
@@ -227,14 +327,31 @@ def completion_chunk(rid: str, model: str, created: int, text: str,
                          "finish_reason": finish_reason}]}
 
 
-def chat_body(out: GenerateOutput, model: str, created: int) -> dict[str, Any]:
+def chat_body(out: GenerateOutput, model: str, created: int,
+              parser: tools.ToolStreamParser | None = None) -> dict[str, Any]:
+    """With `parser` (a request with tools), the output is read for calls first."""
+    message: dict[str, Any] = {"role": "assistant", "content": out.text}
+    reason = out.finish_reason
+    if parser is not None:
+        parser.push(out.text)
+        parser.finish()
+        message["content"] = parser.content
+        if parser.calls:
+            message["tool_calls"] = [c.as_dict() for c in parser.calls]
+            reason = finish_reason(reason, parser)
     return {"id": out.request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                         "logprobs": None, "finish_reason": out.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": reason}],
             "usage": usage(out), "specgate": spec_stats(out.speculation)}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str],
+def finish_reason(reason: str, parser: tools.ToolStreamParser | None) -> str:
+    """"tool_calls" for a generation that ended on its own with calls in it (one cut short by
+    max_tokens stays "length", as OpenAI reports it)."""
+    return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
                finish_reason: str | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None,

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
-from gateway import errors
+from gateway import errors, tools
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.grants import GrantKeeper
@@ -76,6 +76,9 @@ class GenerateInput:
     max_tree_tokens: int | None = None  # per-request cap, bounded by the tenant's
     user: str | None = None
     prompt_ids: tuple[int, ...] | None = None   # completions given token ids instead of text
+    tools: tuple[dict, ...] | None = None       # chat: OpenAI function tools (gateway/tools.py)
+    tool_choice: str | dict | None = None       # "none", "auto", "required" or a named function
+    parallel_tool_calls: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class GenerationService:
         self._tenants_seen: dict[str, str] = {}
         self.vocab_size = len(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
+        # whether the chat template writes tools itself, else gateway/tools.py's fallback format
+        self.template_tools = tools.template_renders_tools(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
 
     # ---- the interface ------------------------------------------------------------------------
@@ -245,6 +250,10 @@ class GenerationService:
             raise errors.unknown_model(inp.model)
         if not tenant.allows_model(inp.model):
             raise errors.forbidden_model(inp.model)
+        try:
+            tools.check_request(inp.tools, inp.tool_choice, inp.parallel_tool_calls)
+        except tools.ToolError as exc:
+            raise errors.invalid(str(exc), exc.param) from None
         sampling = _sampling(inp)
         stops = _stops(inp.stop)
         if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
@@ -263,7 +272,15 @@ class GenerationService:
             raise errors.too_large(f"the prompt has {len(ids)} tokens; this API key may send at "
                                    f"most {cap}", param, code="max_prompt_tokens_exceeded")
         room = limit - len(ids)
-        max_new = room if inp.max_tokens is None else min(inp.max_tokens, room)
+        if inp.max_tokens is not None and inp.max_tokens > room:
+            # NOTE: OpenAI's answer (400), where specgate used to clamp silently: a client that
+            # asked for more than fits should know it will not get it.
+            raise errors.invalid(f"this model's context is {limit} tokens; the request asks for "
+                                 f"{len(ids) + inp.max_tokens} ({len(ids)} in the {param}, "
+                                 f"{inp.max_tokens} for the output). Lower max_tokens (or "
+                                 f"max_completion_tokens) to at most {room}, or shorten the {param}",
+                                 "max_tokens", code="context_length_exceeded")
+        max_new = room if inp.max_tokens is None else inp.max_tokens
         rid = self.request_id(kind)
         # the engine's caches go by the tenant's immutable id, never by its name (a name can be
         # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
@@ -315,14 +332,27 @@ class GenerationService:
                     raise errors.invalid(f"token id {t!r} is outside the vocabulary "
                                          f"(0 … {self.vocab_size - 1})", f"prompt.{i}")
             return ids, "prompt", "cmpl"
-        record = {field: inputs[field]}
-        try:
-            ids = encode_record(self.tokenizer, record)
-        except ValueError as exc:
-            raise errors.invalid(str(exc), field) from None
+        if field == "messages" and isinstance(inp.messages, list) and tools.uses_tools(
+                inp.messages, inp.tools):
+            ids = self._encode_with_tools(inp)
+        else:
+            try:
+                ids = encode_record(self.tokenizer, {field: inputs[field]})
+            except ValueError as exc:
+                raise errors.invalid(str(exc), field) from None
         if not ids:
             raise errors.invalid("prompt is empty: at least one token is needed", field)
         return ids, field, "chatcmpl" if field == "messages" else "cmpl"
+
+    def _encode_with_tools(self, inp: GenerateInput) -> list[int]:
+        try:
+            text = tools.render_chat(self.tokenizer, inp.messages, inp.tools, inp.tool_choice,
+                                     inp.parallel_tool_calls, native=self.template_tools)
+        except Exception:                       # the template refused these messages (jinja)
+            log.info("chat template refused a conversation with tools", exc_info=True)
+            raise errors.invalid("this model's chat template cannot render these messages "
+                                 "and tools", "messages") from None
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _speculation(self, inp: GenerateInput, policy: SpeculationPolicy) -> tuple[str, int | None]:
         """(drafter name, tree cap) within the tenant's policy: a request may turn speculation
@@ -599,7 +629,8 @@ def _sampling(inp: GenerateInput) -> SamplingParams:
     seed = inp.seed
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise errors.invalid("seed must be a 64-bit integer", "seed")
-    return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed)
+    return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed,
+                          constraint=tools.forced_constraint(inp.tools, inp.tool_choice))
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

@@ -30,7 +30,8 @@ class SamplingParams:
     ``presence_penalty`` / ``frequency_penalty`` (subtracted once / per occurrence of a token in
     the output so far), ``logit_bias`` ((token id, bias) pairs, added), and ``constraint``, a JSON
     string the output must follow: ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "schema": {...}}`` (enforced by a grammar, workers/grammar.py).
+    "schema": {...}}`` (a response_format, or a forced tool call: gateway/tools.py), enforced by a
+    grammar (workers/grammar.py).
     """
 
     temperature: float = 0.0

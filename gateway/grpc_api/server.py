@@ -200,6 +200,11 @@ def generate_input(request: pb.GenerateRequest, tenant: Tenant) -> GenerateInput
         body["prompt"] = list(request.prompt_ids.ids)
     elif which == "messages":
         model = schemas.ChatRequest
+        if any(m.role == "tool" for m in request.messages.messages):
+            # NOTE: the proto carries no tools, tool calls nor tool_call_id (yet): refused by
+            # name rather than as a malformed message
+            raise errors.invalid("tool calling is not available over gRPC; use POST "
+                                 "/v1/chat/completions", "messages", code="unsupported_parameter")
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages.messages]
     else:
         raise ApiError(400, "send one of 'prompt', 'messages' or 'prompt_ids'", param="prompt",

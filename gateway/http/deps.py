@@ -281,13 +281,18 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
-async def sse_events(stream: EventStream, *, chunk: Callable[[str], dict],
-                     final: Callable[[GenerateOutput], dict],
+def _events(made: dict | list[dict]) -> list[dict]:
+    return made if isinstance(made, list) else [made]
+
+
+async def sse_events(stream: EventStream, *, chunk: Callable[[str], dict | list[dict]],
+                     final: Callable[[GenerateOutput], dict | list[dict]],
                      usage: Callable[[GenerateOutput], dict] | None = None,
                      opening: dict | None = None) -> AsyncIterator[str]:
     """A generation as server-sent events: `opening`, one `chunk(text)` per piece of text, the
     `final(output)` chunk (finish_reason, specgate stats), `usage(output)` when asked for, then
-    `data: [DONE]`. Once the 200 has gone out an error can only be an event: a failed generation
+    `data: [DONE]`. `chunk` and `final` may give a list of events (or none: a tool call's text is
+    held until it is whole, gateway/tools.py). Once the 200 has gone out an error can only be an event: a failed generation
     or an unexpected exception ends the stream with an OpenAI error object. The stream is closed
     however this ends; a client that disconnects cancels its request that way."""
     try:
@@ -295,14 +300,16 @@ async def sse_events(stream: EventStream, *, chunk: Callable[[str], dict],
             yield sse(opening)
         async for item in stream:
             if isinstance(item, GenerateOutput):
-                yield sse(final(item))
+                for event in _events(final(item)):
+                    yield sse(event)
                 if item.finish_reason == "error":
                     yield sse(ApiError(500, "generation failed; retry the request",
                                        code="generation_failed").body())
                 if usage is not None:
                     yield sse(usage(item))
             elif item.text:
-                yield sse(chunk(item.text))
+                for event in _events(chunk(item.text)):
+                    yield sse(event)
         yield SSE_DONE
     except Exception:
         log.exception("stream %s failed", stream.request_id)

@@ -198,6 +198,21 @@ def test_rest_validation_applies(env, req, param):
     assert env.service.inputs == []
 
 
+def test_tool_messages_are_refused_by_name(env):
+    """The proto has no tools nor tool_call_id: a tool message is refused as unsupported, not
+    as a malformed message."""
+    req = pb.GenerateRequest(model=MODEL, messages=pb.ChatMessages(messages=[
+        pb.ChatMessage(role="user", content="Hi"), pb.ChatMessage(role="tool", content="3C")]))
+    for rpc in ("unary", "stream"):
+        with pytest.raises(grpc.RpcError) as err:
+            call(env.stub, rpc, req)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "not available over gRPC" in err.value.details()
+        meta = dict(err.value.trailing_metadata())
+        assert (meta["error-param"], meta.get("error-code")) == ("messages", "unsupported_parameter")
+    assert env.service.inputs == []
+
+
 def test_generate_stream_deltas_then_final(env):
     stream = env.stub.GenerateStream(pb.GenerateRequest(model=MODEL, prompt="Say hi"), metadata=AUTH,
                                      timeout=10)

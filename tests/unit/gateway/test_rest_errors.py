@@ -124,11 +124,12 @@ def test_400_names_the_field(http, body, param):
 @pytest.mark.parametrize("body,param", [
     ({"model": MODEL, "messages": "hi"}, "messages"),
     ({"model": MODEL, "messages": []}, "messages"),
-    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content"),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools.0.type"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "max_completion_tokens": -1}, "max_tokens"),
 ])

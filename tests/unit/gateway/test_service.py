@@ -200,10 +200,18 @@ def test_a_model_the_tenant_may_not_use_is_403(rig):
     assert (e.value.status, e.value.code) == (403, "model_not_allowed")
 
 
-def test_max_tokens_beyond_the_context_is_capped_by_it():
+def test_max_tokens_beyond_the_context_is_refused_and_none_gets_the_rest():
+    """OpenAI's 400 `context_length_exceeded` when prompt + max_tokens passes the context (it
+    was clamped silently); exactly filling it is allowed; without max_tokens a request gets the
+    rest of the context."""
     rig = Rig(context=40)
     try:
-        out = asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=1000)))
+        with pytest.raises(ApiError) as e:
+            asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=11)))
+        assert (e.value.status, e.value.code, e.value.param) == (400, "context_length_exceeded",
+                                                                 "max_tokens")
+        assert "at most 10" in e.value.message
+        out = asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=10)))
         assert (out.completion_tokens, out.finish_reason) == (10, "length")
         out = asyncio.run(rig.service.generate(inp(prompt="x" * 30, max_tokens=None)))
         assert out.completion_tokens == 10
