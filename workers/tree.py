@@ -253,11 +253,7 @@ def truncate(tree: TokenTree, max_nodes: int, max_depth: int) -> TokenTree:
             continue
         remap[i] = len(kept)
         kept.append(i)
-    return TokenTree(
-        tuple(tree.tokens[i] for i in kept),
-        tuple(remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in kept),
-        None if tree.draft_probs is None else tuple(tree.draft_probs[i] for i in kept),
-    )
+    return _subtree(tree, kept, remap)
 
 
 def row_paths(tree: TokenTree) -> list[tuple[int, ...]]:
@@ -289,6 +285,12 @@ def keep(tree: TokenTree, allowed: Sequence[bool]) -> TokenTree:
         if allowed[i] and (p < 0 or remap[p] >= 0):
             remap[i] = len(kept)
             kept.append(i)
+    return _subtree(tree, kept, remap)
+
+
+def _subtree(tree: TokenTree, kept: list[int], remap: list[int]) -> TokenTree:
+    """The nodes `kept` (old indices, in order; each one's parent kept too) as a tree of their
+    own; `remap`: old index -> new index."""
     return TokenTree(
         tuple(tree.tokens[i] for i in kept),
         tuple(remap[tree.parents[i]] if tree.parents[i] >= 0 else -1 for i in kept),
