@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, strict) and response bodies (plain dicts, built in one place).
 
-Request models check types and absurd sizes only; what a value means (ranges, n = 1, the model,
-the context) is checked by `GenerationService`, the one place shared with gRPC. Models are strict:
+Request models check types and absurd sizes only; what a value means (ranges, the model, the
+context) is checked by `GenerationService`, the one place shared with gRPC, except what only REST
+has (`n`: gateway/http/choices.py; the logprobs bounds of each API's shape, here). Models are strict:
 `"max_tokens": "5"` or `true` is a type error, not a coercion. Unknown fields are ignored, as
 OpenAI does; OpenAI fields specgate does not implement are accepted at their neutral value only
 (a request that relies on them fails loudly instead of being silently served differently).
