@@ -582,7 +582,6 @@ class RequestStream:
             self._out.append(StreamChunk(text, tuple(self._pending_ids), lps))
             self._pending_ids.clear()
 
-
     def _settle(self, status: str) -> concurrent.futures.Future | None:
         """Count the request's end and release its grant (on the keeper's thread when the
         limiter is remote); the release's future, or None without a grant."""
@@ -608,7 +607,7 @@ class _LogprobTrack:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._held: collections.deque = collections.deque()
-        self.sent: tuple[TokenLogprobs, ...] = ()
+        self._sent: list[TokenLogprobs] = []
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
         for tok, (lp, top) in zip(token_ids, logprobs):
@@ -623,8 +622,12 @@ class _LogprobTrack:
         out = []
         while self._held and (shown is None or self._held[0].offset < shown):
             out.append(self._held.popleft())
-        self.sent += tuple(out)
+        self._sent += out
         return tuple(out)
+
+    @property
+    def sent(self) -> tuple[TokenLogprobs, ...]:
+        return tuple(self._sent)
 
     def _piece(self, token_id: int) -> tuple[str, tuple[int, ...]]:
         piece = self._pieces.get(token_id)
