@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic, strict) and response bodies (plain dicts, built in one place).
 
-Request models check types and absurd sizes only; what a value means (ranges, n = 1, the model,
-the context) is checked by `GenerationService`, the one place shared with gRPC. Models are strict:
+Request models check types and absurd sizes only; what a value means (ranges, the model, the
+context) is checked by `GenerationService`, the one place shared with gRPC, except what only REST
+has (`n`: gateway/http/choices.py; the logprobs bounds of each API's shape, here). Models are strict:
 `"max_tokens": "5"` or `true` is a type error, not a coercion. Unknown fields are ignored, as
 OpenAI does; OpenAI fields specgate does not implement are accepted at their neutral value only
 (a request that relies on them fails loudly instead of being silently served differently).
@@ -9,15 +10,18 @@ OpenAI does; OpenAI fields specgate does not implement are accepted at their neu
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Sequence, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo,
                       field_validator)
 
-from gateway import tools
-from gateway.service import MAX_STOP_CHARS, MAX_STOPS, GenerateInput, GenerateOutput, SpecStats
+from gateway import errors, tools
+from gateway.service import (MAX_STOP_CHARS, MAX_STOPS, GenerateInput, GenerateOutput,
+                             TokenLogprobs)
 from gateway.tenancy.records import Tenant
+from workers.contract import MAX_TOP_LOGPROBS
 
+MAX_COMPLETION_LOGPROBS = 5   # the legacy completions API's bound on `logprobs`
 BIG = 2**31 - 1              # upper bound for counts: refuses absurd numbers with the field named
 
 _CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -53,32 +57,11 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     speculation: SpeculationOptions | None = None
-    # OpenAI fields not implemented: neutral values only.
+    # applied at every tree node from its own path, so speculation stays lossless under them
+    # (workers/processors.py); ranges checked by the service
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v is not None and v != 1:
-            raise ValueError("only n = 1 is supported: send one request per choice")
-        return v
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None) -> float | None:
-        if v:
-            raise ValueError("penalties are not supported (they would change the target's "
-                             "distribution, which speculative decoding reproduces exactly)")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return v
+    logit_bias: Annotated[dict[str, Any], Field(max_length=4096)] | None = None
 
     def generate_input(self, tenant: Tenant, **text: Any) -> GenerateInput:
         spec = self.speculation or SpeculationOptions()
@@ -89,10 +72,21 @@ class _Sampling(BaseModel):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,
             seed=self.seed, stop=stop, speculation=spec.enabled,
-            max_tree_tokens=spec.max_tree_tokens, user=self.user, **text)
+            max_tree_tokens=spec.max_tree_tokens, user=self.user,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=self.logit_bias, logprobs=self._logprobs(), **text)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def _logprobs(self) -> int | None:
+        """How many top alternatives to report per token; None: no logprobs."""
+        return None
+
+    @property
+    def choices(self) -> int:
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
@@ -118,10 +112,13 @@ class CompletionRequest(_Sampling):
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _logprobs_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_COMPLETION_LOGPROBS:
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]")
         return v
+
+    def _logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -253,12 +250,15 @@ class ChatRequest(_Sampling):
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("logprobs are not supported")
+    def _top_range(cls, v: int | None) -> int | None:
+        if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         return v
+
+    def _logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("functions")
     @classmethod
@@ -278,6 +278,8 @@ class ChatRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def to_input(self, tenant: Tenant) -> GenerateInput:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
         return self.generate_input(
             tenant, messages=[m.as_dict() for m in self.messages], tools=self._tools(),
             tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls)
@@ -304,45 +306,77 @@ def now_s() -> int:
     return int(time.time())
 
 
-def usage(out: GenerateOutput) -> dict[str, int]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+def usage(outs: Sequence[GenerateOutput]) -> dict[str, int]:
+    """Usage of a request's choices, as OpenAI counts it: the prompt once, every choice's
+    completion tokens."""
+    prompt, completion = outs[0].prompt_tokens, sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
 
 
-def spec_stats(s: SpecStats) -> dict[str, Any]:
-    return {"drafted": s.drafted, "accepted": s.accepted, "steps": s.steps, "tau": round(s.tau, 4)}
+def spec_stats(outs: Sequence[GenerateOutput]) -> dict[str, Any]:
+    """specgate's speculation figures over a request's choices (τ: per step, over all of them)."""
+    stats = [o.speculation for o in outs]
+    steps = sum(s.steps for s in stats)
+    tau = sum(s.tau * s.steps for s in stats) / steps if steps else 0.0
+    return {"drafted": sum(s.drafted for s in stats), "accepted": sum(s.accepted for s in stats),
+            "steps": steps, "tau": round(tau, 4)}
 
 
-def completion_body(out: GenerateOutput, model: str, created: int) -> dict[str, Any]:
-    return {"id": out.request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": out.text, "logprobs": None,
-                         "finish_reason": out.finish_reason}],
-            "usage": usage(out), "specgate": spec_stats(out.speculation)}
+def completion_logprobs(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """The legacy completions API's logprobs: parallel lists, `top_logprobs` one {token: logprob}
+    per token."""
+    if entries is None:
+        return None
+    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{t: v for t, _, v in e.top} for e in entries],
+            "text_offset": [e.offset for e in entries]}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+    """Chat's logprobs: one object per token, with its bytes and its `top_logprobs`."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes),
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)}
+                                          for t, b, v in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_body(outs: Sequence[GenerateOutput], model: str, created: int) -> dict[str, Any]:
+    return {"id": outs[0].request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": out.text, "logprobs": completion_logprobs(out.logprobs),
+                         "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
+            "usage": usage(outs), "specgate": spec_stats(outs)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str,
-                     finish_reason: str | None = None) -> dict[str, Any]:
+                     finish_reason: str | None = None, *, index: int = 0,
+                     logprobs: Sequence[TokenLogprobs] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason}]}
 
 
-def chat_body(out: GenerateOutput, model: str, created: int,
-              parser: tools.ToolStreamParser | None = None) -> dict[str, Any]:
-    """With `parser` (a request with tools), the output is read for calls first."""
-    message: dict[str, Any] = {"role": "assistant", "content": out.text}
-    reason = out.finish_reason
-    if parser is not None:
-        parser.push(out.text)
-        parser.finish()
-        message["content"] = parser.content
-        if parser.calls:
-            message["tool_calls"] = [c.as_dict() for c in parser.calls]
-            reason = finish_reason(reason, parser)
-    return {"id": out.request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": reason}],
-            "usage": usage(out), "specgate": spec_stats(out.speculation)}
+def chat_body(outs: Sequence[GenerateOutput], model: str, created: int,
+              parsers: Sequence[tools.ToolStreamParser | None] = ()) -> dict[str, Any]:
+    """With `parsers` (one a choice, for a request with tools), each output is read for calls."""
+    choices = []
+    for i, out in enumerate(outs):
+        parser = parsers[i] if parsers else None
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        reason = out.finish_reason
+        if parser is not None:
+            parser.push(out.text)
+            parser.finish()
+            message["content"] = parser.content
+            if parser.calls:
+                message["tool_calls"] = [c.as_dict() for c in parser.calls]
+                reason = finish_reason(reason, parser)
+        choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs),
+                        "finish_reason": reason})
+    return {"id": outs[0].request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(outs), "specgate": spec_stats(outs)}
 
 
 def finish_reason(reason: str, parser: tools.ToolStreamParser | None) -> str:
@@ -352,7 +386,8 @@ def finish_reason(reason: str, parser: tools.ToolStreamParser | None) -> str:
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
-               finish_reason: str | None = None) -> dict[str, Any]:
+               finish_reason: str | None = None, *, index: int = 0,
+               logprobs: Sequence[TokenLogprobs] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                          "finish_reason": finish_reason}]}

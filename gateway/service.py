@@ -41,12 +41,12 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.grants import GrantKeeper
 from gateway.tenancy.records import SpeculationPolicy, Tenant
-from gateway.text import IncrementalDetokenizer, StopMatcher, max_token_chars
+from gateway.text import IncrementalDetokenizer, StopMatcher, max_token_chars, token_piece
 from scheduler.admission import ADMITTED
 from scheduler.length_oracle import LengthOracle, prompt_key
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.request import Request, RequestStats, Status
-from workers.contract import SamplingParams
+from workers.contract import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from workers.runtime import encode_record
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ MAX_STOPS = 16
 INLINE_CHARS = 16_384      # prompts up to this size are tokenized on the event loop (`_quick`)
 MAX_STOP_CHARS = 256
 MAX_TEMPERATURE = 2.0
+MAX_LOGIT_BIAS = 300       # OpenAI's bound on logit_bias entries
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class GenerateInput:
     tools: tuple[dict, ...] | None = None       # chat: OpenAI function tools (gateway/tools.py)
     tool_choice: str | dict | None = None       # "none", "auto", "required" or a named function
     parallel_tool_calls: bool | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Any = None              # {"token id": bias}, as OpenAI takes it; None: none
+    logprobs: int | None = None         # None: off; k: each token's logprob and its top k
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,22 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token as a client's logprobs show it (rendered here, where the tokenizer is)."""
+    token: str                      # its text, decoded alone
+    bytes: tuple[int, ...]          # its bytes (gateway/text.py `token_piece`)
+    logprob: float
+    top: tuple[tuple[str, tuple[int, ...], float], ...]   # (token, bytes, logprob), likeliest first
+    offset: int                     # where its text starts in the output text (characters)
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     text: str                       # new text, safe to show (no stop string, no half character)
     token_ids: tuple[int, ...]      # tokens committed since the previous chunk
+    # the logprobs of the tokens whose text this chunk completes (when asked for): a token's
+    # entry goes out with the chunk that shows where its text starts
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,7 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     speculation: SpecStats
+    logprobs: tuple[TokenLogprobs, ...] | None = None   # of the tokens whose text is in `text`
 
 
 class EventStream(Protocol):
@@ -254,7 +273,7 @@ class GenerationService:
             tools.check_request(inp.tools, inp.tool_choice, inp.parallel_tool_calls)
         except tools.ToolError as exc:
             raise errors.invalid(str(exc), exc.param) from None
-        sampling = _sampling(inp)
+        sampling = _sampling(inp, self.vocab_size)
         stops = _stops(inp.stop)
         if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
             raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
@@ -483,6 +502,10 @@ class RequestStream:
         self._ids: list[int] = []
         self._pending_ids: list[int] = []
         self._out: collections.deque = collections.deque()
+        # logprobs, when asked for: each token's entry, with the offset of its text, found by a
+        # detokenizer of their own fed one token at a time
+        self._logprobs = _LogprobTrack(service.tokenizer, req.prompt_ids) \
+            if req.sampling.logprobs is not None else None
         self._ended = False          # the Finished event was handled (or the stream was closed)
         self._closed = False
 
@@ -548,6 +571,8 @@ class RequestStream:
         self._last_t = now
         self._ids.extend(event.token_ids)
         self._pending_ids.extend(event.token_ids)
+        if self._logprobs is not None and event.logprobs is not None:
+            self._logprobs.add(event.token_ids, event.logprobs)
         text, stopped = self._stops.push(self._detok.push(event.token_ids))
         if stopped:
             self.service.step_loop.cancel(self.request_id, status=Status.FINISHED,
@@ -559,7 +584,7 @@ class RequestStream:
         if not self._stops.stopped:
             text, _ = self._stops.push(self._detok.flush())
             text += self._stops.flush()
-        self._emit(text)
+        self._emit(text, final=not self._stops.stopped)
         s = event.stats
         reason = "stop" if self._stops.stopped else (event.finish_reason or "error")
         if event.status is Status.FAILED:
@@ -572,12 +597,19 @@ class RequestStream:
                                .get(reason, "failed"))
         self._out.append(GenerateOutput(
             self.request_id, self._stops.text, tuple(self._ids), reason,
-            self.prep.request.stats.prompt_len, len(self._ids), spec))
+            self.prep.request.stats.prompt_len, len(self._ids), spec,
+            self._logprobs.sent if self._logprobs is not None else None))
         return settled
 
-    def _emit(self, text: str) -> None:
-        if text:
-            self._out.append(StreamChunk(text, tuple(self._pending_ids)))
+    def _emit(self, text: str, *, final: bool = False) -> None:
+        """A chunk of new text, with the logprobs of the tokens whose text now shows (`final`:
+        the generation ended without a stop string, so every token's go out, those without
+        text, such as a stop token, included)."""
+        lps = None
+        if self._logprobs is not None:
+            lps = self._logprobs.take(None if final else len(self._stops.text))
+        if text or lps:
+            self._out.append(StreamChunk(text, tuple(self._pending_ids), lps))
             self._pending_ids.clear()
 
     def _settle(self, status: str) -> concurrent.futures.Future | None:
@@ -593,6 +625,50 @@ class RequestStream:
             self.grant = None
         self.service.metrics.done(s.tenant, status, time.perf_counter() - self._t0, len(self._ids))
         return settled
+
+
+class _LogprobTrack:
+    """A request's logprob entries as its tokens commit, and which have gone out: an entry goes
+    out once the text shown reaches past where its token's text starts, so a token cut by a stop
+    string never shows (its text is not shown either)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._pieces: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._held: collections.deque = collections.deque()
+        self._sent: list[TokenLogprobs] = []
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
+        for tok, (lp, top) in zip(token_ids, logprobs):
+            offset = len(self._detok.text)
+            self._detok.push([tok])
+            text, raw = self._piece(tok)
+            self._held.append(TokenLogprobs(text, raw, _finite(lp), tuple(
+                (*self._piece(t), _finite(v)) for t, v in top), offset))
+
+    def take(self, shown: int | None) -> tuple[TokenLogprobs, ...]:
+        """The held entries whose text starts before character `shown` (None: all of them)."""
+        out = []
+        while self._held and (shown is None or self._held[0].offset < shown):
+            out.append(self._held.popleft())
+        self._sent += out
+        return tuple(out)
+
+    @property
+    def sent(self) -> tuple[TokenLogprobs, ...]:
+        return tuple(self._sent)
+
+    def _piece(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = token_piece(self.tokenizer, token_id)
+        return piece
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: a token the model rules out entirely shows as -9999 (as vLLM does)."""
+    return max(float(logprob), -9999.0)
 
 
 # ---- field checks (pure) -------------------------------------------------------------------------------
@@ -617,7 +693,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
 
-def _sampling(inp: GenerateInput) -> SamplingParams:
+def _sampling(inp: GenerateInput, vocab: int) -> SamplingParams:
     t, p, k = inp.temperature, inp.top_p, inp.top_k
     if not _is_number(t) or not 0 <= t <= MAX_TEMPERATURE:
         raise errors.invalid(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}",
@@ -629,8 +705,45 @@ def _sampling(inp: GenerateInput) -> SamplingParams:
     seed = inp.seed
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise errors.invalid("seed must be a 64-bit integer", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(inp, name)
+        if not _is_number(v) or not -2 <= v <= 2:
+            raise errors.invalid(f"{name} must be a number in [-2, 2], got {v!r}", name)
+    lp = inp.logprobs
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise errors.invalid(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
+                             "top_logprobs")
     return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed,
+                          presence_penalty=float(inp.presence_penalty),
+                          frequency_penalty=float(inp.frequency_penalty),
+                          logit_bias=_logit_bias(inp.logit_bias, vocab), logprobs=lp,
                           constraint=tools.forced_constraint(inp.tools, inp.tool_choice))
+
+
+def _logit_bias(bias: Any, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` ({"token id": bias in [-100, 100]}, at most 300) as (id, bias)
+    pairs in id order; an id outside the vocabulary is the client's mistake, refused (OpenAI
+    refuses it too) rather than silently biasing nothing."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise errors.invalid("logit_bias must be an object mapping token ids to biases", "logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise errors.invalid(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}",
+                             "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit() or len(key) > 12:
+            raise errors.invalid(f"logit_bias keys must be token ids written as strings, got {key!r}",
+                                 "logit_bias")
+        if int(key) >= vocab:
+            raise errors.invalid(f"logit_bias: token id {key} is outside the vocabulary "
+                                 f"(0 … {vocab - 1})", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise errors.invalid(f"logit_bias values must be numbers in [-100, 100], got {value!r} "
+                                 f"for token {key}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

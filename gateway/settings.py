@@ -83,6 +83,8 @@ class Settings(BaseSettings):
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    # `n`: choices one request may ask for, each its own request through the scheduler
+    max_choices: int = Field(8, ge=1)
     openapi_docs: bool = False                 # serve /docs, /redoc and /openapi.json (public)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # testing and gateway benchmarks: no model, the scheduler's fake worker

@@ -200,3 +200,39 @@ class ToyTokenizer:
                             tokenize: bool = False) -> str:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> the byte it spells: printable Latin-1 bytes
+    spell themselves, the other 68 bytes are shifted to U+0100 and up, in byte order. Written out
+    because transformers 5 no longer exports its copy (`bytes_to_unicode`)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, shift = {chr(b): b for b in kept}, 0
+    for b in range(256):
+        if b not in kept:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+def token_piece(tokenizer: Any, token_id: int) -> tuple[str, tuple[int, ...]]:
+    """One token's text and its bytes, as OpenAI's logprobs show a token (`token`, `bytes`).
+
+    The text is the token decoded alone (special tokens as their names). A byte-level BPE token
+    may hold part of a UTF-8 character: its text then shows U+FFFD, and its bytes are read from
+    the vocabulary entry's spelling instead (each character one byte), so a client can join the
+    bytes of consecutive tokens back into the character.
+
+    >>> token_piece(ToyTokenizer(), 99)
+    (' ba', (32, 98, 97))
+    """
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if REPLACEMENT in text:
+        spelled = (tokenizer.convert_ids_to_tokens(token_id)
+                   if hasattr(tokenizer, "convert_ids_to_tokens") else None)
+        if isinstance(spelled, str) and spelled and all(ch in _BYTE_LEVEL for ch in spelled):
+            return text, tuple(_BYTE_LEVEL[ch] for ch in spelled)
+    return text, tuple(text.encode("utf-8"))

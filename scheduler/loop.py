@@ -37,7 +37,7 @@ from scheduler.policies.base import Policy
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
 from scheduler.store import MemoryStore, StateStore, StepWrite
-from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
+from workers.contract import Prefilled, SamplingParams, StepResult, TokenLogprob, WorkItem
 from workers.stopping import cut
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,15 @@ class Worker(Protocol):
 
 @dataclass(frozen=True)
 class Delta:
-    """Tokens a step committed for one request, in order (never re-sent)."""
+    """Tokens a step committed for one request, in order (never re-sent), and their logprobs
+    when the request asked (`SamplingParams.logprobs`): one entry per token.
+
+    NOTE: logprobs are not persisted with the output: recovery never re-sends committed tokens
+    (module docstring), so nothing would read them; tokens committed after a recovery have theirs
+    (the request's `SamplingParams` are persisted)."""
     request_id: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -316,7 +322,7 @@ class StepLoop:
 
     # ---- internals --------------------------------------------------------------------------------
     def _record(self, results: list[StepResult], now: float, step_s: float) -> None:
-        records, appended = [], {}
+        records, appended, logprobs = [], {}, {}
         for res in results:
             rid = res.request_id
             req = self._requests[rid]
@@ -334,6 +340,8 @@ class StepLoop:
                                 stop_token_ids=req.stop_token_ids)
             req.output_ids.extend(tokens)
             appended[rid] = tokens
+            if res.logprobs is not None:
+                logprobs[rid] = res.logprobs[:len(tokens)]      # cut where the tokens were
             # The path tried: accepted drafts, plus the one rejected where the walk stopped.
             tried = res.accepted + (1 if res.drafted > res.accepted else 0) if res.drafted else 0
             records.append(StepRecord(rid, res.tree_tokens, len(tokens), cause, tried,
@@ -347,7 +355,7 @@ class StepLoop:
         self._persist(StepWrite(appended=appended, updated=updated, ended=finished,
                                 virtual_time=dict(self.state.virtual_time)))
         for rid, tokens in appended.items():
-            self._emit(Delta(rid, tuple(tokens)))
+            self._emit(Delta(rid, tuple(tokens), logprobs.get(rid)))
         for s in finished:
             if self.lengths is not None:
                 self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")

@@ -15,8 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["SamplingParams", "TreeBudget", "NO_SPECULATION", "DraftContext", "WorkItem", "StepResult",
-           "ContextLengthError"]
+__all__ = ["SamplingParams", "TokenLogprob", "MAX_TOP_LOGPROBS", "TreeBudget", "NO_SPECULATION",
+           "DraftContext", "WorkItem", "StepResult", "ContextLengthError"]
+
+MAX_TOP_LOGPROBS = 20        # OpenAI's bound on top_logprobs
+
+# One committed token's log-probability and the top-k alternatives at its position, as
+# (logprob, ((token id, logprob), ...)): plain tuples, so it crosses processes and stores as is.
+TokenLogprob = tuple[float, tuple[tuple[int, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,10 @@ class SamplingParams:
     string the output must follow: ``{"type": "json_object"}`` or ``{"type": "json_schema",
     "schema": {...}}`` (a response_format, or a forced tool call: gateway/tools.py), enforced by a
     grammar (workers/grammar.py).
+
+    ``logprobs``: None = off; k = report, for every committed token, its log-probability and the
+    k most likely tokens at its position (`StepResult.logprobs`), read from the verification
+    pass's own logits (no extra pass).
     """
 
     temperature: float = 0.0
@@ -42,6 +52,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: Optional[str] = None
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
@@ -58,6 +69,8 @@ class SamplingParams:
         if any(t < 0 or not -100 <= b <= 100 for t, b in bias):
             raise ValueError("logit_bias takes token ids >= 0 with biases in [-100, 100]")
         object.__setattr__(self, "logit_bias", bias)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -140,6 +153,9 @@ class StepResult:
     pending: int = 0          # context tokens still without KV after this step
     kv_tokens: int = 0        # KV slots the request holds after this step (what it costs)
     home: Optional[str] = None   # where they are: the verifier replica in Ray mode, else None
+    # One entry per committed token (same order as `tokens`) when the request asked for logprobs
+    # (`SamplingParams.logprobs`), else None.
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None
 
     @property
     def tau(self) -> int:

@@ -16,13 +16,23 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
+from workers.contract import Prefilled, SamplingParams, StepResult, TokenLogprob, WorkItem
 
 
 def token_at(request_id: str, position: int, vocab: int = 1000) -> int:
     """The token a request's target produces at output `position` (0 = first output token);
     never 0, 1 or 2, so tests can use those as stop tokens on purpose."""
     return 3 + (zlib.crc32(request_id.encode()) + 7919 * position) % (vocab - 3)
+
+
+def fake_logprob(request_id: str, position: int, k: int, vocab: int = 1000) -> TokenLogprob:
+    """What the fake worker reports as the logprobs of `token_at(request_id, position)`: the
+    chosen token at a made-up log-probability, and `k` alternatives with the chosen one first
+    (deterministic, so the gateway's rendering can be checked against it)."""
+    tok = token_at(request_id, position, vocab)
+    lp = -0.25 * (1 + position % 4)
+    top = tuple((tok if i == 0 else 3 + (tok + 11 * i) % (vocab - 3), lp - i) for i in range(k))
+    return lp, top
 
 
 @dataclass
@@ -38,6 +48,7 @@ class _Fake:
     output_len: int       # output tokens committed so far
     pending: int = 0      # context tokens without KV yet (chunked prefill)
     prompt_len: int = 0
+    logprobs: int | None = None   # SamplingParams.logprobs
 
     def kv_tokens(self, block: int) -> int:
         """KV slots held: the context and one more, in whole blocks (as the verifier grows)."""
@@ -76,7 +87,8 @@ class FakeWorker:
         self.prefills.append((request_id, len(token_ids)))
         self.tenants[request_id] = tenant
         pending = len(token_ids) - 1 if defer else 0
-        fake = self._resident[request_id] = _Fake(len(token_ids) - prompt_len, pending, prompt_len)
+        fake = self._resident[request_id] = _Fake(len(token_ids) - prompt_len, pending, prompt_len,
+                                                  sampling.logprobs)
         if self.clock is not None and not defer:
             self.clock.now += self.step_cost(1, len(token_ids))
         return Prefilled(pending=pending, kv_tokens=fake.kv_tokens(self.kv_block))
@@ -114,10 +126,12 @@ class FakeWorker:
             while accepted < depth and self.rng.random() < a:
                 accepted += 1
             tokens = tuple(token_at(item.request_id, fake.output_len + k) for k in range(accepted + 1))
+            logprobs = None if fake.logprobs is None else tuple(
+                fake_logprob(item.request_id, fake.output_len + k, fake.logprobs) for k in range(len(tokens)))
             fake.output_len += len(tokens)
             out.append(StepResult(item.request_id, tokens, accepted, item.budget.max_nodes if depth else 0,
                                   draft_depth=depth, prefilled=chunk,
-                                  kv_tokens=fake.kv_tokens(self.kv_block)))
+                                  kv_tokens=fake.kv_tokens(self.kv_block), logprobs=logprobs))
         if self.clock is not None:
             # a chunk's rows cost what they would as tree rows (the step's cost per token)
             self.clock.now += self.step_cost(len(items), sum(r.tree_tokens for r in out) + chunks)

@@ -39,7 +39,7 @@ import torch
 
 from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
 
-from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult
+from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult, TokenLogprob
 from workers.llama_forward import LlamaForward, Segment
 from workers.processors import NodeProcessor, ProcessorFactory, sampling_processors
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
@@ -275,9 +275,12 @@ class Verifier:
         lo = 0                                   # this item's first row among the logits rows
         for item, slot, rp in zip(batch, slots, plans):
             c, tree = rp.chunk, rp.tree
-            features = None
+            features = logprobs = None
             if rp.decode:
                 acc = self._accept(slot, tree, lo, logits, greedy_rows, slot.cache.length + c)
+                if slot.sampling.logprobs is not None:
+                    logprobs = committed_logprobs(logits[lo: lo + 1 + len(tree)], acc,
+                                                  slot.sampling.logprobs)
                 for rule in slot.processors:
                     rule.commit(acc.tokens)
                 slot.cache.commit(c + 1, list(acc.path))
@@ -300,7 +303,7 @@ class Verifier:
                 lo += 1 + len(tree)
             results.append(StepResult(item.request_id, tokens, accepted, drafted, features=features,
                                       prefilled=c, pending=len(slot.pending),
-                                      kv_tokens=slot.cache.capacity))
+                                      kv_tokens=slot.cache.capacity, logprobs=logprobs))
         grown = self._grow_ahead(slots)
         if grown is not None:
             results[grown] = replace(results[grown], kv_tokens=slots[grown].cache.capacity)
@@ -400,6 +403,29 @@ class Verifier:
         # and re-prefilled, or after a restart (positions never repeat, so draws stay independent).
         rng = np.random.default_rng([slot.seed, root_pos])
         return accept_sampling(tree, target_probs, rng)
+
+
+def committed_logprobs(rows: torch.Tensor, acc: Acceptance, k: int) -> tuple[TokenLogprob, ...]:
+    """Each committed token's log-probability, and the `k` likeliest tokens at its position, from
+    one tree's logits rows [1 + n, V] (row 0 = the root): committed token j was predicted by the
+    root's row for j = 0, else by the row of the j-th accepted node, `acc.path[j - 1] + 1`.
+
+    Read from the RAW rows, before penalties, logit_bias or a grammar change them (vLLM's default
+    too): what the model itself thinks of the text, so a client can score it. The rows are the
+    verification pass's own: nothing runs again.
+
+    Example: tree (a, b) as a chain, both accepted, bonus c -> a from row 0, b from row 1, c from
+    row 2.
+    """
+    picked = rows[[0, *(p + 1 for p in acc.path)]].to(torch.float32)            # [tau, V]
+    logp = torch.log_softmax(picked, dim=-1)                                    # [tau, V]
+    chosen = logp[torch.arange(len(acc.tokens)), torch.tensor(acc.tokens)].tolist()   # [tau]
+    if k:
+        top_v, top_i = torch.topk(logp, k, dim=-1)                              # [tau, k]
+        tops = [tuple(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [()] * len(chosen)
+    return tuple((lp, top) for lp, top in zip(chosen, tops))
 
 
 def _step_mask(chunk: int, tree: TokenTree | None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import re
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -24,7 +24,8 @@ from pydantic import BaseModel, ValidationError
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.service import EventStream, GenerateOutput, GenerationService
+from gateway.http.choices import merged
+from gateway.service import EventStream, GenerateOutput, GenerationService, StreamChunk
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant, hash_key, presented_digest
 from gateway.tenancy.tenants import TenantRegistry
@@ -285,35 +286,41 @@ def _events(made: dict | list[dict]) -> list[dict]:
     return made if isinstance(made, list) else [made]
 
 
-async def sse_events(stream: EventStream, *, chunk: Callable[[str], dict | list[dict]],
-                     final: Callable[[GenerateOutput], dict | list[dict]],
-                     usage: Callable[[GenerateOutput], dict] | None = None,
-                     opening: dict | None = None) -> AsyncIterator[str]:
-    """A generation as server-sent events: `opening`, one `chunk(text)` per piece of text, the
-    `final(output)` chunk (finish_reason, specgate stats), `usage(output)` when asked for, then
-    `data: [DONE]`. `chunk` and `final` may give a list of events (or none: a tool call's text is
-    held until it is whole, gateway/tools.py). Once the 200 has gone out an error can only be an event: a failed generation
-    or an unexpected exception ends the stream with an OpenAI error object. The stream is closed
-    however this ends; a client that disconnects cancels its request that way."""
+async def sse_events(streams: Sequence[EventStream], *,
+                     chunk: Callable[[int, StreamChunk], dict | list[dict]],
+                     final: Callable[[int, GenerateOutput], dict | list[dict]],
+                     usage: Callable[[list[GenerateOutput]], dict] | None = None,
+                     openings: Sequence[dict] = ()) -> AsyncIterator[str]:
+    """A generation's choices (one stream each) as server-sent events: the `openings`, one
+    `chunk(index, piece)` per piece of text (or of logprobs), each choice's `final(index,
+    output)` chunk (finish_reason, specgate stats), `usage(outputs)` once every choice has
+    ended, when asked for, then `data: [DONE]`. `chunk` and `final` may give a list of events
+    (or none: a tool call's text is held until it is whole, gateway/tools.py). Once the 200 has
+    gone out an error can only be an event: a failed generation or an unexpected exception ends
+    the stream with an OpenAI error object. The streams are closed however this ends; a client
+    that disconnects cancels every choice that way."""
+    outs: dict[int, GenerateOutput] = {}
     try:
-        if opening is not None:
+        for opening in openings:
             yield sse(opening)
-        async for item in stream:
+        async for i, item in merged(streams):
             if isinstance(item, GenerateOutput):
-                for event in _events(final(item)):
+                outs[i] = item
+                for event in _events(final(i, item)):
                     yield sse(event)
                 if item.finish_reason == "error":
                     yield sse(ApiError(500, "generation failed; retry the request",
                                        code="generation_failed").body())
-                if usage is not None:
-                    yield sse(usage(item))
-            elif item.text:
-                for event in _events(chunk(item.text)):
+            elif item.text or item.logprobs:
+                for event in _events(chunk(i, item)):
                     yield sse(event)
+        if usage is not None and outs:
+            yield sse(usage([outs[i] for i in sorted(outs)]))
         yield SSE_DONE
     except Exception:
-        log.exception("stream %s failed", stream.request_id)
+        log.exception("stream %s failed", streams[0].request_id)
         yield sse(ApiError(500, "internal server error", code="internal_error").body())
         yield SSE_DONE
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()

@@ -123,6 +123,7 @@ ACCEPTED = {   # (field, wrong kind) that are still valid: the neutral value, or
     ("prompt", "a string"), ("prompt", "a list"), ("model", "a string"), ("suffix", "a string"),
     ("frequency_penalty", "a float"), ("presence_penalty", "a float"), ("response_format", "an object"),
     ("stream", "true"), ("speculation", "an object"), ("stream_options", "an object"),
+    ("logprobs", "true"),                     # chat's logprobs is a boolean
 }
 
 

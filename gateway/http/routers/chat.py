@@ -8,8 +8,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway import schemas
-from gateway.http.deps import (ServiceDep, TenantDep, json_body, sse_events, sse_response,
-                          until_disconnected)
+from gateway.http.choices import check_choices, generate_choices, open_choices
+from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
+                               sse_response, until_disconnected)
 from gateway.schemas import ChatRequest
 
 router = APIRouter(tags=["chat"])
@@ -21,33 +22,40 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI)
 async def create_chat_completion(request: Request, tenant: TenantDep, service: ServiceDep,
-                                 body: Body) -> Any:
+                                 settings: SettingsDep, body: Body) -> Any:
     inp = body.to_input(tenant)
+    n = body.choices
+    check_choices(n, settings.max_choices)
     created = schemas.now_s()
-    parser = body.tool_parser()
+    parsers = [body.tool_parser() for _ in range(n)]     # each choice's output read for calls
     if not body.stream:
-        out = await until_disconnected(request, service.generate(inp))
-        return schemas.chat_body(out, body.model, created, parser)
-    stream = await service.open_stream(inp)
-    rid, model = stream.request_id, body.model
+        outs = await until_disconnected(request, generate_choices(service, inp, n))
+        return schemas.chat_body(outs, body.model, created, parsers)
+    streams = await open_choices(service, inp, n)
+    rid, model = streams[0].request_id, body.model
     extra = {"usage": None} if body.include_usage else {}
 
-    def event(delta: dict, finish_reason: str | None = None) -> dict:
-        return {**schemas.chat_chunk(rid, model, created, delta, finish_reason), **extra}
+    def event(i: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
+        return {**schemas.chat_chunk(rid, model, created, delta, finish_reason, index=i,
+                                     logprobs=logprobs), **extra}
 
-    def chunk(text: str) -> list[dict]:
-        deltas = [{"content": text}] if parser is None else parser.push(text)
-        return [event(d) for d in deltas]
+    def chunk(i: int, piece) -> list[dict]:
+        parser = parsers[i]
+        deltas = [{"content": piece.text}] if parser is None else parser.push(piece.text)
+        if not deltas and piece.logprobs:     # text held by the tool parser: its logprobs go now
+            deltas = [{}]
+        return [event(i, d, logprobs=piece.logprobs if k == 0 else None) for k, d in enumerate(deltas)]
 
-    def final(out) -> list[dict]:
-        held = [] if parser is None else [event(d) for d in parser.finish()]
-        return held + [{**event({}, schemas.finish_reason(out.finish_reason, parser)),
-                        "specgate": schemas.spec_stats(out.speculation)}]
+    def final(i: int, out) -> list[dict]:
+        parser = parsers[i]
+        held = [] if parser is None else [event(i, d) for d in parser.finish()]
+        return held + [{**event(i, {}, schemas.finish_reason(out.finish_reason, parser)),
+                        "specgate": schemas.spec_stats([out])}]
 
-    def usage(out) -> dict:
+    def usage(outs) -> dict:
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [], "usage": schemas.usage(out)}
+                "choices": [], "usage": schemas.usage(outs)}
 
-    opening = event({"role": "assistant", "content": ""})
-    return sse_response(sse_events(stream, chunk=chunk, final=final, opening=opening,
+    openings = [event(i, {"role": "assistant", "content": ""}) for i in range(n)]
+    return sse_response(sse_events(streams, chunk=chunk, final=final, openings=openings,
                                    usage=usage if body.include_usage else None))

@@ -6,8 +6,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from gateway import schemas
-from gateway.http.deps import (ServiceDep, TenantDep, json_body, sse_events, sse_response,
-                          until_disconnected)
+from gateway.http.choices import check_choices, generate_choices, open_choices
+from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
+                               sse_response, until_disconnected)
 from gateway.schemas import CompletionRequest
 
 router = APIRouter(tags=["completions"])
@@ -19,26 +20,29 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 @router.post("/v1/completions", openapi_extra=_OPENAPI)
 async def create_completion(request: Request, tenant: TenantDep, service: ServiceDep,
-                            body: Body) -> Any:
+                            settings: SettingsDep, body: Body) -> Any:
     inp = body.to_input(tenant)
+    n = body.choices
+    check_choices(n, settings.max_choices)
     created = schemas.now_s()
     if not body.stream:
-        out = await until_disconnected(request, service.generate(inp))
-        return schemas.completion_body(out, body.model, created)
-    stream = await service.open_stream(inp)
-    rid, model = stream.request_id, body.model
+        outs = await until_disconnected(request, generate_choices(service, inp, n))
+        return schemas.completion_body(outs, body.model, created)
+    streams = await open_choices(service, inp, n)
+    rid, model = streams[0].request_id, body.model
     extra = {"usage": None} if body.include_usage else {}
 
-    def chunk(text: str) -> dict:
-        return {**schemas.completion_chunk(rid, model, created, text), **extra}
+    def chunk(i: int, piece) -> dict:
+        return {**schemas.completion_chunk(rid, model, created, piece.text, index=i,
+                                           logprobs=piece.logprobs), **extra}
 
-    def final(out) -> dict:
-        return {**schemas.completion_chunk(rid, model, created, "", out.finish_reason), **extra,
-                "specgate": schemas.spec_stats(out.speculation)}
+    def final(i: int, out) -> dict:
+        return {**schemas.completion_chunk(rid, model, created, "", out.finish_reason, index=i),
+                **extra, "specgate": schemas.spec_stats([out])}
 
-    def usage(out) -> dict:
+    def usage(outs) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [], "usage": schemas.usage(out)}
+                "choices": [], "usage": schemas.usage(outs)}
 
-    return sse_response(sse_events(stream, chunk=chunk, final=final,
+    return sse_response(sse_events(streams, chunk=chunk, final=final,
                                    usage=usage if body.include_usage else None))

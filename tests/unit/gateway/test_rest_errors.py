@@ -107,13 +107,25 @@ def test_404_unknown_model_and_route(http):
     (completion(top_p=1.5), "top_p"),
     (completion(stop=7), "stop"),
     (completion(stop=["a"] * 17), "stop"),
-    (completion(n=3), "n"),
+    (completion(n=9), "n"),                                    # past max_choices (8)
+    (completion(n=0), "n"),
     (completion(prompt=["one", "two"]), "prompt"),
     (completion(prompt=[1, -2]), "prompt"),
     (completion(prompt=[1, 99999]), "prompt.1"),
     (completion(prompt=""), "prompt"),
     (completion(speculation={"max_tree_tokens": "many"}), "speculation.max_tree_tokens"),
-    (completion(logprobs=5), "logprobs"),
+    (completion(logprobs=6), "logprobs"),                      # the legacy API's bound: 5
+    (completion(logprobs=-1), "logprobs"),
+    (completion(presence_penalty=2.5), "presence_penalty"),
+    (completion(frequency_penalty=-2.01), "frequency_penalty"),
+    (completion(frequency_penalty="high"), "frequency_penalty"),
+    (completion(logit_bias={"5": 101}), "logit_bias"),
+    (completion(logit_bias={"5": "up"}), "logit_bias"),
+    (completion(logit_bias={"five": 1}), "logit_bias"),
+    (completion(logit_bias={"-5": 1}), "logit_bias"),
+    (completion(logit_bias={"1000": 1}), "logit_bias"),        # past the (toy) vocabulary
+    (completion(logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    (completion(logit_bias=[5, 1]), "logit_bias"),
     (completion(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
 ])
 def test_400_names_the_field(http, body, param):
@@ -132,6 +144,13 @@ def test_400_names_the_field(http, body, param):
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools.0.type"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
       "max_completion_tokens": -1}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "top_logprobs"),                                           # without logprobs: true
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True,
+      "top_logprobs": 21}, "top_logprobs"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+      "presence_penalty": -3}, "presence_penalty"),
 ])
 def test_400_chat_fields(http, body, param):
     err = error_of(http.post("/v1/chat/completions", json=body), 400)

@@ -144,7 +144,7 @@ def test_client_errors_surface_as_openai_exceptions(client, server):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=9)      # past max_choices
     assert e.value.body["param"] == "n"
     bad = openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
