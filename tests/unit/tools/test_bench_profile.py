@@ -41,7 +41,7 @@ def test_rejects_trees_the_verifier_cannot_take(verifier):
 
 def test_cli_writes_a_profile_the_step_cost_model_loads(tmp_path, verifier, monkeypatch,
                                                         capsys):
-    monkeypatch.setattr(bench_profile, "_load_verifier", lambda model, dtype, nodes: verifier)
+    monkeypatch.setattr(bench_profile, "_load_verifier", lambda model, dtype, nodes, device="auto": verifier)
     parser = argparse.ArgumentParser()
     bench_profile.add_arguments(parser)
     out = tmp_path / "profile.json"

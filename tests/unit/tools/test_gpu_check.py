@@ -46,7 +46,7 @@ def test_the_step_grid_is_a_profile_the_simulator_reads(report, tmp_path):
     sim = run_sim(["fcfs"], SimSettings(profile=str(path), n_requests=40, max_batch=2, token_budget=10,
                                         calibration_requests=40, calibration_steps=400))
     assert sim["settings"]["profile_source"].endswith("random tiny")
-    assert sim["policies"]["fcfs"]["completed"] == 40
+    assert sim["policies"]["fcfs"]["finished"] == 40
 
 
 def test_step_times_cover_the_grid_and_speed_compares_with_transformers(report):
