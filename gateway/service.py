@@ -76,6 +76,7 @@ class GenerateInput:
     max_tree_tokens: int | None = None  # per-request cap, bounded by the tenant's
     user: str | None = None
     prompt_ids: tuple[int, ...] | None = None   # completions given token ids instead of text
+    constraint: str | None = None       # SamplingParams.constraint (chat's response_format)
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,14 @@ class GenerationService:
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id,
-                 length_oracle: LengthOracle | None = None):
+                 length_oracle: LengthOracle | None = None, grammars: Any = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
         True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl");
         `length_oracle`: measurement only, every known prompt's true length as its prediction
-        (scheduler/length_oracle.py)."""
+        (scheduler/length_oracle.py); `grammars`: the tokenizer's compiled constraints
+        (workers.grammar.Grammars), the worker's own when it runs in this process, so each schema
+        compiles once; None: built from the tokenizer at the first constrained request."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -151,6 +154,7 @@ class GenerationService:
         self.ready_checks = tuple(ready_checks)
         self.request_id = request_id
         self.length_oracle = length_oracle
+        self._grammars = grammars
         # tenant id -> name, of every tenant this service has submitted for: what `sweep_tenants`
         # checks against the store (a few dozen bytes a tenant)
         self._tenants_seen: dict[str, str] = {}
@@ -204,6 +208,8 @@ class GenerationService:
         network."""
         if (self.limiter is not None and self.limiter.remote) or self.step_loop.store.remote:
             return False
+        if inp.constraint is not None:
+            return False                # compiling a schema may take milliseconds (a cache miss)
         if inp.prompt_ids is not None:
             return len(inp.prompt_ids) <= INLINE_CHARS
         text = _prompt_chars(inp)
@@ -246,6 +252,7 @@ class GenerationService:
         if not tenant.allows_model(inp.model):
             raise errors.forbidden_model(inp.model)
         sampling = _sampling(inp)
+        self._check_constraint(sampling.constraint)
         stops = _stops(inp.stop)
         if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
             raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
@@ -277,6 +284,28 @@ class GenerationService:
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)
+
+    def _check_constraint(self, constraint: str | None) -> None:
+        """Compile a request's constraint here (cached), so that a schema the grammar engine
+        refuses is a 400 naming response_format, never an error inside the step loop."""
+        if constraint is None:
+            return
+        from workers.grammar import ConstraintError, Grammars
+
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            except ValueError:
+                raise errors.invalid("this deployment serves no structured outputs (its model has no "
+                                     "stop token)", "response_format") from None
+        try:
+            self._grammars.compiled(constraint)
+        except ConstraintError as e:
+            raise errors.invalid(f"response_format: {e}", "response_format") from None
+        except Exception:            # a tokenizer the engine cannot read (the fake worker's)
+            log.exception("compiling a constraint failed")
+            raise errors.invalid("this deployment cannot serve structured outputs",
+                                 "response_format") from None
 
     def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:
         """Refuse, before tokenizing it, a prompt whose characters need more tokens than the
@@ -599,7 +628,8 @@ def _sampling(inp: GenerateInput) -> SamplingParams:
     seed = inp.seed
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise errors.invalid("seed must be a 64-bit integer", "seed")
-    return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed)
+    return SamplingParams(temperature=float(t), top_k=k, top_p=float(p), seed=seed,
+                          constraint=inp.constraint)
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
