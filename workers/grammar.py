@@ -171,14 +171,15 @@ class GrammarRule:
         m = self.matcher
 
         def walk(row: int) -> None:             # m is at `row`'s state
+            if m.is_terminated():               # past a stop token: nothing follows
+                return
             for c in kids[row]:
                 if m.accept_token(tree.tokens[c]):
                     allowed[c] = True
                     walk(c + 1)
                     m.rollback(1)
 
-        if not m.is_terminated():
-            walk(0)
+        walk(0)
         return keep(tree, allowed)
 
     def adjust(self, rows: torch.Tensor, tree: TokenTree) -> None:
