@@ -5,7 +5,8 @@
 The shipped set (tools/data/structured_schemas.jsonl: nested objects, arrays, enums, numbers,
 strings with patterns) is asked for through the chat template, each prompt naming its schema
 as an application's would, with `response_format` json_schema as the constraint. The same prompts
-run once per drafter, single stream, greedy, in one process, one after another:
+run under every drafter, single stream, greedy, in one process, each prompt under the four
+back to back (a drift in the machine's speed weighs on all alike):
 
     plain      plain constrained decoding: no drafts (the baseline)
     grammar    the grammar drafter alone (the forced runs: keys, punctuation, closing brackets)
@@ -69,8 +70,6 @@ def messages(row: dict[str, Any]) -> list[dict[str, str]]:
 def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", schemas: Path = SCHEMAS,
                      limit: int = 0, max_tokens: int = 160, tree_nodes: int = 16, tree_depth: int = 12,
                      warmup: int = 2) -> dict[str, Any]:
-    import jsonschema
-
     from scheduler.generation import Engine, GenerationRequest
     from workers.contract import NO_SPECULATION, SamplingParams, TreeBudget
     from workers.drafters.base import NoneDrafter
@@ -96,39 +95,52 @@ def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", sche
                                         "max_tokens": max_tokens, "tree": [tree_nodes, tree_depth],
                                         "warmup": warmup, "single_stream": True, "greedy": True},
                            "drafters": {}}
-    outputs: dict[str, list[list[int]]] = {}
+    engines = {}
     for name in DRAFTERS:
         factory, b = make[name]
-        engine = Engine(rt.verifier(max_tree_tokens=max(64, tree_nodes)), factory(), b, adaptive=False)
+        engines[name] = Engine(rt.verifier(max_tree_tokens=max(64, tree_nodes)), factory(), b, adaptive=False)
         for req in reqs[:warmup]:
-            engine.generate([req])
-        tokens = steps = drafted = accepted = valid = 0
-        texts: list[list[int]] = []
-        t0 = time.perf_counter()
-        results = [engine.generate([req])[0] for req in reqs]
-        wall = time.perf_counter() - t0
-        for row, res in zip(rows, results):
-            tokens += len(res.token_ids)
-            steps, drafted, accepted = steps + res.steps, drafted + res.drafted, accepted + res.accepted
-            texts.append(res.token_ids)
-            try:
-                jsonschema.validate(json.loads(rt.tokenizer.decode(res.token_ids, skip_special_tokens=True)),
-                                    row["schema"])
-                valid += 1
-            except (ValueError, jsonschema.ValidationError):
-                pass
-        outputs[name] = texts
-        print(f"{name}: {tokens} tokens in {wall:.1f} s, {steps} steps", file=sys.stderr, flush=True)
+            engines[name].generate([req])
+    # Each prompt runs under every drafter back to back, so a drift in the machine's speed (other
+    # processes) weighs on all drafters alike.
+    results: dict[str, list] = {name: [] for name in DRAFTERS}
+    wall = dict.fromkeys(DRAFTERS, 0.0)
+    for i, req in enumerate(reqs):
+        for name in DRAFTERS:
+            t0 = time.perf_counter()
+            results[name].append(engines[name].generate([req])[0])
+            wall[name] += time.perf_counter() - t0
+        print(f"{i + 1}/{len(reqs)} {req.request_id}: " + ", ".join(
+            f"{n} {len(results[n][-1].token_ids)}/{results[n][-1].steps}" for n in DRAFTERS),
+            file=sys.stderr, flush=True)
+    plain_ids = [r.token_ids for r in results["plain"]]
+    for name in DRAFTERS:
+        res_list = results[name]
+        tokens = sum(len(r.token_ids) for r in res_list)
+        steps = sum(r.steps for r in res_list)
+        drafted, accepted = sum(r.drafted for r in res_list), sum(r.accepted for r in res_list)
+        invalid = [row["name"] for row, r in zip(rows, res_list)
+                   if not _valid(rt.tokenizer.decode(r.token_ids, skip_special_tokens=True), row["schema"])]
         out["drafters"][name] = {
-            "tokens_per_s": round(tokens / wall, 2), "wall_s": round(wall, 2), "tokens": tokens,
+            "tokens_per_s": round(tokens / wall[name], 2), "wall_s": round(wall[name], 2), "tokens": tokens,
             "tau": round(tokens / steps, 3), "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "valid_pct": round(100 * valid / len(rows), 1),
-            "identical_to_plain": sum(a == p for a, p in zip(texts, outputs["plain"])),
-            "stopped": sum(r.finish_reason == "stop" for r in results)}
+            "valid_pct": round(100 * (len(rows) - len(invalid)) / len(rows), 1), "invalid": invalid,
+            "identical_to_plain": sum(r.token_ids == p for r, p in zip(res_list, plain_ids)),
+            "stopped": sum(r.finish_reason == "stop" for r in res_list)}
     plain = out["drafters"]["plain"]["tokens_per_s"]
     for d in out["drafters"].values():
         d["speedup_vs_plain"] = round(d["tokens_per_s"] / plain, 3)
     return out
+
+
+def _valid(text: str, schema: dict[str, Any]) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 if __name__ == "__main__":
