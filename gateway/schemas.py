@@ -9,6 +9,7 @@ OpenAI does; OpenAI fields specgate does not implement are accepted at their neu
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Sequence, Union
 
@@ -152,6 +153,30 @@ class TextPart(BaseModel):
 Name = Annotated[str, Field(max_length=256)]
 
 
+def constraint_of(response_format: dict | None) -> str | None:
+    """`SamplingParams.constraint` for OpenAI's response_format: None for text (or none given),
+    else the JSON string workers/grammar.py compiles. Keys keep their order: a schema's property
+    order is the order the output writes them in.
+
+    >>> constraint_of({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}})
+    '{"type": "json_schema", "schema": {"type": "object"}}'
+    """
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "json_object"})
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format json_schema needs a 'json_schema' object with a 'schema' object")
+        # NOTE: strict or not, the output follows the schema strictly (no property it does not name)
+        return json.dumps({"type": "json_schema", "schema": spec["schema"]})
+    shown = repr(kind)[:40] if isinstance(kind, str) else f"a {type(kind).__name__}"
+    raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {shown}")
+
+
+
 class FunctionDef(BaseModel):
     model_config = _CONFIG
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -269,9 +294,8 @@ class ChatRequest(_Sampling):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+    def _known_format(cls, v: dict | None) -> dict | None:
+        constraint_of(v)                      # the shape here; the schema itself at the service
         return v
 
     def _max_tokens(self) -> int | None:
@@ -282,7 +306,8 @@ class ChatRequest(_Sampling):
             raise errors.invalid("top_logprobs needs logprobs: true", "top_logprobs")
         return self.generate_input(
             tenant, messages=[m.as_dict() for m in self.messages], tools=self._tools(),
-            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls)
+            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
+            constraint=constraint_of(self.response_format))
 
     def tool_parser(self) -> tools.ToolStreamParser | None:
         """What reads the output for calls (gateway/tools.py), or None: plain content."""

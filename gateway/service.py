@@ -84,6 +84,7 @@ class GenerateInput:
     frequency_penalty: float = 0.0
     logit_bias: Any = None              # {"token id": bias}, as OpenAI takes it; None: none
     logprobs: int | None = None         # None: off; k: each token's logprob and its top k
+    constraint: str | None = None       # SamplingParams.constraint (chat's response_format)
 
 
 @dataclass(frozen=True)
@@ -154,12 +155,14 @@ class GenerationService:
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id,
-                 length_oracle: LengthOracle | None = None):
+                 length_oracle: LengthOracle | None = None, grammars: Any = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
         True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl");
         `length_oracle`: measurement only, every known prompt's true length as its prediction
-        (scheduler/length_oracle.py)."""
+        (scheduler/length_oracle.py); `grammars`: the tokenizer's compiled constraints
+        (workers.grammar.Grammars), the worker's own when it runs in this process, so each schema
+        compiles once; None: built from the tokenizer at the first constrained request."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -173,6 +176,7 @@ class GenerationService:
         self.ready_checks = tuple(ready_checks)
         self.request_id = request_id
         self.length_oracle = length_oracle
+        self._grammars = grammars
         # tenant id -> name, of every tenant this service has submitted for: what `sweep_tenants`
         # checks against the store (a few dozen bytes a tenant)
         self._tenants_seen: dict[str, str] = {}
@@ -228,6 +232,8 @@ class GenerationService:
         network."""
         if (self.limiter is not None and self.limiter.remote) or self.step_loop.store.remote:
             return False
+        if inp.constraint is not None:
+            return False                # compiling a schema may take milliseconds (a cache miss)
         if inp.prompt_ids is not None:
             return len(inp.prompt_ids) <= INLINE_CHARS
         text = _prompt_chars(inp)
@@ -274,6 +280,7 @@ class GenerationService:
         except tools.ToolError as exc:
             raise errors.invalid(str(exc), exc.param) from None
         sampling = _sampling(inp, self.vocab_size)
+        self._check_constraint(sampling.constraint)
         stops = _stops(inp.stop)
         if inp.max_tokens is not None and (not _is_int(inp.max_tokens) or inp.max_tokens < 1):
             raise errors.invalid(f"max_tokens must be an integer >= 1, got {inp.max_tokens!r}",
@@ -313,6 +320,28 @@ class GenerationService:
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
         return _Prepared(req, tenant, inp.model, stops)
+
+    def _check_constraint(self, constraint: str | None) -> None:
+        """Compile a request's constraint here (cached), so that a schema the grammar engine
+        refuses is a 400 naming response_format, never an error inside the step loop."""
+        if constraint is None:
+            return
+        from workers.grammar import ConstraintError, Grammars
+
+        if self._grammars is None:
+            try:
+                self._grammars = Grammars.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            except ValueError:
+                raise errors.invalid("this deployment serves no structured outputs (its model has no "
+                                     "stop token)", "response_format") from None
+        try:
+            self._grammars.compiled(constraint)
+        except ConstraintError as e:
+            raise errors.invalid(f"response_format: {e}", "response_format") from None
+        except Exception:            # a tokenizer the engine cannot read (the fake worker's)
+            log.exception("compiling a constraint failed")
+            raise errors.invalid("this deployment cannot serve structured outputs",
+                                 "response_format") from None
 
     def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:
         """Refuse, before tokenizing it, a prompt whose characters need more tokens than the
@@ -717,7 +746,8 @@ def _sampling(inp: GenerateInput, vocab: int) -> SamplingParams:
                           presence_penalty=float(inp.presence_penalty),
                           frequency_penalty=float(inp.frequency_penalty),
                           logit_bias=_logit_bias(inp.logit_bias, vocab), logprobs=lp,
-                          constraint=tools.forced_constraint(inp.tools, inp.tool_choice))
+                          # a forced tool call's schema, else the response_format's
+                          constraint=tools.forced_constraint(inp.tools, inp.tool_choice) or inp.constraint)
 
 
 def _logit_bias(bias: Any, vocab: int) -> tuple[tuple[int, float], ...]:

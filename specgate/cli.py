@@ -51,6 +51,10 @@ COMMANDS: tuple[Command, ...] = (
             "time one scheduling decision with many queued requests"),
     Command(("bench", "ray"), "tools.bench_ray",
             "tokens/s of the Ray Serve deployment vs the embedded gateway, and its step overhead"),
+    Command(("bench", "structured"), "tools.bench_structured",
+            "JSON-schema outputs: validity, exactness and tokens/s of grammar, n-gram and merged drafts vs plain"),
+    Command(("bench", "grammar-engines"), "tools.bench_grammar_engines",
+            "per-token mask cost of xgrammar vs llguidance on the default tokenizer"),
     Command(("loadtest",), "loadtest.loadgen",
             "open-loop multi-tenant load against a running gateway "
             "(`specgate loadtest compare --help`: one server per policy)"),

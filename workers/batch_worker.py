@@ -18,6 +18,7 @@ from typing import Mapping, Sequence
 
 from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
+from workers.drafters.merge import MergeDrafter
 from workers.drafters.registry import create_drafter
 from workers.tree import TokenTree, depths, truncate
 from workers.verifier import Verifier, VerifyItem
@@ -33,19 +34,24 @@ class _Resident:
     context: list[int]        # prompt + committed output; the last token is the root
     prompt_len: int
     drafter: Drafter
+    constraint: str | None = None   # SamplingParams.constraint: what the grammar drafter reads
 
     def draft_context(self, request_id: str) -> DraftContext:
-        return DraftContext(request_id, self.tenant, self.context, self.prompt_len)
+        return DraftContext(request_id, self.tenant, self.context, self.prompt_len, self.constraint)
 
 
 class BatchWorker:
     def __init__(self, verifier: Verifier, *, default_drafter: str = "ngram",
-                 drafters: Mapping[str, Drafter] | None = None):
+                 drafters: Mapping[str, Drafter] | None = None, grammar: Drafter | None = None):
         """`drafters`: instances by name (created from the registry on first use otherwise); one
-        instance serves every request that names it, keyed by request id inside."""
+        instance serves every request that names it, keyed by request id inside. `grammar`: the
+        grammar drafter (workers/drafters/grammar.py), merged with the drafter of every request
+        that has a constraint; None: constrained requests draft with their own drafter alone."""
         self.verifier = verifier
         self.default_drafter = default_drafter
         self._drafters: dict[str, Drafter] = dict(drafters or {})
+        self.grammar = grammar
+        self._with_grammar: dict[str, Drafter] = {}   # drafter name -> merged with the grammar's
         self._resident: dict[str, _Resident] = {}
         self._dropped: list[str] = []     # removed tenants' ids, for drafters created later
         self.draft_s = 0.0                # time spent proposing trees, accumulated
@@ -88,10 +94,22 @@ class BatchWorker:
         `defer`: steps compute the context's KV in chunks (`WorkItem.prefill`), none is computed
         now; `Prefilled.pending` says how much."""
         chosen = self.drafter(drafter)
+        if sampling.constraint and self.grammar is not None:
+            chosen = self._grammar_merged(chosen)
         done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer,
                                      prompt_len=prompt_len)
-        self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen)
+        self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
+                                               sampling.constraint)
         return done
+
+    def _grammar_merged(self, drafter: Drafter) -> Drafter:
+        """The request's drafter with the grammar drafter's forced chain merged in (one shared
+        instance per drafter; `none` leaves the grammar's alone)."""
+        if drafter.name in ("none", self.grammar.name):
+            return self.grammar
+        if drafter.name not in self._with_grammar:
+            self._with_grammar[drafter.name] = MergeDrafter([self.grammar, drafter])
+        return self._with_grammar[drafter.name]
 
     def release(self, request_id: str) -> None:
         """Free a finished request's KV and drafter state (idempotent)."""
@@ -133,7 +151,7 @@ class BatchWorker:
             if step.prefilled and step.pending:        # mid-prefill: index what is computed
                 res.drafter.observe(DraftContext(step.request_id, res.tenant,
                                                  res.context[:len(res.context) - step.pending],
-                                                 res.prompt_len))
+                                                 res.prompt_len, res.constraint))
             out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0)))
         # Let drafters start drafting the next step now (remote ones do, while the step's results
         # travel), for these requests at this step's budgets. The contexts are the ones just

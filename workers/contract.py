@@ -111,13 +111,15 @@ class DraftContext:
     """What a drafter sees of one request. ``tokens`` = prompt + committed output; the last is the root.
 
     For one ``request_id``, ``tokens`` only grows between calls, so drafters may keep incremental
-    per-request state (and must drop it in ``release``).
+    per-request state (and must drop it in ``release``). ``constraint``: the request's
+    ``SamplingParams.constraint`` (what the grammar drafter drafts from), None without one.
     """
 
     request_id: str
     tenant: str
     tokens: Sequence[int]
     prompt_len: int
+    constraint: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from workers.device import resolve_device, resolve_dtype
 from workers.llama_forward import LlamaForward
 from workers.loader import DEFAULT_MODEL, load_target
 from workers.prefix_cache import DEFAULT_TENANT_SHARE, PrefixCache
+from workers.processors import ProcessorFactory, sampling_processors
 from workers.profiling import startup_profile
 from workers.verifier import Verifier
 
@@ -22,6 +23,40 @@ class Runtime:
     hf_model: Any | None          # kept only when a caller needs the transformers reference
     stop_token_ids: frozenset[int]
     _profiles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
+    _grammars: Any = None
+
+    @property
+    def grammars(self) -> Any:
+        """The tokenizer's compiled constraints (workers.grammar.Grammars), one per process:
+        what the verifier's rules, the grammar drafter and the gateway's check share. Imported
+        on first use: the grammar engine takes a while to import."""
+        if self._grammars is None:
+            from workers.grammar import Grammars
+
+            self._grammars = Grammars.from_tokenizer(self.tokenizer, self.forward.vocab_size,
+                                                     self.stop_token_ids)
+        return self._grammars
+
+    def processors(self) -> ProcessorFactory:
+        """Each request's logit rules: penalties and logit_bias, and its grammar when it has a
+        constraint (workers/grammar.py, loaded at the first constrained request)."""
+        vocab = self.forward.vocab_size
+        plain = sampling_processors(vocab)
+
+        def build(sampling, output):
+            if not sampling.constraint:
+                return plain(sampling, output)
+            from workers.grammar import grammar_processors
+
+            return grammar_processors(self.grammars, vocab)(sampling, output)
+        return build
+
+    def grammar_drafter(self) -> Any:
+        """The grammar drafter (workers/drafters/grammar.py) over this tokenizer's grammars: what
+        BatchWorker merges into constrained requests' drafters."""
+        from workers.drafters.registry import create_drafter
+
+        return create_drafter("grammar", grammars=self.grammars)
 
     def verifier(self, max_tree_tokens: int = 64,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
@@ -34,7 +69,8 @@ class Runtime:
         cache = PrefixCache.for_bytes(int(prefix_cache_mb * 2**20), f.n_layers, f.n_kv_heads,
                                       f.head_dim, f.kv_dtype, tenant_share=prefix_cache_tenant_share)
         return Verifier(f, max_tree_tokens=max_tree_tokens, prefix_cache=cache,
-                        kv_pool_bytes=None if kv_pool_mb is None else int(kv_pool_mb * 2**20))
+                        kv_pool_bytes=None if kv_pool_mb is None else int(kv_pool_mb * 2**20),
+                        processors=self.processors())
 
     def step_profile(self, max_batch: int = 1, max_tree_tokens: int = 31) -> dict[str, Any]:
         """This machine's step-cost profile (`workers.profiling.startup_profile`), measured once

@@ -105,7 +105,10 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     from gateway.tenancy.records import new_api_key
     from gateway.tenancy.tenants import TenantRegistry
 
-    tokenizer, worker, stop_ids, step_cost = target or _target(settings, progress, runtime)
+    # grammars: the worker's compiled constraints when it runs in this process, so the service
+    # checks a schema with the same compile (None: the service compiles its own)
+    tokenizer, worker, stop_ids, step_cost, grammars = (*target, None) if target else \
+        _target(settings, progress, runtime)
     metrics = GatewayMetrics()
     max_resident = max(settings.max_resident, settings.max_batch)
     kv, kv_note = kv if kv is not None else kv_budget(worker)
@@ -171,7 +174,7 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
     emb.service = GenerationService(step_loop, tokenizer, models=[settings.model_id],
                                     limiter=limiter, metrics=metrics, stop_token_ids=stop_ids,
                                     drafters=settings.drafter_names, ready_checks=checks,
-                                    length_oracle=oracle)
+                                    length_oracle=oracle, grammars=grammars)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
     emb.app.state.store_probe = store_probe       # new requests fail fast while Redis is away
     return emb
@@ -239,7 +242,8 @@ def default_kv_cache_mb(device: Any = None) -> float:
 
 
 def _target(settings: Settings, progress: bool, runtime: Any = None):
-    """(tokenizer, worker, stop token ids, policy step-cost model) for the settings."""
+    """(tokenizer, worker, stop token ids, policy step-cost model, grammars or None) for the
+    settings."""
     from workers.drafters.registry import drafter_names, is_drafter_name
 
     unknown = [d for d in settings.drafter_names if not is_drafter_name(d)]
@@ -248,12 +252,13 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
     if settings.fake_worker:
         tok = ToyTokenizer()
         worker = PacedFakeWorker(settings.fake_step_ms / 1000, context_limit=settings.fake_context)
-        return tok, worker, {tok.eos_token_id}, None
+        return tok, worker, {tok.eos_token_id}, None, None
     from workers.runtime import load_runtime
 
     rt = runtime or load_runtime(settings.model, dtype=settings.dtype, device=settings.device,
                                  progress=progress)
-    return rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt)
+    return (rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt),
+            rt.grammars)
 
 
 def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None) -> Any:
@@ -278,4 +283,5 @@ def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> A
                            prefix_cache_mb=min(settings.prefix_cache_mb, kv_mb), kv_pool_mb=kv_mb,
                            prefix_cache_tenant_share=settings.prefix_cache_tenant_share)
     verifier.features = settings.length_predictor     # the length predictor reads them
-    return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters)
+    return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters,
+                       grammar=rt.grammar_drafter())

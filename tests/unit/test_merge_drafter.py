@@ -213,4 +213,4 @@ def test_a_registry_merges_its_own_drafters():
     d = reg.create("merge:x+y")
     assert sorted(paths(d.propose(CTX, TreeBudget(4, 4)))) == [(1,), (2,)]
     assert reg.knows("merge:y+x") and not reg.knows("merge:x+ngram")
-    assert Registry().names() == ["merge:ngram+suffix", "ngram", "none", "suffix"]
+    assert Registry().names() == ["grammar", "merge:ngram+suffix", "ngram", "none", "suffix"]

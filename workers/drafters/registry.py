@@ -39,10 +39,22 @@ def _ngram(**options) -> NgramDrafter:
     return NgramDrafter(**{"min_ngram": 1, **options})
 
 
+def _grammar(grammars=None, **options) -> Drafter:
+    # Imported here: the grammar engine takes a second to import, and only constrained requests
+    # need it. It drafts from the tokenizer's compiled grammars, which the runtime owns.
+    if grammars is None:
+        raise ValueError("the grammar drafter needs the tokenizer's grammars (workers.grammar.Grammars); "
+                         "BatchWorker adds it to constrained requests' drafters by itself")
+    from workers.drafters.grammar import GrammarDrafter
+
+    return GrammarDrafter(grammars, **options)
+
+
 BUILTIN_DRAFTERS: Mapping[str, DrafterFactory] = {
     "none": NoneDrafter,
     "ngram": _ngram,
     "suffix": SuffixDrafter,
+    "grammar": _grammar,
 }
 
 MERGE_PREFIX = "merge:"

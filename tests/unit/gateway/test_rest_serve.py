@@ -174,7 +174,7 @@ def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_prof
     model = tiny_model_dir(tmp_path / "tiny")
     rt = load_runtime(str(model), progress=False)
     settings = Settings(model=str(model), max_batch=4)
-    *_, measured = _target(settings, False, rt)
+    *_, measured, _ = _target(settings, False, rt)
     assert "start-up" in measured.source and measured.batches == [1, 2, 4]
     assert measured(4, 32) >= measured(4, 4) > 0
 
@@ -182,7 +182,7 @@ def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_prof
     path.write_text(json.dumps({"source": "mine", "curves": [
         {"batch": 1, "tokens": [1, 8], "step_s": [0.01, 0.02]},
         {"batch": 8, "tokens": [8, 64], "step_s": [0.03, 0.09]}]}))
-    *_, given = _target(Settings(model=str(model), step_profile=path), False, rt)
+    *_, given, _ = _target(Settings(model=str(model), step_profile=path), False, rt)
     assert given.source == "mine" and given(8, 64) == pytest.approx(0.09)
 
 

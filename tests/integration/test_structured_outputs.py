@@ -1,0 +1,81 @@
+"""Structured outputs through the served gateway with the official `openai` client (issue 34,
+item 1): response_format json_schema (the client's pydantic `parse` path) and json_object, streamed
+and not, on a tiny random Llama that speaks the default model's tokenizer; greedy output equals
+plain constrained decoding; a schema the engine cannot use is a 400 naming response_format."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from gateway.builders.embedded import build_embedded
+from gateway.http.server import background_server
+from gateway.settings import Settings
+from tests.helpers import tiny_model_dir
+from tests.unit.test_grammar import constrained_reference
+from workers.runtime import encode_record
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "Pick a colour and a number, as JSON."}]
+
+
+class Pick(BaseModel):
+    # bounded fields: a random model's string or number would otherwise run past max_tokens
+    colour: Literal["red", "green", "blue"]
+    sure: bool
+    number: Annotated[int, Field(ge=0, le=99)]
+    label: Annotated[str, Field(max_length=5)]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from workers.runtime import load_runtime
+
+    rt = load_runtime(str(tiny_model_dir(tmp_path_factory.mktemp("tiny"))), keep_hf=True, progress=False)
+    emb = build_embedded(Settings(model=str(rt.tokenizer.name_or_path), served_model_name=MODEL, max_batch=4),
+                         runtime=rt)
+    emb.start()
+    with background_server(emb.app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=120)
+        yield rt, client
+    emb.stop()
+
+
+def test_the_clients_parse_path_returns_a_valid_object_equal_to_plain_constrained_decoding(served):
+    rt, client = served
+    r = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Pick,
+                                      temperature=0, max_tokens=80)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Pick)
+    schema = openai.lib._pydantic.to_strict_json_schema(Pick)
+    ref = constrained_reference(rt, encode_record(rt.tokenizer, {"messages": MESSAGES}),
+                                json.dumps({"type": "json_schema", "schema": schema}), 80)
+    assert choice.message.content == rt.tokenizer.decode(ref, skip_special_tokens=True)
+
+
+def test_json_object_streamed_equals_not_streamed_and_stays_json(served):
+    rt, client = served
+    kw = dict(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=60,
+              response_format={"type": "json_object"})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == whole and whole.startswith("{")
+    m = rt.grammars.matcher('{"type": "json_object"}')
+    assert m.accept_string(whole), "the output left the grammar"      # a prefix, if cut by max_tokens
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+    {"type": "json_schema", "json_schema": {"name": "x"}},
+    {"type": "regex", "pattern": "a+"},
+])
+def test_a_schema_that_cannot_be_served_is_a_400_naming_response_format(served, fmt):
+    _, client = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format=fmt)
+    assert e.value.body["param"] == "response_format"
