@@ -177,6 +177,10 @@ class ToyTokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    def pieces(self) -> list[str]:
+        """Every id's text ("" for the special ids): a grammar engine's raw vocabulary."""
+        return list(self._pieces)
+
     def encode(self, text: str) -> list[int]:
         unknown = self._char_id["?"]
         return [self._char_id.get(ch, unknown) for ch in text]

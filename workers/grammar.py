@@ -90,9 +90,15 @@ class Grammars:
     def from_tokenizer(cls, tokenizer: Any, vocab: int, stop_token_ids: Iterable[int],
                        cache_size: int = DEFAULT_CACHE_SIZE) -> "Grammars":
         """For a Hugging Face tokenizer and a model with `vocab` logits, which may exceed the
-        tokenizer's vocabulary: the engine never allows the padding ids."""
+        tokenizer's vocabulary: the engine never allows the padding ids. A tokenizer that is no
+        Hugging Face one but lists its tokens' text (`pieces()`: the gateway's stand-in for the
+        fake worker) is taken as a raw vocabulary."""
+        stops = list(stop_token_ids)
+        if hasattr(tokenizer, "pieces") and not hasattr(tokenizer, "backend_tokenizer"):
+            return cls(lambda: xgr.TokenizerInfo(tokenizer.pieces(), xgr.VocabType.RAW, vocab_size=vocab,
+                                                 stop_token_ids=stops), vocab, stops, cache_size)
         return cls(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab), vocab,
-                   stop_token_ids, cache_size)
+                   stops, cache_size)
 
     def _compiler_now(self) -> xgr.GrammarCompiler:
         with self._lock:

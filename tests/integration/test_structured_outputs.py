@@ -79,3 +79,32 @@ def test_a_schema_that_cannot_be_served_is_a_400_naming_response_format(served, 
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, response_format=fmt)
     assert e.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                  "unit": {"type": "string", "enum": ["c", "f"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_has_arguments_that_follow_the_functions_schema(served, choice):
+    # a random model left to itself writes text; forced, the grammar makes it a valid call
+    import jsonschema
+
+    _, client = served
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+              tool_choice=choice, temperature=0, max_tokens=80)
+    r = client.chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = {}
+    for c in client.chat.completions.create(stream=True, **kw):
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            part = streamed.setdefault(d.index, {"name": "", "arguments": ""})
+            part["name"] += d.function.name or ""
+            part["arguments"] += d.function.arguments or ""
+    assert streamed == {0: {"name": "get_weather", "arguments": call.function.arguments}}
