@@ -40,16 +40,50 @@ def choice_input(inp: GenerateInput, i: int) -> GenerateInput:
 
 
 async def open_choices(service: Opener, inp: GenerateInput, n: int) -> list[EventStream]:
-    """Admit the n choices (raises ApiError, with none of them left running, if one is refused)."""
+    """Admit the n choices (raises ApiError, with none of them left running, if one is refused).
+
+    Choice 0 goes first, and the others only once it has sent its first event: its prompt's KV
+    is then computed and in the prefix cache, so the other choices find it there instead of
+    each computing it in the same steps (one prefill for the n; admitted together, every choice
+    would prefill the prompt beside the others)."""
     streams: list[EventStream] = []
     try:
-        for i in range(n):
+        streams.append(await service.open_stream(choice_input(inp, 0)))
+        if n > 1:
+            streams[0] = await _ReadAhead.first_of(streams[0])
+        for i in range(1, n):
             streams.append(await service.open_stream(choice_input(inp, i)))
     except BaseException:
         for s in streams:
             await s.aclose()
         raise
     return streams
+
+
+class _ReadAhead:
+    """A stream whose first item has been read (to know its prefill is done), then replayed."""
+
+    def __init__(self, stream: EventStream, items: list) -> None:
+        self.stream, self.request_id, self._items = stream, stream.request_id, items
+
+    @classmethod
+    async def first_of(cls, stream: EventStream) -> "_ReadAhead":
+        it = stream.__aiter__()
+        try:
+            return cls(stream, [await it.__anext__()])
+        except StopAsyncIteration:
+            return cls(stream, [])
+
+    async def __aiter__(self) -> AsyncIterator[StreamChunk | GenerateOutput]:
+        for item in self._items:
+            yield item
+        if self._items and isinstance(self._items[-1], GenerateOutput):
+            return
+        async for item in self.stream:
+            yield item
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
 
 
 async def generate_choices(service: Opener, inp: GenerateInput, n: int) -> list[GenerateOutput]:

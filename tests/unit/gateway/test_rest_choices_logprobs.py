@@ -161,13 +161,23 @@ def test_a_choice_refused_closes_the_others(server):
 
 def test_a_disconnect_cancels_every_choice(server):
     emb, url = server
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "n": 4, "stream": True}
-    with httpx.Client(base_url=url, headers={"Authorization": "Bearer sk-main"}, timeout=20) as http:
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            next(r.iter_lines())
-            assert len(emb.step_loop.state.requests) == 4
-    wait_idle(emb)
+    loop = emb.step_loop
+    submitted, cancelled = [], []
+    submit, cancel = loop.submit, loop.cancel
+    loop.submit = lambda req, sink=None: (submitted.append(req.request_id), submit(req, sink))[1]
+    loop.cancel = lambda rid, **kw: (cancelled.append(rid), cancel(rid, **kw))[1]
+    # no drafts: 400 tokens take 400 steps of the fake worker, far more than the test's few
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "n": 4, "stream": True,
+            "speculation": {"enabled": False}}
+    try:
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer sk-main"}, timeout=20) as http:
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+        wait_idle(emb)
+    finally:
+        loop.submit, loop.cancel = submit, cancel
+    assert len(submitted) == 4 and set(cancelled) == set(submitted)
 
 
 def test_logit_bias_and_penalties_reach_the_worker(server, client):
