@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 
 # at the versions requirements.lock pins (the ones the tests ran with)
 NAMES=(transformers fastapi starlette uvicorn httptools pydantic pydantic-core pydantic-settings
-       python-dotenv annotated-types typing-inspection redis gguf grpcio-health-checking grpcio-reflection)
+       python-dotenv annotated-types typing-inspection redis gguf grpcio grpcio-health-checking
+       grpcio-reflection protobuf)
 
 if [[ "${1:-}" == "--prepare" ]]; then
     py=${PYTHON:-.venv/bin/python}
