@@ -111,3 +111,22 @@ def serving(settings, tenants: dict[str, list[str]], *, tenant_options: dict | N
             yield emb, url
     finally:
         emb.stop()
+
+
+@contextlib.contextmanager
+def openai_client_on(runtime, settings, *, timeout: float = 300):
+    """An embedded gateway on an already loaded `runtime` (one model load for a whole module),
+    its step loop running, served on a free loopback port, and the official `openai` client for
+    its dev tenant: yields (embedded, client); stops it all on exit."""
+    import openai
+
+    from gateway.builders.embedded import build_embedded
+    from gateway.http.server import background_server
+
+    emb = build_embedded(settings, runtime=runtime)
+    emb.start()
+    try:
+        with background_server(emb.app) as url:
+            yield emb, openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=timeout)
+    finally:
+        emb.stop()

@@ -234,7 +234,9 @@ def section_serve(device: torch.device, seconds: float, tokenizer_dir: Path | No
     for name in TOKENIZER_FILES:            # only these: the directory may hold a whole model
         if (tokenizer_dir / name).exists():
             (work / name).write_bytes((tokenizer_dir / name).read_bytes())
-    port = _free_port()
+    from gateway.http.server import free_port
+
+    port = free_port()
     env = {**os.environ, "SPECGATE_ADMIN_KEY": "gpu-check-admin-key-0000", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-c", "import sys; from specgate.cli import main; sys.exit(main())", "serve",
            "--model", str(work), "--served-model-name", "check", "--device", str(device), "--port", str(port),
@@ -388,14 +390,6 @@ def _stream_load(base: str, key: str, seconds: float, streams: int) -> dict:
     wall = time.time() - t0
     return {"completed": sum(p[0] for p in parts), "failed": sum(p[1] for p in parts),
             "chunks": sum(p[2] for p in parts), "chunks_per_s": round(sum(p[2] for p in parts) / wall, 1)}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _free(device: torch.device) -> None:

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-import openai
 import pytest
 import torch
 
-from gateway.http.server import background_server
-from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, openai_client_on
 from workers.runtime import encode_record
 
 pytestmark = pytest.mark.slow
@@ -28,12 +25,8 @@ SPEC = {True: {}, False: {"speculation": {"enabled": False}}}
 
 @pytest.fixture(scope="module")
 def served(real_runtime):
-    emb = build_embedded(Settings(max_batch=4), runtime=real_runtime)
-    emb.start()
-    with background_server(emb.app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=300)
-        yield emb, client
-    emb.stop()
+    with openai_client_on(real_runtime, Settings(max_batch=4)) as served:
+        yield served
 
 
 def hf_logprobs(model, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:

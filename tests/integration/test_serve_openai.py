@@ -3,14 +3,11 @@ loopback server: greedy output (temperature 0) is exactly transformers' greedy `
 same prompt ids, streamed or not, for completions and chat, and a stop string cuts real text."""
 from __future__ import annotations
 
-import openai
 import pytest
 
-from gateway.http.server import background_server
 
-from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, openai_client_on
 from workers.runtime import encode_record
 
 pytestmark = pytest.mark.slow
@@ -26,12 +23,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def served(real_runtime):
-    emb = build_embedded(Settings(max_batch=4), runtime=real_runtime)
-    emb.start()
-    with background_server(emb.app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=120)
-        yield emb, client
-    emb.stop()
+    with openai_client_on(real_runtime, Settings(max_batch=4), timeout=120) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

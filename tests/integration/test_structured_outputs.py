@@ -11,10 +11,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from gateway.builders.embedded import build_embedded
-from gateway.http.server import background_server
 from gateway.settings import Settings
-from tests.helpers import tiny_model_dir
+from tests.helpers import openai_client_on, tiny_model_dir
 from tests.unit.test_grammar import constrained_reference
 from workers.runtime import encode_record
 
@@ -35,13 +33,9 @@ def served(tmp_path_factory):
     from workers.runtime import load_runtime
 
     rt = load_runtime(str(tiny_model_dir(tmp_path_factory.mktemp("tiny"))), keep_hf=True, progress=False)
-    emb = build_embedded(Settings(model=str(rt.tokenizer.name_or_path), served_model_name=MODEL, max_batch=4),
-                         runtime=rt)
-    emb.start()
-    with background_server(emb.app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=120)
+    settings = Settings(model=str(rt.tokenizer.name_or_path), served_model_name=MODEL, max_batch=4)
+    with openai_client_on(rt, settings, timeout=120) as (_, client):
         yield rt, client
-    emb.stop()
 
 
 def test_the_clients_parse_path_returns_a_valid_object_equal_to_plain_constrained_decoding(served):

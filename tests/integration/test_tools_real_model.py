@@ -16,11 +16,9 @@ import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
 from gateway import schemas, tools
-from gateway.builders.embedded import build_embedded
-from gateway.http.server import background_server
 from gateway.text import IncrementalDetokenizer
 from gateway.settings import Settings
-from tests.helpers import hf_greedy
+from tests.helpers import hf_greedy, openai_client_on
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -38,12 +36,8 @@ FOLLOW_UP = ASK + [{"role": "assistant", "content": None, "tool_calls": [CALL]},
 
 @pytest.fixture(scope="module")
 def served(real_runtime):
-    emb = build_embedded(Settings(max_batch=4), runtime=real_runtime)
-    emb.start()
-    with background_server(emb.app) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=300)
-        yield emb, client
-    emb.stop()
+    with openai_client_on(real_runtime, Settings(max_batch=4)) as served:
+        yield served
 
 
 def test_smollm2s_template_renders_no_tools_so_the_fallback_serves(real_runtime, served):
