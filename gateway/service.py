@@ -33,7 +33,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
 from gateway import errors, tools
@@ -85,6 +85,10 @@ class GenerateInput:
     logit_bias: Any = None              # {"token id": bias}, as OpenAI takes it; None: none
     logprobs: int | None = None         # None: off; k: each token's logprob and its top k
     constraint: str | None = None       # SamplingParams.constraint (chat's response_format)
+    request_id: str | None = None       # the id to give it (a response's id); None: a new one
+    # runs whether or not anyone listens (a background response, `open_detached`): closing its
+    # stream does not cancel it, and a restarted gateway finishes it instead of cancelling it
+    detached: bool = False
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,10 @@ class GenerationService:
         # whether the chat template writes tools itself, else gateway/tools.py's fallback format
         self.template_tools = tools.template_renders_tools(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
+        # detached requests (`open_detached`): their draining tasks, and who hears they ended
+        self._detached: set[asyncio.Task] = set()
+        self.detached_ended: list[Callable[[str], None]] = []
+        self._orphans = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specgate-orphans")
 
     # ---- the interface ------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -269,6 +277,78 @@ class GenerationService:
             self.grants.hold(grant)                   # renewed while the request runs
         return stream
 
+    async def open_detached(self, inp: GenerateInput) -> str:
+        """Admit a request that runs to its end whether or not anyone listens (a background
+        response): refusals raise ApiError as `open_stream`'s do; returns its id. Readers follow
+        it from the state store (gateway/responses). When it ends, each of `detached_ended` is
+        called with its id, on a worker thread."""
+        if not inp.detached:
+            inp = replace(inp, detached=True)
+        stream = await self.open_stream(inp)
+        task = asyncio.get_running_loop().create_task(self._drain(stream))
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+        return stream.request_id
+
+    async def _drain(self, stream: "RequestStream") -> None:
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            await stream.aclose()
+        await asyncio.to_thread(self._tell_detached_ended, stream.request_id)
+
+    def _tell_detached_ended(self, request_id: str) -> None:
+        for hear in self.detached_ended:
+            try:
+                hear(request_id)
+            except Exception:
+                log.exception("a listener of detached request %s failed", request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """End a request at the next step boundary (a client's explicit cancel)."""
+        self.step_loop.cancel(request_id)
+
+    def take_over(self, request_ids: Iterable[str]) -> list[str]:
+        """Look after requests a restarted step loop recovered, whose clients' connections died
+        with the old process: a detached one (a background response) runs on and is announced
+        to `detached_ended` when it ends; any other one has nobody left to receive it and is
+        cancelled. Either way its tenant's usage is corrected when it ends (the old process
+        charged prompt + max_tokens and died before correcting it). Any thread; reads the store.
+        Returns the ids cancelled."""
+        cancelled = []
+        for rid in request_ids:
+            tail = self.step_loop.store.tail(rid, 0)
+            if tail is None or tail.stats.status.terminal:
+                continue
+            detached = bool(tail.meta.get("detached"))
+            grant = tail.meta.get("grant")
+            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached))
+            if not detached:
+                self.step_loop.cancel(rid)
+                cancelled.append(rid)
+        return cancelled
+
+    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool) -> Callable:
+        """A recovered request's sink (the loop's thread: hands its work to a thread of ours)."""
+        def sink(event: Delta | Finished) -> None:
+            if not isinstance(event, Finished):
+                return
+            s = event.stats
+            self._orphans.submit(self._orphan_ended, request_id, grant, s.prompt_len + s.committed,
+                                 detached)
+        return sink
+
+    def _orphan_ended(self, request_id: str, grant: list | None, used: int, detached: bool) -> None:
+        if grant is not None and self.limiter is not None:
+            from gateway.tenancy.limits import Grant
+            try:
+                self.limiter.correct(Grant.from_list(grant), used)
+            except Exception:
+                log.exception("correcting the usage of recovered request %s failed", request_id)
+        if detached:
+            self._tell_detached_ended(request_id)
+
     # ---- check and tokenize ---------------------------------------------------------------------
     def _prepare(self, inp: GenerateInput, tenant: Tenant) -> _Prepared:
         if inp.model not in self.models:
@@ -307,7 +387,7 @@ class GenerationService:
                                  f"max_completion_tokens) to at most {room}, or shorten the {param}",
                                  "max_tokens", code="context_length_exceeded")
         max_new = room if inp.max_tokens is None else inp.max_tokens
-        rid = self.request_id(kind)
+        rid = inp.request_id or self.request_id(kind)
         # the engine's caches go by the tenant's immutable id, never by its name (a name can be
         # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         stats = RequestStats(rid, tenant.name, self.step_loop.clock(), prompt_len=len(ids),
@@ -318,7 +398,8 @@ class GenerationService:
                              else list(inp.prompt_ids))
             stats.predicted_len = self.length_oracle.length(key, max_new)
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
-                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter)
+                      stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
+                      meta={"detached": True} if inp.detached else {})
         return _Prepared(req, tenant, inp.model, stops)
 
     def _check_constraint(self, constraint: str | None) -> None:
@@ -459,6 +540,8 @@ class GenerationService:
         stream = RequestStream(self, prep, grant, aio, t0)
         self._sync_tenant(prep.tenant)
         req = prep.request
+        if grant is not None:
+            req.meta["grant"] = grant.to_list()    # a restarted gateway corrects its charge
         # NOTE: what the loop's submit refuses with ValueError (empty prompt, no room in the
         # context) was refused above; a ValueError here is a server fault, not the client's.
         verdict = self.step_loop.submit(req, stream.sink)

@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     # how long an ended request's record stays fetchable (a client's late GET or reconnect);
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
+    # how long a stored response (POST /v1/responses) can be retrieved or resumed, from its
+    # creation (OpenAI keeps them 30 days); in Redis each holds its output tokens this long
+    responses_ttl_s: float = Field(30 * 86400.0, gt=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     # one process per replica id over one Redis: its lease, renewed every third of this; a dead
     # replica's id is free (and its requests adopted by a live replica) once it runs out

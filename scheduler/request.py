@@ -227,6 +227,11 @@ class Request:
     stop: tuple[str, ...] = ()             # stop strings, never emitted (the step loop checks text)
     drafter: str | None = None             # None: the deployment's default; "none": no speculation
     output_ids: list[int] = field(default_factory=list)
+    # What the gateway attaches to a request, opaque to the scheduler and persisted with it (once,
+    # at admission): after a restart the gateway reads it back to know whether a recovered request
+    # runs detached (a background response nobody needs to be connected for) and which limiter
+    # grant to correct when it ends. Plain JSON values only.
+    meta: dict = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:

@@ -55,6 +55,8 @@ COMMANDS: tuple[Command, ...] = (
             "JSON-schema outputs: validity, exactness and tokens/s of grammar, n-gram and merged drafts vs plain"),
     Command(("bench", "grammar-engines"), "tools.bench_grammar_engines",
             "per-token mask cost of xgrammar vs llguidance on the default tokenizer"),
+    Command(("bench", "resume"), "tools.bench_resume",
+            "kill -9 the gateway mid-stream, restart it, resume: is the text whole and each event once?"),
     Command(("loadtest",), "loadtest.loadgen",
             "open-loop multi-tenant load against a running gateway "
             "(`specgate loadtest compare --help`: one server per policy)"),

@@ -50,6 +50,8 @@ class Embedded:
     kv_note: str | None = None          # the KV budget, as reported at start
     _sweeping: Any = None               # set to stop the tenant sweep (`_sweep_tenants`)
     replica: Any = None                 # the replica id's lease (gateway/builders/replica.py)
+    responses: Any = None               # the Responses API (gateway/responses/service.py)
+    cancelled: list[str] = field(default_factory=list)   # recovered, nobody left to receive them
 
     def start(self) -> None:
         self.thread = self.step_loop.start()
@@ -82,6 +84,23 @@ class Embedded:
 
     def loop_alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
+
+
+def responses_service(settings: Settings, service: Any, records: Any, tokenizer: Any, *,
+                      local: bool = True) -> Any:
+    """The Responses API over `service` (gateway/responses): stored responses under the shared
+    prefix, so that any replica answers for any response; `records`: the scheduler's state store.
+    `local`: the step loop runs in this process, so its detached requests are kept here when
+    they end (Ray mode's ingress: False; its scheduler replica keeps them)."""
+    from gateway.responses.service import ResponseService
+    from gateway.responses.store import open_responses
+
+    store = open_responses(settings.redis_url, settings.store_prefix, settings.responses_ttl_s,
+                           settings.redis_timeout_s)
+    responses = ResponseService(service, store, records, tokenizer)
+    if local:
+        service.detached_ended.append(responses.finalize)
+    return responses
 
 
 def scheduler_prefix(settings: Settings) -> str:
@@ -177,6 +196,10 @@ def build_embedded(settings: Settings, *, progress: bool = True, runtime: Any = 
                                     length_oracle=oracle, grammars=grammars)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics)
     emb.app.state.store_probe = store_probe       # new requests fail fast while Redis is away
+    emb.app.state.responses = emb.responses = responses_service(settings, emb.service, store, tokenizer)
+    # what the old process left running: background responses go on (and are kept when they
+    # end); requests whose clients' connections died with it are cancelled; usage corrected
+    emb.cancelled = emb.service.take_over(recovered)
     return emb
 
 

@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from gateway import errors
 from gateway.http.deps import ClientDisconnected
 from gateway.metrics import GatewayMetrics
-from gateway.http.routers import admin, chat, completions, health, models
+from gateway.http.routers import admin, chat, completions, health, models, responses
 from gateway.http.routers import metrics as metrics_router
 from gateway.service import GenerationService
 from gateway.settings import Settings
@@ -42,8 +42,8 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.metrics = metrics
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
-    for r in (completions.router, chat.router, models.router, health.router, metrics_router.router,
-              admin.router):
+    for r in (completions.router, chat.router, responses.router, models.router, health.router,
+              metrics_router.router, admin.router):
         app.include_router(r)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.openapi = _hoisting_body_schemas(app.openapi)

@@ -68,6 +68,15 @@ class Grant:
     tokens: int                  # tokens charged to the TPM bucket at acquire
     tpm: int | None              # the TPM limit charged against (a later change does not matter)
 
+    def to_list(self) -> list:
+        """As plain JSON (kept with the request, so a restarted gateway can correct it)."""
+        return [self.tenant, self.grant_id, self.tokens, self.tpm]
+
+    @classmethod
+    def from_list(cls, v: list) -> "Grant":
+        tenant, grant_id, tokens, tpm = v
+        return cls(str(tenant), str(grant_id), int(tokens), None if tpm is None else int(tpm))
+
 
 # ---- pure arithmetic --------------------------------------------------------------------------------
 def gcra_take(tat: float, now: float, cost: float, per_minute: int) -> tuple[float | None, float]:
@@ -188,9 +197,9 @@ class _MemoryBuckets:
                 grants[grant_id] = now + lease_s
             return verdict
 
-    def release(self, grant: Grant, used_tokens: int, now: float) -> bool:
+    def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         with self._lock:
-            if self._grants.get(grant.tenant, {}).pop(grant.grant_id, None) is None:
+            if self._grants.get(grant.tenant, {}).pop(grant.grant_id, None) is None and not orphan:
                 return False
             if grant.tpm is not None and used_tokens != grant.tokens:
                 key = ("tpm", grant.tenant)
@@ -248,9 +257,10 @@ return {1}
 """
 
 # `gcra_adjust` transcribed.  KEYS: tpm, conc.  ARGV: grant id, delta tokens, tpm (0 = none), now,
-# window.  Returns 1 if the grant was live (released now), 0 if it was released or expired before.
+# window, orphan ('1': correct the charge even though the slot is gone).  Returns 1 if the grant was
+# live (released now) or orphaned, 0 if it was released or expired before.
 _RELEASE_LUA = """
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 then return 0 end
+if redis.call('ZREM', KEYS[2], ARGV[1]) == 0 and ARGV[6] ~= '1' then return 0 end
 local delta, tpm, now, window = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
                                 tonumber(ARGV[5])
 if tpm > 0 and delta ~= 0 then
@@ -309,11 +319,11 @@ class _RedisBuckets:
         rpm, tpm, live = pipe.execute()
         return Usage(float(rpm) if rpm else 0.0, float(tpm) if tpm else 0.0, int(live))
 
-    def release(self, grant: Grant, used_tokens: int, now: float) -> bool:
+    def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         return bool(self._release(
             keys=[self._key("tpm", grant.tenant), self._key("conc", grant.tenant)],
             args=[grant.grant_id, used_tokens - grant.tokens, grant.tpm or 0, repr(now),
-                  repr(WINDOW_S)]))
+                  repr(WINDOW_S), "1" if orphan else "0"]))
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
         return bool(self._renew(keys=[self._key("conc", grant.tenant)],
@@ -371,6 +381,15 @@ class Limiter:
         if used_tokens < 0:
             raise ValueError("used_tokens must be >= 0")
         self._buckets.release(grant, used_tokens, self._clock())
+
+    def correct(self, grant: Grant, used_tokens: int) -> None:
+        """Correct the TPM charge of a grant whose holder died (a gateway killed while the
+        request ran, recovered and ended by a new process) to `used_tokens`, and free its slot if
+        its lease still holds it. Call once per orphaned grant: unlike `release`, it corrects
+        even when the slot is gone (the lease ran out while the gateway was down)."""
+        if used_tokens < 0:
+            raise ValueError("used_tokens must be >= 0")
+        self._buckets.release(grant, used_tokens, self._clock(), orphan=True)
 
     def renew(self, grant: Grant) -> bool:
         """Extend a live grant's lease by `lease_s` from now (for a very long stream). False if

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, StateStore, StepWrite,
-                                  StoredState, request_from_dict, request_to_dict)
+                                  StoredState, Tail, request_from_dict, request_to_dict)
 from scheduler.store.memory import MemoryStore
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -25,4 +25,4 @@ def open_store(url: str | None, prefix: str = DEFAULT_PREFIX, *,
 
 
 __all__ = ["DEFAULT_ENDED_TTL_S", "DEFAULT_PREFIX", "MemoryStore", "StateStore", "StepWrite",
-           "StoredState", "open_store", "request_from_dict", "request_to_dict"]
+           "StoredState", "Tail", "open_store", "request_from_dict", "request_to_dict"]

@@ -52,6 +52,15 @@ class StepWrite:
         return out
 
 
+@dataclass(frozen=True)
+class Tail:
+    """A request's output from some index on, and its stats as they were stored with it."""
+    tokens: list[int]
+    stats: RequestStats
+    meta: dict
+    prompt_ids: list[int] | None = None       # when asked for
+
+
 @dataclass
 class StoredState:
     """What a new scheduler loads after a restart."""
@@ -78,6 +87,11 @@ class StateStore(Protocol):
 
     def get(self, request_id: str) -> Request | None:
         """A live or recently ended request; None if unknown or expired."""
+
+    def tail(self, request_id: str, start: int, *, prompt: bool = False) -> Tail | None:
+        """What a reader following a request needs: the output tokens from index `start` on and
+        its stats now, in one consistent read (and its prompt, when asked: a reader needs it
+        once); None if unknown or expired. One round trip, O(new tokens)."""
 
     def save_model(self, name: str, doc: dict[str, Any]) -> bool:
         """Keep a learned model's weights (plain JSON data with an integer "version") under
@@ -178,7 +192,8 @@ def params_to_dict(req: Request) -> dict[str, Any]:
     return {"sampling": sampling_to_dict(req.sampling),
             "stop_token_ids": [int(t) for t in req.stop_token_ids],
             "stop": list(req.stop),
-            "drafter": req.drafter}
+            "drafter": req.drafter,
+            "meta": dict(req.meta)}
 
 
 def request_to_dict(req: Request) -> dict[str, Any]:
@@ -206,7 +221,8 @@ def request_from_dict(d: Mapping[str, Any]) -> Request:
                    stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
                    stop=tuple(d.get("stop", ())),
                    drafter=d.get("drafter"),
-                   output_ids=[int(t) for t in d.get("output_ids", ())])
+                   output_ids=[int(t) for t in d.get("output_ids", ())],
+                   meta=dict(d.get("meta") or {}))
 
 
 def account_to_str(account: Account) -> str:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from scheduler.request import Request
-from scheduler.store.base import (DEFAULT_ENDED_TTL_S, Account, StepWrite, StoredState, check_step,
-                                  model_version, params_to_dict, request_from_dict, stats_to_dict)
+from scheduler.store.base import (DEFAULT_ENDED_TTL_S, Account, StepWrite, StoredState, Tail,
+                                  check_step, model_version, params_to_dict, request_from_dict,
+                                  stats_from_dict, stats_to_dict)
 
 
 @dataclass(slots=True)
@@ -91,6 +92,17 @@ class MemoryStore:
             self._expire()
             rec = self._live.get(request_id) or self._ended.get(request_id)
             return rec.request() if rec is not None else None
+
+    def tail(self, request_id: str, start: int, *, prompt: bool = False) -> Tail | None:
+        with self._lock:
+            self._expire()
+            rec = self._live.get(request_id) or self._ended.get(request_id)
+            if rec is None:
+                return None
+            return Tail([int(t) for t in rec.output_ids[start:]],
+                        stats_from_dict({**rec.stats, "tau_history": rec.tau_history}),
+                        dict(rec.params.get("meta") or {}),
+                        list(rec.prompt_ids) if prompt else None)
 
     def save_model(self, name: str, doc: dict[str, Any]) -> bool:
         version = model_version(doc)

@@ -9,7 +9,7 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
                               seq     admission sequence
                               prompt  JSON list of prompt token ids          (written once, at add)
                               params  JSON: sampling, stop_token_ids, stop,  (written once, at add)
-                                      drafter
+                                      drafter, meta (the gateway's)
                               stats   JSON: RequestStats without tau_history (rewritten per step)
     P out:ID     list         committed output tokens                        (RPUSH per step)
     P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)
@@ -38,8 +38,9 @@ import redis
 
 from scheduler.request import Request
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
-                                  StoredState, account_from_str, account_to_str, check_step,
-                                  model_version, params_to_dict, request_from_dict, stats_to_dict)
+                                  StoredState, Tail, account_from_str, account_to_str, check_step,
+                                  model_version, params_to_dict, request_from_dict,
+                                  stats_from_dict, stats_to_dict)
 from scheduler.store.redis_client import redis_client
 
 FORMAT_VERSION = 1
@@ -234,6 +235,18 @@ class RedisStore:
         pipe = self._r.pipeline(transaction=True)   # one consistent snapshot of the three keys
         self._queue_read(pipe, request_id)
         return self._decode(pipe.execute())
+
+    def tail(self, request_id: str, start: int, *, prompt: bool = False) -> Tail | None:
+        rec, out, _ = self._keys(request_id)
+        pipe = self._r.pipeline(transaction=True)   # tokens and stats from one instant
+        pipe.hmget(rec, "params", "stats", "prompt" if prompt else "v")
+        pipe.lrange(out, max(0, int(start)), -1)
+        (params, stats, prompt_ids), tokens = pipe.execute()
+        if stats is None:
+            return None
+        return Tail([int(t) for t in tokens], stats_from_dict(json.loads(stats)),
+                    dict(json.loads(params).get("meta") or {}) if params else {},
+                    [int(t) for t in json.loads(prompt_ids)] if prompt and prompt_ids else None)
 
     def save_model(self, name: str, doc: dict[str, Any]) -> bool:
         version = model_version(doc)

@@ -205,17 +205,28 @@ def test_redis_restart_under_load_loses_and_duplicates_nothing(own_redis):
 
 # ---- the scheduler restarted under load --------------------------------------------------------------
 def test_scheduler_restart_under_load_recovers_every_request_exactly_once(redis_url, redis_prefix):
+    """Gateway A dies mid-run with client-tied completions and background responses in flight;
+    B, same replica id over the same Redis, recovers them all: the background ones (nobody needs
+    to be connected) finish with every token exactly once; the client-tied ones, whose clients'
+    connections died with A, are cancelled at once, keeping exactly what A committed."""
     settings = Settings(fake_worker=True, fake_step_ms=10.0, redis_url=redis_url,
                         store_prefix=redis_prefix, replica_id="r1", max_batch=4,
                         log_level="critical")
     a = build_embedded(settings)
     a.tenants.put(Tenant("acme"), ["sk-acme"])
-    n, max_tokens = 16, 30
+    n, max_tokens = 8, 30
     a.start()
     try:
         with background_server(a.app, log_level="critical") as url:
             async def load():
                 async with httpx.AsyncClient(timeout=30) as client:
+                    background = []
+                    for _ in range(n):
+                        r = await client.post(url + "/v1/responses", headers={"Authorization": "Bearer sk-acme"},
+                                              json={"model": MODEL, "input": "hello", "background": True,
+                                                    "max_output_tokens": max_tokens})
+                        assert r.status_code == 200, r.text
+                        background.append(r.json()["id"])
                     tasks = [asyncio.create_task(post(client, url, "sk-acme", body(max_tokens)))
                              for _ in range(n)]
                     deadline = time.monotonic() + 10
@@ -229,34 +240,44 @@ def test_scheduler_restart_under_load_recovers_every_request_exactly_once(redis_
                     for t in tasks:
                         t.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
-                    return done
+                    return done, background
 
-            done = asyncio.run(load())
+            done, background = asyncio.run(load())
     finally:
         a.step_loop.stop()
     finished_by_a = [check_completed(r, max_tokens) for r in done]
     # B, the same replica id over the same Redis, takes over what A left live.
     b = build_embedded(settings)
     left = set(b.recovered)
-    assert len(finished_by_a) + len(left) == n and not left & set(finished_by_a)
     reader = RedisStore.from_url(redis_url, scheduler_prefix(settings))
+    assert left and not left & set(finished_by_a)
+    tied_left = left - set(background)
+    assert len(finished_by_a) + len(tied_left) == n
+    assert set(b.cancelled) == tied_left                 # nobody is left to receive these
     partial = [rid for rid in left if 0 < len(reader.get(rid).output_ids) < max_tokens]
-    assert left and partial                     # A died mid-run: some were half done
+    assert partial                              # A died mid-run: some were half done
     b.start()
     try:
         deadline = time.monotonic() + 20
         while reader.load().requests and time.monotonic() < deadline:
             time.sleep(0.02)
         assert reader.load().requests == []     # every recovered request ended
-        for rid in [*finished_by_a, *left]:
+        for rid in [*finished_by_a, *background]:
             check_stored(reader, rid, max_tokens)   # the right tokens, each exactly once
-        # B re-prefilled each recovered request once, with prompt + what A had committed.
+        for rid in tied_left:
+            rec = reader.get(rid)
+            assert rec.stats.status is Status.CANCELLED
+            assert rec.output_ids == expected_ids(rid, len(rec.output_ids))   # A's, none added
+        # B re-prefilled each recovered background request once, with prompt + what A committed
         prefilled = [rid for rid, _ in fake_worker(b).prefills]
-        assert sorted(prefilled) == sorted(left)
+        assert sorted(prefilled) == sorted(left & set(background))
         with background_server(b.app, log_level="critical") as url:
             r = httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer sk-acme"},
                            json=body(5), timeout=30)
             check_completed(r, 5)
+            for rid in background:                    # kept, and answered by the new process
+                got = httpx.get(f"{url}/v1/responses/{rid}", headers={"Authorization": "Bearer sk-acme"})
+                assert got.json()["output"][0]["content"][0]["text"] == TOK.decode(expected_ids(rid, max_tokens))
     finally:
         b.stop()
         reader.close()

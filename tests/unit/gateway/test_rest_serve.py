@@ -94,18 +94,20 @@ def test_redis_backed_gateway_shares_tenants_and_recovers_requests(redis_url, re
     first = build_embedded(settings)
     first.tenants.put(Tenant("acme"), ["sk-acme"])
 
-    async def admit_one():
+    async def admit(detached: bool):
         # Admitted (persisted) but never stepped: the loop is not started.
         stream = first.service.stream(GenerateInput(Tenant("acme"), "smollm2-135m",
-                                                    prompt="left behind", max_tokens=20))
+                                                    prompt="left behind", max_tokens=20,
+                                                    detached=detached))
         stream.close = lambda: None                    # the "crash": nobody cancels it
         return stream.request_id
 
-    rid = asyncio.run(admit_one())
-    # A second gateway over the same Redis: same tenants, and the request is taken over.
+    kept, tied = asyncio.run(admit(True)), asyncio.run(admit(False))
+    # A second gateway over the same Redis: same tenants, and the requests are taken over: the
+    # detached one runs on, the client-tied one (its client is gone with the first) is cancelled.
     second = build_embedded(settings)
     assert second.dev_key is None                      # the store already has tenants
-    assert second.recovered == [rid]
+    assert second.recovered == [kept, tied] and second.cancelled == [tied]
     assert second.tenants.authenticate("sk-acme").name == "acme"
     second.start()
     try:
@@ -115,11 +117,13 @@ def test_redis_backed_gateway_shares_tenants_and_recovers_requests(redis_url, re
                            json={"model": "smollm2-135m", "prompt": "hi", "max_tokens": 3})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
         for _ in range(500):
-            rec = second.step_loop.store.get(rid)
+            rec = second.step_loop.store.get(kept)
             if rec.stats.status is Status.FINISHED:
                 break
             asyncio.run(asyncio.sleep(0.01))
         assert rec.stats.status is Status.FINISHED and len(rec.output_ids) == 20
+        rec = second.step_loop.store.get(tied)
+        assert rec.stats.status is Status.CANCELLED and rec.output_ids == []
     finally:
         second.stop()
         first.step_loop.store.close()

@@ -43,7 +43,7 @@ def rich_request(rid: str = "rich") -> Request:
     return Request(s, [101, 7, 0, 65535, 9], SamplingParams(temperature=0.7, top_k=40, top_p=0.9,
                                                             seed=1234),
                    stop_token_ids=(2, 7), stop=("\n\n", "END", "ü"), drafter="ngram",
-                   output_ids=[5, 6])
+                   output_ids=[5, 6], meta={"detached": True, "grant": ["acme", "g1", 80, 1000]})
 
 
 def as_fields(obj) -> dict:
@@ -114,6 +114,25 @@ def test_add_then_load_round_trips_every_field(store):
     assert s.status is Status.PREEMPTED and s.last_served_s == rich.stats.last_served_s
     assert plain.sampling.seed is None and loaded.requests[1].drafter is None
     assert_same(store.get("rich"), rich)
+
+
+def test_tail_reads_the_output_from_an_index_with_the_stats_of_the_same_instant(store):
+    req = rich_request("t1")
+    store.add(req)
+    s = req.stats
+    s.committed, s.status = 5, Status.RUNNING
+    store.commit_step(StepWrite(appended={"t1": [7, 8, 9]}, updated=[s]))
+    tail = store.tail("t1", 3)
+    assert tail.tokens == [8, 9] and tail.stats.committed == 5 and tail.stats.status is Status.RUNNING
+    assert tail.meta == {"detached": True, "grant": ["acme", "g1", 80, 1000]}
+    assert tail.prompt_ids is None
+    assert store.tail("t1", 0, prompt=True).prompt_ids == [101, 7, 0, 65535, 9]
+    assert store.tail("t1", 99).tokens == []
+    s.status = Status.FINISHED
+    store.commit_step(StepWrite(appended={"t1": [3]}, ended=[s]))
+    tail = store.tail("t1", 5)                    # ended: still read, with its final status
+    assert tail.tokens == [3] and tail.stats.status is Status.FINISHED
+    assert store.tail("nope", 0) is None
 
 
 def test_get_unknown_is_none(store):

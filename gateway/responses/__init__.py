@@ -1,0 +1,12 @@
+"""The OpenAI Responses API over specgate's scheduler: stored, background and resumable responses.
+
+    objects   the response object and its parts (pure)
+    events    a response's stream events, numbered, as a function of its committed tokens (pure)
+    store     the stored responses (who owns each, what it asked, its final output), with expiry
+    service   create / retrieve / follow / cancel / delete, over the generation service
+
+Why events are a function of the tokens: the step loop persists a step's tokens before it streams
+them (scheduler/loop.py), so anyone who can read the state store can rebuild every event a client
+was sent, with the same sequence numbers, whatever restarted in between. Nothing else needs
+persisting per event, and a resumed stream costs no verification work.
+"""

@@ -1,0 +1,312 @@
+"""The Responses API's operations, over the generation service and two stores.
+
+    create     a request through the same checks, limits, scheduler and speculation as chat
+               completions (`GenerationService.open_stream`, or `open_detached` for a background
+               response, which runs whether or not anyone is connected);
+    follow     a response's events (gateway/responses/events.py) read from the scheduler's state
+               store: what it has committed, then what it commits until it ends. Every stream a
+               client gets is one of these, so a live stream and a resumed one are the same
+               events with the same numbers;
+    retrieve, cancel, delete   tenant-scoped: another tenant's response is a 404, as a missing one.
+
+Where things are read: a response's owner, what it asked and, once it has ended, its output, in
+the response store (gateway/responses/store.py); its tokens while it runs, in the scheduler's
+state store (`StateStore.tail`), which a step writes before it streams anything.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from gateway import errors
+from gateway.errors import ApiError
+from gateway.responses.events import EventLog, text_of
+from gateway.responses.objects import Header, Outcome, deleted, response
+from gateway.responses.request import ResponseRequest
+from gateway.responses.store import ResponseStore, Stored
+from gateway.schemas import SpeculationOptions
+from gateway.service import GenerateInput, GenerateOutput
+from gateway.tenancy.records import Tenant
+from scheduler.request import Status
+from scheduler.store import StateStore, Tail
+
+log = logging.getLogger(__name__)
+
+# the generation service's names for fields this API names otherwise
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+POLL_S = 0.02          # how often a follower reads a running response's new tokens
+CANCEL_WAIT_S = 5.0    # how long a cancel waits to return the cancelled response
+
+
+def new_response_id() -> str:
+    return "resp_" + uuid.uuid4().hex
+
+
+def not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                    code="response_not_found", type="invalid_request_error")
+
+
+def final_of(tail: Tail) -> dict[str, Any]:
+    """What the response store keeps of an ended response (`ResponseStore.finalize`)."""
+    s = tail.stats
+    prompt = tail.prompt_ids or []
+    return {"status": s.status.value, "reason": _reason(tail), "output_ids": tail.tokens,
+            "context": prompt[-8:], "input_tokens": s.prompt_len, "ended_at": s.finished_s}
+
+
+def _reason(tail: Tail) -> str | None:
+    from scheduler.request import finish_reason
+    return finish_reason(tail.stats.status, tail.stats.cause)
+
+
+class ResponseService:
+    def __init__(self, generation: Any, responses: ResponseStore, records: StateStore,
+                 tokenizer: Any, *, poll_s: float = POLL_S,
+                 cancel: Callable[[str], Any] | None = None) -> None:
+        """`generation`: `GenerationService` (or Ray mode's remote one); `records`: the
+        scheduler's state store, read only; `cancel(request_id)`: ends a request (default: the
+        generation service's `cancel`; may be a coroutine function)."""
+        self.generation = generation
+        self.responses = responses
+        self.records = records
+        self.tokenizer = tokenizer
+        self.poll_s = poll_s
+        self._cancel = cancel if cancel is not None else generation.cancel
+        self._held: set[asyncio.Task] = set()
+
+    # ---- blocking store calls, off the event loop when they cross the network -------------------
+    async def _io(self, remote: bool, fn: Callable, *args: Any, **kw: Any) -> Any:
+        try:
+            return await asyncio.to_thread(fn, *args, **kw) if remote else fn(*args, **kw)
+        except errors.STORE_ERRORS:
+            raise errors.store_unavailable() from None
+
+    async def _stored(self, tenant: Tenant, response_id: str) -> Stored:
+        held = await self._io(self.responses.remote, self.responses.get, response_id)
+        if held is None or held.header.tenant_id != tenant.id:
+            raise not_found(response_id)                # another tenant's: as if it did not exist
+        return held
+
+    async def _tail(self, response_id: str, start: int, prompt: bool = False) -> Tail | None:
+        return await self._io(self.records.remote, self.records.tail, response_id, start,
+                              prompt=prompt)
+
+    # ---- create ----------------------------------------------------------------------------------
+    async def create(self, tenant: Tenant, body: ResponseRequest) -> dict | AsyncIterator[dict]:
+        """The response object, or (`stream`) its events as they come."""
+        store = body.store is not False
+        if body.background and not store:
+            raise errors.invalid("a background response must be stored: send store: true", "store")
+        messages = body.messages
+        if body.previous_response_id is not None:
+            messages = await self._conversation(tenant, body.previous_response_id) + messages
+        rid = new_response_id()
+        header = Header(rid, tenant.id, body.model, int(time.time()), messages, body.instructions,
+                        background=bool(body.background), store=store,
+                        previous_response_id=body.previous_response_id,
+                        max_output_tokens=body.max_output_tokens,
+                        temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p,
+                        metadata=dict(body.metadata or {}))
+        inp = _generate_input(tenant, body, header)
+        if store and not await self._io(self.responses.remote, self.responses.put, header):
+            raise ApiError(500, "response id collision; retry the request", code="server_error")
+        try:
+            if header.background:
+                await self.generation.open_detached(inp)
+                stream = None
+            else:
+                stream = await self.generation.open_stream(inp)
+        except BaseException as e:
+            if store:
+                await self._io(self.responses.remote, self.responses.delete, rid)
+            if isinstance(e, ApiError) and e.param in _PARAMS:
+                e.param = _PARAMS[e.param]              # as this API names it
+            raise
+        if stream is not None:                          # tied to this client: ends with it
+            waiter = asyncio.get_running_loop().create_task(self._drain(stream, store))
+            self._held.add(waiter)
+            waiter.add_done_callback(self._held.discard)
+        else:
+            waiter = None
+        if body.stream:
+            return self._follow_then_close(header, -1, waiter)
+        if waiter is not None:
+            try:
+                await asyncio.shield(waiter)
+            except asyncio.CancelledError:              # the client left: so does the request
+                waiter.cancel()
+                raise
+        return await self._object(header, None if header.background else rid)
+
+    async def _drain(self, stream: Any, store: bool) -> GenerateOutput | None:
+        """Run a client-tied request to its end (cancelled: the request is cancelled), then keep
+        its output if it is stored."""
+        out = None
+        try:
+            async for item in stream:
+                if isinstance(item, GenerateOutput):
+                    out = item
+        finally:
+            await stream.aclose()
+            if store:
+                try:
+                    await asyncio.shield(asyncio.to_thread(self.finalize, stream.request_id))
+                except Exception:
+                    log.exception("keeping response %s failed", stream.request_id)
+        return out
+
+    async def _follow_then_close(self, header: Header, after: int,
+                                 waiter: asyncio.Task | None) -> AsyncIterator[dict]:
+        try:
+            async for ev in self._follow(header, after):
+                yield ev
+        finally:
+            if waiter is not None and not waiter.done():
+                waiter.cancel()                         # closes the stream: cancels the request
+
+    async def _conversation(self, tenant: Tenant, previous_id: str) -> list[dict]:
+        """The messages of a stored response, its output included, to continue from."""
+        held = await self._stored(tenant, previous_id)
+        outcome = await self._outcome(held)
+        if outcome is None or not outcome.terminal:
+            raise errors.invalid(f"previous response '{previous_id}' has not finished",
+                                 "previous_response_id")
+        if outcome.status is not Status.FINISHED:
+            raise errors.invalid(f"previous response '{previous_id}' did not complete "
+                                 f"({outcome.status.value})", "previous_response_id")
+        return [*held.header.messages, {"role": "assistant", "content": outcome.text}]
+
+    # ---- read ------------------------------------------------------------------------------------
+    async def retrieve(self, tenant: Tenant, response_id: str, *, stream: bool = False,
+                       starting_after: int | None = None) -> dict | AsyncIterator[dict]:
+        held = await self._stored(tenant, response_id)
+        if stream:
+            after = -1 if starting_after is None else starting_after
+            return self._follow(held.header, after)
+        return await self._object(held.header, response_id, held)
+
+    async def _object(self, header: Header, request_id: str | None,
+                      held: Stored | None = None) -> dict:
+        if held is None:
+            held = await self._io(self.responses.remote, self.responses.get, header.id)
+            held = held or Stored(header, None)
+        return response(header, await self._outcome(held))
+
+    async def _outcome(self, held: Stored) -> Outcome | None:
+        """What the response's request has produced: its kept final, else its record now."""
+        final = held.final
+        if final is not None:
+            return _outcome_of_final(final, self.tokenizer)
+        tail = await self._tail(held.header.id, 0, prompt=True)
+        if tail is None:
+            return None                                 # not admitted yet
+        s = tail.stats
+        return Outcome(s.status, _reason(tail), text_of(self.tokenizer, tail.prompt_ids or [],
+                                                        tail.tokens),
+                       s.prompt_len, len(tail.tokens), s.finished_s)
+
+    async def _follow(self, header: Header, after: int) -> AsyncIterator[dict]:
+        """Every event of the response numbered above `after`: those its committed tokens give,
+        then new ones as steps commit them, until it ends. Nothing here asks for generation: a
+        resumed stream is read from the stores."""
+        log_: EventLog | None = None
+        start, waited = 0, 0.0
+        while True:
+            tail = await self._tail(header.id, start, prompt=log_ is None)
+            if tail is None:
+                held = await self._io(self.responses.remote, self.responses.get, header.id)
+                if held is not None and held.final is not None:   # the record expired: kept here
+                    tail = _tail_of_final(held.final, start if log_ is not None else 0)
+                elif log_ is None and waited < 30.0:              # created, not admitted yet
+                    await asyncio.sleep(self.poll_s)
+                    waited += self.poll_s
+                    continue
+                else:
+                    raise not_found(header.id)
+            if log_ is None:
+                log_ = EventLog(header, self.tokenizer, tail.prompt_ids or [])
+                for ev in log_.start():
+                    if ev["sequence_number"] > after:
+                        yield ev
+            start += len(tail.tokens)
+            for ev in log_.push(tail.tokens):
+                if ev["sequence_number"] > after:
+                    yield ev
+            s = tail.stats
+            if s.status.terminal:
+                outcome = Outcome(s.status, _reason(tail), "", s.prompt_len, start, s.finished_s)
+                for ev in log_.finish(outcome):
+                    if ev["sequence_number"] > after:
+                        yield ev
+                return
+            await asyncio.sleep(self.poll_s)
+
+    # ---- end -------------------------------------------------------------------------------------
+    def finalize(self, response_id: str) -> bool:
+        """Keep an ended response's output in the response store (any thread; blocking). Called
+        when its request ends (`GenerationService.detached_ended`, a client-tied stream's end)."""
+        tail = self.records.tail(response_id, 0, prompt=True)
+        if tail is None or not tail.stats.status.terminal:
+            return False
+        return self.responses.finalize(response_id, final_of(tail))
+
+    async def cancel(self, tenant: Tenant, response_id: str) -> dict:
+        held = await self._stored(tenant, response_id)
+        if not held.header.background:
+            raise errors.invalid("only a background response can be cancelled", "response_id")
+        outcome = await self._outcome(held)
+        if outcome is not None and not outcome.terminal:
+            done = self._cancel(response_id)
+            if asyncio.iscoroutine(done):
+                await done
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            while time.monotonic() < deadline:
+                outcome = await self._outcome(held)
+                if outcome is not None and outcome.terminal:
+                    break
+                await asyncio.sleep(self.poll_s)
+        return response(held.header, outcome)
+
+    async def delete(self, tenant: Tenant, response_id: str) -> dict:
+        held = await self._stored(tenant, response_id)
+        outcome = await self._outcome(held)
+        if outcome is not None and not outcome.terminal:
+            done = self._cancel(response_id)            # nobody could read it any more
+            if asyncio.iscoroutine(done):
+                await done
+        await self._io(self.responses.remote, self.responses.delete, response_id)
+        return deleted(response_id)
+
+
+def _generate_input(tenant: Tenant, body: ResponseRequest, header: Header) -> GenerateInput:
+    spec = body.speculation or SpeculationOptions()
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return GenerateInput(tenant=tenant, model=body.model, messages=system + header.messages,
+                         max_tokens=body.max_output_tokens, temperature=header.temperature,
+                         top_p=header.top_p, seed=body.seed, speculation=spec.enabled,
+                         max_tree_tokens=spec.max_tree_tokens, user=body.user,
+                         request_id=header.id, detached=header.background)
+
+
+def _outcome_of_final(final: dict, tokenizer: Any) -> Outcome:
+    ids = final.get("output_ids") or []
+    return Outcome(Status(final["status"]), final.get("reason"),
+                   text_of(tokenizer, final.get("context") or [], ids),
+                   int(final.get("input_tokens") or 0), len(ids), final.get("ended_at"))
+
+
+def _tail_of_final(final: dict, start: int) -> Tail:
+    from scheduler.request import RequestStats
+    ids = final.get("output_ids") or []
+    stats = RequestStats(final.get("id", ""), "", 0.0, prompt_len=int(final.get("input_tokens") or 0),
+                         max_tokens=max(1, len(ids)), status=Status(final["status"]),
+                         committed=len(ids))
+    stats.finished_s = final.get("ended_at")
+    reason = final.get("reason")
+    stats.cause = {"stop": "stop", "length": "length"}.get(reason or "", None)
+    return Tail(list(ids[start:]), stats, {}, list(final.get("context") or []))

@@ -1,0 +1,211 @@
+"""`specgate bench resume`: kill -9 the gateway in the middle of a streamed background response,
+start it again, resume the stream with `starting_after`, and check what the client put together.
+
+    specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json tools/data/bench_resume.json
+
+Per sampling mode (greedy; seeded sampling), one uninterrupted run first gives the reference
+events. Then each try: start `specgate serve` (a real process over Redis), POST a background
+response with `stream: true`, read its events up to a random number of text deltas, SIGKILL the
+gateway, start a new one (same replica id: it recovers the request from Redis and finishes it),
+GET `/v1/responses/{id}?stream=true&starting_after=<last sequence number seen>`, and compare:
+
+    identical   the text of the deltas before the kill plus those after equals the reference's
+    numbered    the sequence numbers seen, before and after, are 0, 1, 2, … with none missing
+                or repeated, and the stream ends with the reference's terminal event
+
+A try passes when both hold. The report is JSON: per mode, the tries, each try's kill point and
+verdicts, and the pass count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from workers.loader import DEFAULT_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-resume-bench-0000"
+LEASE_S = 2.0           # the replica lease: a killed gateway's id is free again this soon
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 1234}}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--redis-url", required=True, help="a Redis the gateways share (the state store)")
+    p.add_argument("--tries", type=int, default=20, help="kill points per sampling mode")
+    p.add_argument("--max-tokens", type=int, default=120)
+    p.add_argument("--modes", default="greedy,seeded")
+    p.add_argument("--seed", type=int, default=0, help="of the kill points")
+    p.add_argument("--json", type=Path, help="write the report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = bench_resume(model=args.model, redis_url=args.redis_url, tries=args.tries,
+                          max_tokens=args.max_tokens, modes=args.modes.split(","), seed=args.seed,
+                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+    text = json.dumps(report, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0 if all(m["passed"] == m["tries"] for m in report["modes"].values()) else 1
+
+
+# ---- one gateway process ------------------------------------------------------------------------
+@dataclass
+class Gateway:
+    model: str
+    redis_url: str
+    prefix: str
+    port: int
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        env = {**os.environ, "SPECGATE_STORE_PREFIX": self.prefix, "SPECGATE_REPLICA_ID": "resume",
+               "SPECGATE_REPLICA_LEASE_S": str(LEASE_S), "SPECGATE_LOG_LEVEL": "warning",
+               "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        deadline = time.monotonic() + timeout_s
+        while True:            # a killed holder's replica lease may still run: start again
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "specgate.cli", "serve", "--model", self.model,
+                 "--served-model-name", "m", "--redis-url", self.redis_url, "--port", str(self.port)],
+                cwd=ROOT, env=env, stdout=log, stderr=log)
+            while self.proc.poll() is None:
+                try:
+                    if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError("the gateway did not become ready")
+                time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway exited ({self.proc.returncode}) and kept exiting")
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+
+
+# ---- a client reading events ----------------------------------------------------------------------
+def read_events(method: str, url: str, *, body: dict | None = None,
+                stop: Callable[[list[dict]], bool] | None = None, timeout_s: float = 300.0) -> list[dict]:
+    """The server-sent events of one call, until the stream ends or `stop(events so far)`."""
+    import httpx
+
+    events: list[dict] = []
+    with httpx.stream(method, url, json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=timeout_s) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{method} {url}: {resp.status_code} {resp.read()!r}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]))
+            if stop is not None and stop(events):
+                break
+    return events
+
+
+def text_of(events: list[dict]) -> str:
+    return "".join(e["delta"] for e in events if e.get("type") == "response.output_text.delta")
+
+
+def deltas(events: list[dict]) -> int:
+    return sum(e.get("type") == "response.output_text.delta" for e in events)
+
+
+def request_body(max_tokens: int, sampling: dict) -> dict:
+    return {"model": "m", "input": PROMPT, "max_output_tokens": max_tokens, "background": True,
+            "stream": True, **sampling}
+
+
+# ---- the measurement ---------------------------------------------------------------------------------
+def bench_resume(*, model: str, redis_url: str, tries: int, max_tokens: int, modes: list[str],
+                 seed: int = 0, progress: Callable[[str], None] = lambda _: None,
+                 log_path: Path | None = None) -> dict[str, Any]:
+    from gateway.http.server import free_port
+    from gateway.tenancy.records import Tenant
+    from gateway.tenancy.tenants import TenantRegistry
+
+    prefix = f"resume:{uuid.uuid4().hex[:8]}:"
+    TenantRegistry(redis_url, prefix).put(Tenant("bench"), [KEY])
+    gw = Gateway(model, redis_url, prefix, free_port(), log_path=log_path)
+    rng = random.Random(seed)
+    report: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "modes": {}}
+    try:
+        gw.start()
+        for mode in modes:
+            sampling = MODES[mode]
+            ref = read_events("POST", gw.url + "/v1/responses", body=request_body(max_tokens, sampling))
+            n = deltas(ref)
+            if n < 2:
+                raise RuntimeError(f"the reference run gave {n} text deltas: too few to cut")
+            rows = []
+            for i in range(tries):
+                k = rng.randint(1, n - 1)
+                row = one_try(gw, request_body(max_tokens, sampling), ref, k)
+                rows.append(row)
+                progress(f"{mode} try {i + 1}/{tries}: killed after {k} of {n} deltas: "
+                         f"{'pass' if row['passed'] else 'FAIL'}")
+            report["modes"][mode] = {"reference_deltas": n, "reference_events": len(ref),
+                                     "tries": tries, "passed": sum(r["passed"] for r in rows),
+                                     "rows": rows}
+    finally:
+        gw.kill()
+        _drop_prefix(redis_url, prefix)
+    return report
+
+
+def one_try(gw: Gateway, body: dict, ref: list[dict], k: int) -> dict[str, Any]:
+    """One kill point: `k` text deltas read, then SIGKILL, restart, resume."""
+    before = read_events("POST", gw.url + "/v1/responses", body=body,
+                         stop=lambda evs: deltas(evs) >= k)
+    response_id = before[0]["response"]["id"]
+    gw.kill()
+    t0 = time.monotonic()
+    time.sleep(LEASE_S)          # the dead holder's replica lease runs out first
+    gw.start()
+    restart_s = time.monotonic() - t0
+    last = before[-1]["sequence_number"]
+    after = read_events("GET", f"{gw.url}/v1/responses/{response_id}?stream=true&starting_after={last}")
+    seen = [e["sequence_number"] for e in before + after]
+    identical = text_of(before) + text_of(after) == text_of(ref)
+    numbered = seen == list(range(len(ref))) and bool(after) and after[-1]["type"] == ref[-1]["type"]
+    return {"kill_after_deltas": k, "events_before": len(before), "events_after": len(after),
+            "restart_s": round(restart_s, 2), "identical": identical, "numbered": numbered,
+            "passed": identical and numbered}
+
+
+def _drop_prefix(redis_url: str, prefix: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(r.scan_iter(match=prefix + "*", count=1000))
+        for i in range(0, len(keys), 500):
+            r.delete(*keys[i:i + 500])
+    finally:
+        r.close()
