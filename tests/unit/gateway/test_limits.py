@@ -222,6 +222,24 @@ def test_precheck_of_an_unlimited_tenant_needs_no_store():
         limiter.precheck(Tenant("metered", rpm=5), 1)
 
 
+def test_an_orphaned_grant_is_corrected_after_its_lease_ran_out(store):
+    """A gateway died while its request ran (the slot's lease ended with it); the process that
+    recovered and ended the request corrects the charge, from the grant kept with the request."""
+    clock = Clock()
+    limiter = _limiter(store, clock, lease_s=5)
+    t = Tenant("acme", tpm=1000, max_concurrent=1)        # 0.06 s per token
+    orphan = limiter.acquire(t, 600)
+    assert _refused(limiter, t, 1).kind == "concurrency"
+    clock.now += 6                                         # the lease ran out: the slot is free
+    err = _refused(limiter, t, 600)
+    assert err.kind == "tpm" and err.retry_after_s == pytest.approx(6.0)   # the charge stays
+    limiter.release(orphan, 100)                           # a release finds no slot: no correction
+    assert _refused(limiter, t, 600).retry_after_s == pytest.approx(6.0)
+    limiter.correct(Grant.from_list(orphan.to_list()), 100)    # as kept with the request: 500 back
+    limiter.release(limiter.acquire(t, 700), 700)
+    assert _refused(limiter, t, 400).retry_after_s == pytest.approx(6.0)   # 100 + 700 + 400 > 1000
+
+
 def test_a_dead_gateways_slots_expire(store):
     clock = Clock()
     limiter = _limiter(store, clock, lease_s=30)
