@@ -253,6 +253,9 @@ class SchedulerServer:
         if self._stopping.is_set():
             return
         self.embedded.recovered = self.embedded.step_loop.recover()
+        # background responses run on; requests whose clients went with the old replica are
+        # cancelled (GenerationService.take_over)
+        self.embedded.cancelled = self.embedded.service.take_over(self.embedded.recovered)
         self.embedded.start()
         while not self._stopping.wait(LEASE_TTL_S / 3):
             if not self._try(self.lease.renew):
@@ -274,6 +277,12 @@ class SchedulerServer:
     async def stream(self, inp: GenerateInput):
         async for message in self.endpoint.stream(inp):
             yield message
+
+    async def open_detached(self, inp: GenerateInput) -> tuple:
+        return await self.endpoint.open_detached(inp)
+
+    def cancel(self, request_id: str) -> None:
+        self.endpoint.cancel(request_id)
 
     def ready(self) -> bool:
         return self.embedded.service.ready()
@@ -359,7 +368,19 @@ class IngressServer:
     def __serve_build_asgi_app__(self):
         from gateway.http.app import build_app
 
-        return build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
+        from gateway.builders.embedded import responses_service, scheduler_prefix
+        from scheduler.store import open_store
+        from workers.loader import load_tokenizer, resolve_model
+
+        app = build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
+        # the Responses API reads what it serves from Redis (the scheduler's records, the stored
+        # responses), so any ingress replica, or a new one, answers for any response
+        s = self.settings
+        records = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
+                             timeout_s=s.redis_timeout_s)
+        tokenizer = load_tokenizer(str(resolve_model(s.model, progress=False)), progress=False)
+        app.state.responses = responses_service(s, self.service, records, tokenizer, local=False)
+        return app
 
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 

@@ -47,6 +47,18 @@ class SchedulerEndpoint:
         except ApiError as e:
             return error_message(e)
 
+    async def open_detached(self, inp: GenerateInput) -> tuple:
+        """Admit a request that runs whether or not anyone listens (`GenerationService.
+        open_detached`): it runs here, next to the step loop, so an ingress replica that dies
+        takes nothing with it."""
+        try:
+            return ("admitted", await self.service.open_detached(inp))
+        except ApiError as e:
+            return error_message(e)
+
+    def cancel(self, request_id: str) -> None:
+        self.service.cancel(request_id)
+
     async def stream(self, inp: GenerateInput) -> AsyncIterator[tuple]:
         """Every message of one request. Closing this generator early (the ingress cancels the
         call when its client leaves) closes the service's stream, which cancels the request."""
@@ -96,6 +108,15 @@ class RemoteService:
         if kind == "error":
             raise_error(value)
         return value
+
+    async def open_detached(self, inp: GenerateInput) -> str:
+        kind, value = await self.handle.open_detached.remote(inp)
+        if kind == "error":
+            raise_error(value)
+        return value
+
+    async def cancel(self, request_id: str) -> None:
+        await self.handle.cancel.remote(request_id)
 
     async def open_stream(self, inp: GenerateInput) -> "RemoteStream":
         """Admit the request at the scheduler (raises ApiError as the local service would)."""
