@@ -14,7 +14,9 @@ GET `/v1/responses/{id}?stream=true&starting_after=<last sequence number seen>`,
                 or repeated, and the stream ends with the reference's terminal event
 
 A try passes when both hold. The report is JSON: per mode, the tries, each try's kill point and
-verdicts, and the pass count.
+verdicts, and the pass count. `--ray`: the same against the Ray Serve app on a local Ray cluster,
+where each kill is of the scheduler replica and every ingress replica (Serve starts new ones; the
+new scheduler recovers the response from Redis, a new ingress answers the resume).
 """
 from __future__ import annotations
 
@@ -47,13 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--modes", default="greedy,seeded")
     p.add_argument("--seed", type=int, default=0, help="of the kill points")
+    p.add_argument("--ray", action="store_true",
+                   help="the Ray Serve app on a local Ray cluster: each kill is of the scheduler "
+                        "replica and every ingress replica (Serve starts new ones)")
     p.add_argument("--json", type=Path, help="write the report here")
 
 
 def run(args: argparse.Namespace) -> int:
     report = bench_resume(model=args.model, redis_url=args.redis_url, tries=args.tries,
                           max_tokens=args.max_tokens, modes=args.modes.split(","), seed=args.seed,
-                          progress=lambda line: print(line, file=sys.stderr, flush=True))
+                          progress=lambda line: print(line, file=sys.stderr, flush=True),
+                          ray=args.ray)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -108,6 +114,69 @@ class Gateway:
             self.proc.wait()
         self.proc = None
 
+    def restart(self) -> None:
+        """SIGKILL, then a new process (once the dead one's replica lease has run out)."""
+        self.kill()
+        time.sleep(LEASE_S)
+        self.start()
+
+    def resume(self, url: str) -> list[dict]:
+        return read_events("GET", url)
+
+
+@dataclass
+class RayGateway:
+    """The Ray Serve app (deploy/serve/specgate.yaml's shape) on a local Ray cluster; a restart
+    kills the scheduler replica and every ingress replica (ray.kill: the process is terminated
+    at once, nothing runs on the way out) and Serve's controller starts new ones."""
+    model: str
+    redis_url: str
+    prefix: str
+    port: int
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        import ray
+        from ray import serve
+
+        from gateway.builders.ray_app import build_ray_app
+        from gateway.cli.serve_ray import load_config
+
+        cfg, _ = load_config(ROOT / "deploy" / "serve" / "specgate.yaml",
+                             {"model": self.model, "served_model_name": "m",
+                              "redis_url": self.redis_url, "store_prefix": self.prefix})
+        cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="error",
+                 log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        serve.run(build_ray_app(cfg), name="specgate", route_prefix="/")
+
+    def kill(self) -> None:
+        import ray
+        if ray.is_initialized():
+            ray.shutdown()
+
+    def restart(self) -> None:
+        import ray
+
+        for name in [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if "#scheduler#" in a["name"] or "#ingress#" in a["name"]]:
+            ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+    def resume(self, url: str, timeout_s: float = 180.0) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        while True:                          # until Serve has started an ingress replica again
+            try:
+                return read_events("GET", url)
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
 
 # ---- a client reading events ----------------------------------------------------------------------
 def read_events(method: str, url: str, *, body: dict | None = None,
@@ -145,16 +214,17 @@ def request_body(max_tokens: int, sampling: dict) -> dict:
 # ---- the measurement ---------------------------------------------------------------------------------
 def bench_resume(*, model: str, redis_url: str, tries: int, max_tokens: int, modes: list[str],
                  seed: int = 0, progress: Callable[[str], None] = lambda _: None,
-                 log_path: Path | None = None) -> dict[str, Any]:
+                 log_path: Path | None = None, ray: bool = False) -> dict[str, Any]:
     from gateway.http.server import free_port
     from gateway.tenancy.records import Tenant
     from gateway.tenancy.tenants import TenantRegistry
 
     prefix = f"resume:{uuid.uuid4().hex[:8]}:"
     TenantRegistry(redis_url, prefix).put(Tenant("bench"), [KEY])
-    gw = Gateway(model, redis_url, prefix, free_port(), log_path=log_path)
+    gw = (RayGateway if ray else Gateway)(model, redis_url, prefix, free_port(), log_path=log_path)
     rng = random.Random(seed)
-    report: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "modes": {}}
+    report: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "mode": "ray" if ray else "embedded",
+                              "modes": {}}
     try:
         gw.start()
         for mode in modes:
@@ -179,18 +249,16 @@ def bench_resume(*, model: str, redis_url: str, tries: int, max_tokens: int, mod
     return report
 
 
-def one_try(gw: Gateway, body: dict, ref: list[dict], k: int) -> dict[str, Any]:
-    """One kill point: `k` text deltas read, then SIGKILL, restart, resume."""
+def one_try(gw: Gateway | RayGateway, body: dict, ref: list[dict], k: int) -> dict[str, Any]:
+    """One kill point: `k` text deltas read, then the kill and restart, then the resume."""
     before = read_events("POST", gw.url + "/v1/responses", body=body,
                          stop=lambda evs: deltas(evs) >= k)
     response_id = before[0]["response"]["id"]
-    gw.kill()
     t0 = time.monotonic()
-    time.sleep(LEASE_S)          # the dead holder's replica lease runs out first
-    gw.start()
+    gw.restart()
     restart_s = time.monotonic() - t0
     last = before[-1]["sequence_number"]
-    after = read_events("GET", f"{gw.url}/v1/responses/{response_id}?stream=true&starting_after={last}")
+    after = gw.resume(f"{gw.url}/v1/responses/{response_id}?stream=true&starting_after={last}")
     seen = [e["sequence_number"] for e in before + after]
     identical = text_of(before) + text_of(after) == text_of(ref)
     numbered = seen == list(range(len(ref))) and bool(after) and after[-1]["type"] == ref[-1]["type"]
