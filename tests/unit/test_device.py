@@ -75,3 +75,29 @@ def test_float16_decodes_the_same_with_and_without_speculation(tiny_model):
     # and it is the model: the float16 output follows transformers' float16 greedy
     agree = sum(a == b for p, o in zip(prompts, plain) for a, b in zip(o.token_ids, hf_greedy(half, p, 24, eos=2)))
     assert agree >= 0.9 * sum(len(o.token_ids) for o in plain)
+
+
+@pytest.mark.parametrize("attention", ["loop", "padded", "flex"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen2-mixed"])
+def test_the_device_generic_path_decodes_as_the_cpu_kernel_path(arch, attention):
+    """What a GPU runs (no CPU kernels; each attention option of workers/batched_attention.py),
+    greedy over batched trees of several requests with speculation on, token for token as the
+    CPU-kernel path and as transformers: a Llama with grouped heads, and a Qwen2 whose windowed
+    layers bind (its masks differ by layer)."""
+    from tests.helpers import device_generic
+    from tests.unit.test_conformance import MAX_NEW, model
+    from tests.unit.test_engine import prompts
+
+    m = model(arch)
+    ps = prompts(6)
+    refs = [hf_greedy(m, p, MAX_NEW, eos=2) for p in ps]
+    reqs = [GenerationRequest(f"r{i}", tuple(p), MAX_NEW, SamplingParams(), frozenset({2})) for i, p in enumerate(ps)]
+    truth = {r.request_id: ref for r, ref in zip(reqs, refs)}
+
+    def run(forward):
+        drafter = OracleDrafter(truth, 128, "mixed", seed=3)
+        return Engine(Verifier(forward, max_tree_tokens=16), drafter, TreeBudget(12, 6), adaptive=False).generate(reqs)
+
+    kernel, generic = run(LlamaForward(m)), run(device_generic(m, attention=attention))
+    assert [o.token_ids for o in generic] == [o.token_ids for o in kernel] == refs
+    assert sum(o.accepted for o in generic) > 20 and sum(o.drafted for o in generic) > sum(o.accepted for o in generic)

@@ -203,17 +203,20 @@ def test_carrying_q_is_what_makes_sampled_drafts_pay(sampling_setup):
 
 # --- device: what the drafter builds lives where its forward runs ---------------------------------
 
-DRAFT_CODE = ("workers/drafters/model.py", "workers/draft_model.py", "workers/llama_forward.py")
+DRAFT_CODE = ("workers/drafters/model.py", "workers/draft_model.py", "workers/llama_forward.py",
+              "workers/batched_attention.py")
 
 
-@pytest.mark.parametrize("options", [{"mode": "dynamic"}, {"mode": "widths", "widths": (3, 2, 1)},
-                                     {"sample": True}], ids=["dynamic", "widths", "sample"])
+@pytest.mark.parametrize("options,attention", [({"mode": "dynamic"}, "loop"),
+                                               ({"mode": "widths", "widths": (3, 2, 1)}, "padded"),
+                                               ({"sample": True}, "padded")], ids=["dynamic", "widths", "sample"])
 def test_the_draft_builds_on_its_device_and_reads_to_the_host_once_a_pass(forward, other_model, references,
-                                                                          options):
-    """The device-generic forward (what a GPU runs): every tensor the drafter, its KV and its
-    forward create names the draft's device, and the values the tree needs come to the host in
-    one read per forward pass, whatever the tree shape; output stays the target's greedy."""
-    draft = device_generic(other_model, windowed=False)
+                                                                          options, attention):
+    """The device-generic forward (what a GPU runs; its requests attended one call each, or
+    batched): every tensor the drafter, its KV and its forward create names the draft's device,
+    and the values the tree needs come to the host in one read per forward pass, whatever the
+    tree shape; output stays the target's greedy."""
+    draft = device_generic(other_model, windowed=False, attention=attention)
     drafter = ModelDrafter(draft, DraftSpec(sink=2, window=8), **options)
     audit, passes = DeviceAudit(*DRAFT_CODE), 0
     forward_pass, propose = draft.forward, drafter.propose_batch
