@@ -90,7 +90,9 @@ class SparseKV:
     sink + window + the largest pass. Without a window it doubles its capacity when full.
 
     Positions live beside the KV, on the draft's device, so the masks built from them (`past_mask`)
-    are made there too: nothing about the committed slots crosses to the host.
+    are made there too: nothing about the committed slots crosses to the host, except when a
+    windowed cache fills and `make_room` packs it (how many slots it keeps is read back: a sync
+    every few steps, not every pass).
     """
 
     def __init__(self, new_cache, spec: DraftSpec, max_rows: int):
