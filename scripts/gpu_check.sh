@@ -22,7 +22,6 @@ NAMES=(transformers fastapi starlette uvicorn httptools pydantic pydantic-core p
 if [[ "${1:-}" == "--prepare" ]]; then
     py=${PYTHON:-.venv/bin/python}
     mkdir -p .gpu_check/tokenizer .whl
-    grep -qxF '/.gpu_check/' .git/info/exclude 2>/dev/null || echo '/.gpu_check/' >> .git/info/exclude
     "$py" - <<'EOF'
 import shutil
 from pathlib import Path

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import weakref
+from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
@@ -76,7 +80,6 @@ def tiny_model_dir(path, seed: int = 0):
     tokenizer (copied from its cached directory): real text in and out, steps of a millisecond or
     two. For tests that load a model by path in other processes (Ray replicas, a served gateway)."""
     import shutil
-    from pathlib import Path
 
     from tests.conftest import tiny_llama
     from workers.loader import resolve_model
@@ -130,3 +133,64 @@ def openai_client_on(runtime, settings, *, timeout: float = 300):
             yield emb, openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=timeout)
     finally:
         emb.stop()
+
+
+class DeviceAudit(TorchFunctionMode):
+    """Watches the torch calls made from the source files `files` (paths ending so): every tensor
+    factory call and whether it names a device (`made`: (function, device or None, file:line)),
+    and every read of a tensor's values back to Python or the host (`reads`, same form).
+
+    Why: this suite runs on a CPU, where a tensor made without a device and one made on the
+    configured device look alike. On a GPU the first is a host tensor (a copy each use, or an
+    error), so a test asserts that every factory call names the device, and that values cross to
+    the host only where the design says (counted per forward pass). A hard-coded device="cpu"
+    would still pass here: the audit catches omissions, which are the usual slip.
+    """
+    FACTORIES = frozenset({"tensor", "as_tensor", "arange", "full", "zeros", "ones", "empty", "rand", "randn",
+                           "randint", "linspace", "eye", "empty_like", "zeros_like", "full_like", "ones_like"})
+    LIKE = frozenset({"empty_like", "zeros_like", "full_like", "ones_like"})   # take their input's device
+    READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"})
+
+    def __init__(self, *files: str):
+        super().__init__()
+        self.files = tuple(str(f) for f in files)
+        self.made: list[tuple[str, object, str]] = []
+        self.reads: list[tuple[str, str]] = []
+        # what `.cpu()` returned, by id: reading those is no second read
+        self._host: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.FACTORIES or name in self.READS:
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.endswith(self.files):
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                if name in self.READS:
+                    if not (args and isinstance(args[0], torch.Tensor) and self._host.get(id(args[0])) is args[0]):
+                        self.reads.append((name, where))
+                    if name == "cpu":
+                        out = func(*args, **kwargs)
+                        self._host[id(out)] = out
+                        return out
+                elif name in self.LIKE:
+                    self.made.append((name, kwargs.get("device", args[0].device), where))
+                else:
+                    self.made.append((name, kwargs.get("device"), where))
+        return func(*args, **kwargs)
+
+    def off_device(self, device) -> list[tuple[str, object, str]]:
+        """The factory calls that named no device, or another than `device`."""
+        want = torch.device(device)
+        return [m for m in self.made if m[1] is None or torch.device(m[1]) != want]
+
+
+def device_generic(model, **options):
+    """The lean forward as a GPU runs it, here on the CPU: plain linears, and torch's norms, rope
+    and attention (no CPU kernels: `small_gemm.available` is false off the CPU)."""
+    from workers.llama_forward import LlamaForward
+
+    lf = LlamaForward(model, gemm="plain", **options)
+    lf.fused = lf.fused_attention = False
+    lf._stack = None
+    return lf

@@ -27,6 +27,11 @@ Checkpoints (``DIR/distill/checkpoint.pt``: trainable weights, optimiser, counte
 every ``--checkpoint-every`` seconds and at the end; a later run resumes from it unless
 ``--fresh``. The trained weights are written back into the draft directory at the end, and
 ``specgate_draft.json`` counts the optimiser steps.
+
+``--device`` (workers/device.py; ``auto`` takes CUDA when torch sees a GPU): the target that
+generates the text, the draft, its optimiser and every batch run there; cached samples and
+checkpoints are kept on the host, so a run can resume on another device. Timings synchronise
+the device before reading the clock, so ``trained_minutes`` and ``step_s`` are the work's own.
 """
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ from typing import Sequence
 
 import torch
 
+from workers.device import resolve_device, synchronize
 from workers.draft_model import DraftSpec, read_spec, sparse_mask, write_spec
 
 __all__ = ["TOP_K", "training_prompts", "distill_loss", "alpha", "distill", "add_arguments", "run"]
@@ -108,25 +114,26 @@ def distill_loss(logits: torch.Tensor, top_lp: torch.Tensor, top_ix: torch.Tenso
     return (per * m).sum() / m.sum().clamp(min=1.0)
 
 
-def _band(length: int, spec: DraftSpec) -> torch.Tensor:
-    pos = torch.arange(length)
+def _band(length: int, spec: DraftSpec, device: torch.device | str = "cpu") -> torch.Tensor:
+    pos = torch.arange(length, device=device)
     return sparse_mask(pos, pos, spec.sink, spec.window)                          # [T, T]
 
 
-def _pad_batch(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, T] (padded with 0) and a [B, T] bool mask of real positions."""
+def _pad_batch(samples: Sequence[Sample], device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] (padded with 0) and a [B, T] bool mask of real positions, on `device`
+    (built on the host from the host samples, then one copy each)."""
     t = max(len(s.ids) for s in samples)
     ids = torch.zeros(len(samples), t, dtype=torch.long)
     real = torch.zeros(len(samples), t, dtype=torch.bool)
     for b, s in enumerate(samples):
         ids[b, : len(s.ids)] = s.ids
         real[b, : len(s.ids)] = True
-    return ids, real
+    return ids.to(device), real.to(device)
 
 
 def _draft_logits(draft, ids: torch.Tensor, spec: DraftSpec) -> torch.Tensor:
-    """The draft's logits [B, T, V] under its own sparse attention."""
-    mask = _band(ids.shape[1], spec)[None, None].expand(ids.shape[0], 1, -1, -1)
+    """The draft's logits [B, T, V] under its own sparse attention (on the ids' device)."""
+    mask = _band(ids.shape[1], spec, ids.device)[None, None].expand(ids.shape[0], 1, -1, -1)
     return draft(input_ids=ids, attention_mask=mask).logits
 
 
@@ -136,8 +143,8 @@ def alpha(draft, samples: Sequence[Sample], spec: DraftSpec, batch: int = 4) -> 
     hit = total = 0
     for i in range(0, len(samples), batch):
         chunk = samples[i: i + batch]
-        ids, _ = _pad_batch(chunk)
-        pred = _draft_logits(draft, ids, spec).argmax(-1)                         # [B, T]
+        ids, _ = _pad_batch(chunk, draft.device)
+        pred = _draft_logits(draft, ids, spec).argmax(-1).cpu()                   # [B, T] on the host
         for b, s in enumerate(chunk):
             n = len(s.ids)
             # Position t predicts token t + 1; count predictions of continuation tokens only.
@@ -178,7 +185,7 @@ def _generate(runtime, records: Sequence[dict], max_new: int, *, deadline: float
                 logits = runtime.forward.forward(ids, torch.arange(n), [Segment(cache, 0, n, causal)],
                                                  torch.arange(n))
                 lp, ix = torch.log_softmax(logits.float(), -1).topk(top_k, dim=-1)
-                s.top_lp, s.top_ix = lp.half(), ix.int()
+                s.top_lp, s.top_ix = lp.half().cpu(), ix.int().cpu()     # kept on the host
             out.append(s)
     return out
 
@@ -209,14 +216,15 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
             eval_prompts: Sequence[dict] | None = None, lr: float = 5e-4, batch: int = 4,
             max_new: int = 160, eval_tokens: int = EVAL_TOKENS, gen_share: float = 0.3,
             accept_weight: float = 1.0, train_embeddings: bool = False, checkpoint_every: float = 300.0,
-            fresh: bool = False, seed: int = 0, progress: bool = True) -> dict:
+            fresh: bool = False, seed: int = 0, device: str = "auto", progress: bool = True) -> dict:
     """Train the draft in `draft_dir` for `minutes` of wall time (this module's docstring); returns
-    the summary `specgate distill --json` writes."""
+    the summary `specgate distill --json` writes. `device`: where the target and the draft run."""
     from transformers import AutoModelForCausalLM
 
     from loadtest.workload import load_workload
     from workers.runtime import load_runtime
 
+    dev = resolve_device(device)          # a GPU asked for where there is none: refused before any work
     t_start = time.monotonic()
     deadline = t_start + minutes * 60.0
     draft_dir = Path(draft_dir)
@@ -227,8 +235,8 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     state_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     spec = read_spec(draft_dir)
-    runtime = load_runtime(target, progress=False)
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32)
+    runtime = load_runtime(target, device=str(dev), progress=False)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).to(dev)
     if draft.config.vocab_size != runtime.forward.vocab_size:
         raise ValueError(f"the draft's vocabulary ({draft.config.vocab_size}) is not the target's "
                          f"({runtime.forward.vocab_size}): a draft must share the target's tokenizer")
@@ -249,7 +257,7 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     summary_path = state_dir / "summary.json"
     first = json.loads(summary_path.read_text()) if summary_path.is_file() and not fresh else {}
     if ckpt_path.is_file():
-        ck = torch.load(ckpt_path)
+        ck = torch.load(ckpt_path, map_location="cpu")   # the optimiser moves its state to the params
         draft.load_state_dict(ck["weights"], strict=False)
         opt.load_state_dict(ck["optimizer"])
         prog = _Progress(ck["steps"], ck["tokens"], ck["elapsed_s"], ck["losses"])
@@ -276,6 +284,8 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     say(f"training on {len(data)} sequences, {sum(len(s.ids) for s in data)} tokens")
 
     rng = random.Random(seed + prog.steps)
+    steps_at_start = prog.steps
+    synchronize(dev)
     train_start = time.monotonic()
     budget_s = max(deadline - train_start, 1e-9)
     last_ckpt = time.monotonic()
@@ -286,14 +296,15 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
         for g in opt.param_groups:   # linear warm-up over 20 steps, then cosine to 10% by the deadline
             g["lr"] = lr * min(1.0, (prog.steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         chunk = rng.sample(data, min(batch, len(data)))
-        ids, real = _pad_batch(chunk)
+        ids, real = _pad_batch(chunk, dev)
         logits = _draft_logits(draft, ids, spec)                                   # [B, T, V]
         # Position t is trained on the target's distribution at t (what follows token t).
-        lp = torch.zeros(*ids.shape, TOP_K, dtype=torch.float32)
+        lp = torch.zeros(*ids.shape, TOP_K, dtype=torch.float32)                  # [B, T, K] on the host
         ix = torch.zeros(*ids.shape, TOP_K, dtype=torch.int64)
         for b, s in enumerate(chunk):
             lp[b, : len(s.ids)] = s.top_lp.float()
             ix[b, : len(s.ids)] = s.top_ix.long()
+        lp, ix = lp.to(dev), ix.to(dev)
         loss = distill_loss(logits.flatten(0, 1), lp.flatten(0, 1), ix.flatten(0, 1), real.flatten(),
                             accept_weight)
         opt.zero_grad(set_to_none=True)
@@ -305,11 +316,14 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
         prog.losses.append(float(loss.detach()))
         bar(time.monotonic() - train_start, f"step {prog.steps} loss {prog.losses[-1]:.3f}")
         if time.monotonic() - last_ckpt > checkpoint_every:
+            synchronize(dev)
             _checkpoint(ckpt_path, draft, opt, prog, params, time.monotonic() - train_start)
             last_ckpt = time.monotonic()
     bar(budget_s, "done", end=True)
+    synchronize(dev)
     trained_s = time.monotonic() - train_start
     _checkpoint(ckpt_path, draft, opt, prog, params, trained_s)
+    steps_now = prog.steps - steps_at_start
     prog.elapsed_s += trained_s
     draft.eval()
     alpha_after = alpha(draft, evals, spec)
@@ -328,6 +342,7 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
         "steps": prog.steps, "train_tokens": prog.tokens, "train_sequences": len(data),
         "eval_sequences": len(evals), "eval_tokens": sum(len(s.ids) - s.prompt_len for s in evals),
         "trained_minutes": prog.elapsed_s / 60, "wall_minutes": (time.monotonic() - t_start) / 60,
+        "step_s": trained_s / max(steps_now, 1), "device": str(dev),
         "draft": str(draft_dir), "target": target, "sink": spec.sink, "window": spec.window,
         "source_layers": list(spec.source_layers),
     }
@@ -339,11 +354,23 @@ def _steps_before(first: dict) -> int:
 
 def _checkpoint(path: Path, draft, opt, prog: _Progress, params, trained_s: float) -> None:
     keep = {id(p) for p in params}
-    weights = {k: v.detach().clone() for k, v in draft.named_parameters() if id(v) in keep}
+    # on the host, so a checkpoint resumes on any device
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in draft.named_parameters() if id(v) in keep}
     tmp = path.with_suffix(".tmp")
-    torch.save({"weights": weights, "optimizer": opt.state_dict(), "steps": prog.steps, "tokens": prog.tokens,
-                "elapsed_s": prog.elapsed_s + trained_s, "losses": prog.losses}, tmp)
+    torch.save({"weights": weights, "optimizer": _to_host(opt.state_dict()), "steps": prog.steps,
+                "tokens": prog.tokens, "elapsed_s": prog.elapsed_s + trained_s, "losses": prog.losses}, tmp)
     tmp.replace(path)
+
+
+def _to_host(state):
+    """An optimiser state dict with every tensor copied to the host (nested dicts and lists)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _to_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_host(v) for v in state)
+    return state
 
 
 def _bar(total_s: float, enabled: bool):
@@ -383,6 +410,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=float, default=300.0, help="seconds between checkpoints")
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and cached data")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="where the target and the draft run: auto (CUDA when "
+                                                    "torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--json", type=Path, help="write alpha_before, alpha_after and the run's figures here")
 
 
@@ -397,7 +426,8 @@ def run(args: argparse.Namespace) -> int:
     summary = distill(args.target, args.draft, minutes=args.minutes, prompts=prompts, lr=args.lr,
                       batch=args.batch, max_new=args.max_new, gen_share=args.gen_share,
                       accept_weight=args.accept_weight, train_embeddings=args.train_embeddings,
-                      checkpoint_every=args.checkpoint_every, fresh=args.fresh, seed=args.seed)
+                      checkpoint_every=args.checkpoint_every, fresh=args.fresh, seed=args.seed,
+                      device=args.device)
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

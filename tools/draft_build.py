@@ -16,6 +16,10 @@ first blocks reached a higher greedy acceptance on the chat workload than the la
 first three the lowest loss (README.md, "Drafters, draft models and workloads"). The first blocks
 already read token embeddings; the last ones expect the deep residual stream. So the default is
 the first three; `--layers last2` builds SPIRe's choice.
+
+``--device`` (workers/device.py; ``auto`` takes CUDA when torch sees a GPU): where the target is
+loaded and the draft assembled, so a large target never needs its whole weight in host memory;
+the draft directory written is the same on any device.
 """
 from __future__ import annotations
 
@@ -23,12 +27,14 @@ import argparse
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from safetensors.torch import load_file
 
+from workers.device import resolve_device, synchronize
 from workers.draft_model import DraftSpec, write_spec
 from workers.loader import DEFAULT_MODEL, load_target, resolve_model
 
@@ -63,12 +69,13 @@ def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
 
 def prune(target, layers: Sequence[int]):
     """A new model of the target's class holding only `layers` (in the order given) between the
-    target's embedding and unembedding. The target is left untouched."""
+    target's embedding and unembedding, on the target's device. The target is left untouched."""
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = len(layers)
     if getattr(config, "layer_types", None):
         config.layer_types = [config.layer_types[i] for i in layers]
-    draft = type(target)(config).to(target.dtype).eval()
+    with torch.device(target.device):
+        draft = type(target)(config).to(target.dtype).eval()
     src = target.model
     with torch.no_grad():
         draft.model.embed_tokens.load_state_dict(src.embed_tokens.state_dict())
@@ -83,12 +90,14 @@ def prune(target, layers: Sequence[int]):
 
 
 def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", sink: int = 4,
-                window: int | None = 256, progress: bool = True) -> Path:
-    """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path."""
+                window: int | None = 256, device: str = "auto", progress: bool = True) -> Path:
+    """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path.
+    `device`: where the target is loaded and the draft assembled (workers/device.py)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass a new directory")
-    target, tokenizer = load_target(target_name, progress=progress)
+    dev = resolve_device(device)     # a GPU asked for where there is none: refused before loading
+    target, tokenizer = load_target(target_name, device=dev, progress=progress)
     picked = parse_layers(layers, target.config.num_hidden_layers)
     draft = prune(target, picked)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,14 +115,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "(last2 is SPIRe's choice) or a comma list of indices")
     p.add_argument("--sink", type=int, default=4, help="attention-sink tokens every position sees")
     p.add_argument("--window", type=int, default=256, help="sliding-window length; 0 = full attention")
+    p.add_argument("--device", default="auto", help="where the target is loaded and the draft built: auto "
+                                                    "(CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
 
 
 def run(args: argparse.Namespace) -> int:
+    dev = resolve_device(args.device)
+    synchronize(dev)
+    t0 = time.perf_counter()
     out = build_draft(args.target, args.out, layers=args.layers, sink=args.sink,
-                      window=args.window or None)
+                      window=args.window or None, device=str(dev))
+    synchronize(dev)
+    seconds = time.perf_counter() - t0
     spec = json.loads((out / "specgate_draft.json").read_text())
     n = sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
     print(f"draft written to {out}: blocks {spec['source_layers']} of the target, sink {spec['sink']}, "
-          f"window {spec['window']}, {n / 1e6:.1f}M parameters", file=sys.stderr)
+          f"window {spec['window']}, {n / 1e6:.1f}M parameters; built on {dev} in {seconds:.1f} s",
+          file=sys.stderr)
     print(out)
     return 0

@@ -10,13 +10,19 @@ another fails (one JSON, one printed table):
               differ only at near-ties (tools/near_tie.py), each divergence classified
     steps     step time against tree tokens (nodes per request) and batch size, synchronised
     speed     tokens/s: the engine plain and with batched trees against transformers' generate,
-              single stream and batched, in one run
+              single stream and batched, in one run; the batched trees once per attention
+              option (workers/batched_attention.py), each output checked against the loop's
     serve     `specgate serve --device <device>` for a while, concurrent streaming requests
               through its OpenAI API, every one answered
     attention the candidates for batched tree attention on the device (issue 33, item 2), each
               checked against the forward's own per-request SDPA and timed: that loop, one
               padded SDPA call for the batch, and flex_attention over the packed rows with a
-              block mask built from each tree's ancestors (compiled; not in --quick)
+              block mask built from each tree's ancestors (compiled; not in --quick); then the
+              engine's own options end to end: a verify step's time at a few (batch, nodes)
+              points with SPECGATE_ATTENTION loop, padded and flex, which decides the default
+    draft     a model drafter on the device (a draft pruned from the target, as `specgate draft
+              build` does): its weights and KV on the device, greedy output identical to plain
+              decoding, its acceptance and tokens/s
 
 `--quick` shrinks every section to the tiny shapes so the whole script runs on a CPU in
 seconds: the test suite runs it that way (tests/unit/tools/test_gpu_check.py), so the script a
@@ -87,6 +93,8 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 EOS = 2
+# the engine's attention options (workers/batched_attention.py), loop (the default) first
+ATTENTION_OPTIONS = ("loop", "padded", "flex")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -191,7 +199,9 @@ def section_steps(shapes: list[tuple[str, torch.dtype]], device: torch.device, n
 
 
 def section_speed(shapes: list[tuple[str, torch.dtype]], device: torch.device, batch: int, length: int,
-                  max_new: int) -> list[dict]:
+                  max_new: int, options: tuple[str, ...] = ("padded", "flex")) -> list[dict]:
+    """`options`: attention options (besides loop, the default) whose batched-tree tokens/s are
+    measured too, each output compared with the loop's (float32: must be identical)."""
     from workers.device import synchronize
     from workers.llama_forward import LlamaForward
 
@@ -203,6 +213,8 @@ def section_speed(shapes: list[tuple[str, torch.dtype]], device: torch.device, b
         row: dict[str, Any] = {"shape": shape, "dtype": str(dtype).replace("torch.", ""), "batch": batch,
                                "new_tokens": max_new}
         hf_generate(model, [ps[0]], 4)                                     # warm-up
+        forward.attention = "loop"
+        loop_out, _ = generate(forward, ps, max_new, "ngram", (16, 8))     # what each option must equal
         for label, group in (("single", ps[:1]), ("batched", ps)):
             synchronize(device)
             t0 = time.perf_counter()
@@ -213,6 +225,21 @@ def section_speed(shapes: list[tuple[str, torch.dtype]], device: torch.device, b
                 generate(forward, group[:1], 4, drafter, budget)           # warm-up
                 out, s = generate(forward, group, max_new, drafter, budget)
                 row[f"engine_{drafter}_{label}_tok_s"] = round(sum(map(len, out)) / s, 1)
+        same = []
+        for option in options:                  # the batched trees under each attention option
+            forward.attention = option
+            try:
+                generate(forward, ps, 4, "ngram", (16, 8))                  # warm-up (compiles flex)
+                out, s = generate(forward, ps, max_new, "ngram", (16, 8))
+                row[f"engine_ngram_batched_{option}_tok_s"] = round(sum(map(len, out)) / s, 1)
+                row[f"{option}_same_as_loop"] = sum(a == b for a, b in zip(out, loop_out))
+                same.append(row[f"{option}_same_as_loop"] == len(ps))
+            except Exception as e:  # noqa: BLE001 — an option that fails here is a finding
+                row[f"{option}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                same.append(False)
+            finally:
+                forward.attention = "loop"
+        row["ok"] = all(same) or dtype != torch.float32     # bf16 may differ at near-ties
         rows.append(row)
         del model, forward
         _free(device)
@@ -288,8 +315,10 @@ def tree_batch(batch: int, context: int, nodes: int, nq: int, nkv: int, d: int, 
     return q, k, v, visible.to(device)
 
 
-def section_attention(device: torch.device, configs: list[tuple], flex: bool, repeats: int) -> list[dict]:
-    """configs: (label, Hq, Hkv, D, batch, context, nodes, dtype)."""
+def section_attention(device: torch.device, configs: list[tuple], flex: bool, repeats: int,
+                      steps: dict[str, Any] | None = None) -> list[dict]:
+    """configs: (label, Hq, Hkv, D, batch, context, nodes, dtype): the candidates alone on random
+    tensors; `steps`: the keyword arguments of `attention_steps` (the engine's options end to end)."""
     import torch.nn.functional as F
 
     from workers.device import elapsed
@@ -335,7 +364,82 @@ def section_attention(device: torch.device, configs: list[tuple], flex: bool, re
         if flex:
             torch._dynamo.reset()       # each shape compiles afresh (no recompile limits hit)
         rows_out.append(row)
-    return rows_out
+    return rows_out + (attention_steps(device, **steps) if steps else [])
+
+
+def attention_steps(device: torch.device, shapes: list[tuple[str, torch.dtype]], options: tuple[str, ...],
+                    batches: list[int], nodes: list[int], context: int, repeats: int) -> list[dict]:
+    """A verify step's time under each attention option of the engine (SPECGATE_ATTENTION), at
+    each (batch, nodes) point, timed as the start-up profile times steps (synchronised,
+    interleaved rounds, the median): what decides `batched_attention.default_attention`."""
+    from workers.llama_forward import LlamaForward
+    from workers.profiling import measure_profile
+    from workers.verifier import Verifier
+
+    rows = []
+    for shape, dtype in shapes:
+        model = build_model(shape, dtype, device)
+        forward = LlamaForward(model, attention="loop")
+        del model
+        _free(device)
+        for option in options:
+            forward.attention = option          # read once a pass: one forward serves every option
+            row: dict[str, Any] = {"kind": "step", "shape": shape, "dtype": str(dtype).replace("torch.", ""),
+                                   "attention": option, "context": context}
+            try:
+                prof = measure_profile(Verifier(forward, max_tree_tokens=max(nodes)), batches=batches,
+                                       nodes=nodes, prompt_len=context, repeats=repeats, prefill_tokens=(),
+                                       interleaved=True)
+                row["points"] = [{"batch": c["batch"], "nodes": n, "step_ms": round(s * 1e3, 3)}
+                                 for c in prof["curves"] for n, s in zip(c["nodes"], c["step_s_raw"])]
+            except Exception as e:  # noqa: BLE001 — an option that fails to run is a finding
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["ok"] = "error" not in row
+            rows.append(row)
+        del forward
+        _free(device)
+    return rows
+
+
+def section_draft(shape: str, device: torch.device, n_prompts: int, length: int, max_new: int,
+                  layers: tuple[int, ...]) -> dict:
+    """A model drafter on the device: a draft pruned from the target (`tools.draft_build.prune`,
+    its `layers`), greedy with the draft's trees against plain decoding on the same target."""
+    from scheduler.generation import Engine, GenerationRequest
+    from tools.draft_build import prune
+    from workers.contract import TreeBudget
+    from workers.device import synchronize
+    from workers.draft_model import DraftSpec
+    from workers.drafters.base import NoneDrafter
+    from workers.drafters.model import ModelDrafter
+    from workers.llama_forward import LlamaForward
+    from workers.verifier import Verifier
+
+    target = build_model(shape, torch.float32, device)
+    draft = prune(target, layers)
+    forward = LlamaForward(target)
+    drafter = ModelDrafter(LlamaForward(draft, windowed=False), DraftSpec(sink=4, window=64))
+    ps = prompts(target.config.vocab_size, n_prompts, length, seed=2)
+    reqs = [GenerationRequest(f"r{i}", tuple(p), max_new, stop_token_ids=frozenset({EOS})) for i, p in enumerate(ps)]
+    runs = {}
+    for name, d, budget in (("plain", NoneDrafter(), (0, 0)), ("draft", drafter, (16, 6))):
+        e = Engine(Verifier(forward, max_tree_tokens=64), d, TreeBudget(*budget), adaptive=False)
+        synchronize(device)
+        t0 = time.perf_counter()
+        runs[name] = (e.generate(reqs), time.perf_counter() - t0)
+        synchronize(device)
+    (plain, plain_s), (spec, spec_s) = runs["plain"], runs["draft"]
+    places = {str(t.device) for t in (drafter.forward.embed, drafter.forward.layers[0]["ln1"])}
+    result = {"shape": shape, "draft_layers": list(layers), "device": str(device), "draft_on": sorted(places),
+              "prompts": len(ps), "identical": sum(a.token_ids == b.token_ids for a, b in zip(spec, plain)),
+              "accepted": sum(o.accepted for o in spec), "drafted": sum(o.drafted for o in spec),
+              "plain_tok_s": round(sum(len(o.token_ids) for o in plain) / plain_s, 1),
+              "draft_tok_s": round(sum(len(o.token_ids) for o in spec) / spec_s, 1)}
+    result["ok"] = (result["identical"] == len(ps) and result["drafted"] > 0
+                    and places == {str(torch.empty(0, device=device).device)})
+    del target, draft, forward, drafter
+    _free(device)
+    return result
 
 
 def _wait_ready(base: str, proc, log: Path, timeout: float) -> str:
@@ -427,13 +531,20 @@ def run(args: argparse.Namespace) -> dict:
         "speed": lambda: section_speed([("tiny", torch.float32)] if q else
                                        [("smollm2-135m", torch.float32), ("llama-8b", torch.bfloat16)],
                                        device, batch=2 if q else 8, length=24 if q else 128,
-                                       max_new=8 if q else 128),
+                                       max_new=8 if q else 128, options=ATTENTION_OPTIONS[1:]),
+        "draft": lambda: section_draft("tiny" if q else "smollm2-135m", device, n_prompts=2 if q else 8,
+                                       length=24 if q else 128, max_new=12 if q else 64,
+                                       layers=(0,) if q else (0, 1)),
         "attention": lambda: section_attention(
             device, [("tiny", 4, 2, 32, 2, 40, 8, torch.float32)] if q else
             [(f"{name} b{b} n{n}", hq, hkv, d, b, 1024, n, dt)
              for name, hq, hkv, d, dt in (("smollm2", 9, 3, 64, torch.float32), ("8b", 32, 8, 128, torch.bfloat16))
              for b, n in ((1, 16), (8, 64), (32, 64), (8, 256))],
-            flex=not q, repeats=3 if q else 10),
+            flex=not q, repeats=3 if q else 10,
+            steps=dict(shapes=[("tiny", torch.float32)] if q else [("llama-1b", torch.bfloat16),
+                                                                   ("llama-8b", torch.bfloat16)],
+                       options=ATTENTION_OPTIONS, batches=[2] if q else [8, 32], nodes=[4] if q else [16, 64],
+                       context=32 if q else 512, repeats=2 if q else 5)),
         "serve": lambda: section_serve(device, 5 if q else args.serve_s, args.tokenizer, 2 if q else 8),
     }
     for name in args.sections.split(","):
@@ -469,9 +580,17 @@ def table(report: dict) -> str:
         elif name == "speed":
             for r in res:
                 lines.append(f"speed {r['shape']:>13} {r['dtype']:>8}: "
-                             + ", ".join(f"{k[:-6]} {v}" for k, v in r.items() if k.endswith("_tok_s")))
+                             + ", ".join(f"{k[:-6]} {v}" for k, v in r.items() if k.endswith("_tok_s"))
+                             + "".join(f", {k} {v}/{r['batch']}" for k, v in r.items() if k.endswith("_same_as_loop")))
+        elif name == "draft":
+            lines.append("draft: " + json.dumps(res))
         elif name == "attention":
             for r in res:
+                if r.get("kind") == "step":
+                    lines.append(f"attention step {r['shape']:>13} {r['dtype']:>8} {r['attention']:>6} ctx "
+                                 f"{r['context']}: " + (r.get("error") or ", ".join(
+                                     f"b{pt['batch']} n{pt['nodes']} {pt['step_ms']} ms" for pt in r["points"])))
+                    continue
                 lines.append(f"attention {r['config']:>16} {r['heads']} ctx {r['context']}: "
                              + ", ".join(f"{k[:-3]} {v} ms" for k, v in r.items() if k.endswith("_ms"))
                              + f" ok={r['ok']}")
@@ -484,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="tiny shapes: the whole script in seconds on a CPU")
-    p.add_argument("--sections", default="exact,attention,steps,speed,serve")
+    p.add_argument("--sections", default="exact,attention,steps,speed,draft,serve")
     p.add_argument("--serve-s", type=float, default=60.0)
     p.add_argument("--tokenizer", type=Path, help="the default model's tokenizer files (serve section)")
     p.add_argument("--json", help="write the report here (after every section)")

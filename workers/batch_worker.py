@@ -64,7 +64,8 @@ class BatchWorker:
         """The shared instance for a drafter name (ValueError for an unknown name)."""
         name = name or self.default_drafter
         if name not in self._drafters:
-            drafter = self._drafters[name] = create_drafter(name)
+            # a model drafter runs where the target does (its weights, KV and tensors)
+            drafter = self._drafters[name] = create_drafter(name, device=self.verifier.target.device)
             for tenant in self._dropped:  # so a removed tenant's late request teaches it nothing
                 drafter.drop_tenant(tenant)
         return self._drafters[name]

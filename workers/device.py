@@ -20,10 +20,11 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N'. A GPU asked for
-    where torch sees none is an error naming the cause, not a silent CPU run."""
-    name = (name or "auto").strip().lower()
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N' (or a
+    torch.device: another part's, checked the same way). A GPU asked for where torch sees none is
+    an error naming the cause, not a silent CPU run."""
+    name = (str(name) if isinstance(name, torch.device) else name or "auto").strip().lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cpu":

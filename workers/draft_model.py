@@ -88,13 +88,19 @@ class SparseKV:
     `make_room` drops the slots no query at P or later can see again (past the sink and at least a
     window behind P) and packs the rest to the front, so with a window the cache never grows past
     sink + window + the largest pass. Without a window it doubles its capacity when full.
+
+    Positions live beside the KV, on the draft's device, so the masks built from them (`past_mask`)
+    are made there too: nothing about the committed slots crosses to the host, except when a
+    windowed cache fills and `make_room` packs it (how many slots it keeps is read back: a sync
+    every few steps, not every pass).
     """
 
     def __init__(self, new_cache, spec: DraftSpec, max_rows: int):
         self.spec = spec
         capacity = (spec.sink + spec.window + max_rows) if spec.window is not None else max(256, 2 * max_rows)
         self.cache: KVCache = new_cache(capacity)
-        self.pos = torch.empty(capacity, dtype=torch.long)   # pos: [capacity], absolute positions
+        # pos: [capacity], absolute positions, on the KV's device
+        self.pos = torch.empty(capacity, dtype=torch.long, device=self.cache.k.device)
 
     @property
     def length(self) -> int:
@@ -114,7 +120,7 @@ class SparseKV:
             c.length = n
         if c.length + rows > c.capacity:   # full attention (or a pass wider than planned): grow
             c.grow(max(2 * c.capacity, c.length + rows))
-            pos = torch.empty(c.capacity, dtype=torch.long)
+            pos = torch.empty(c.capacity, dtype=torch.long, device=self.pos.device)
             pos[: c.length] = self.pos[: c.length]
             self.pos = pos
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from workers import small_gemm
+from workers import batched_attention, small_gemm
 from workers.cpu_linear import Linear, pick_backend
 from workers.kv_cache import KVCache
 from workers.model_support import layer_windows, unsupported
@@ -48,11 +48,14 @@ class Segment:
 
 
 class LlamaForward:
-    def __init__(self, hf_model, *, gemm: str | None = None, windowed: bool = True):
+    def __init__(self, hf_model, *, gemm: str | None = None, windowed: bool = True,
+                 attention: str | None = None):
         """`gemm`: the linears' weight layout, one of workers.cpu_linear.BACKENDS; None: the fastest
         known for this machine, device and dtype (`pick_backend`). `windowed`: apply the model's
         sliding windows (False: the caller's masks alone say what a row sees, for a cache whose
-        slots are not positions: a draft's)."""
+        slots are not positions: a draft's). `attention`: how the segments torch attends for
+        are batched, loop, padded or flex (workers/batched_attention.py; None: SPECGATE_ATTENTION,
+        else auto)."""
         cfg = hf_model.config
         if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model type {cfg.model_type!r} is not supported by the lean forward; "
@@ -75,6 +78,7 @@ class LlamaForward:
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
+        self.attention = batched_attention.resolve_attention(attention, self.device)
         # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add
         # and SwiGLU
         self.fused = small_gemm.available(self.dtype, self.device)
@@ -177,7 +181,7 @@ class LlamaForward:
         cos, sin = self.cos[positions], self.sin_signed[positions]  # [T, D] each
         plan = self._plan(segments, host_positions)
         one_mask_set = all(m is plan.layer_masks[0] for m in plan.layer_masks)
-        if (self._stack is not None and plan.kernel and not plan.long and one_mask_set
+        if (self._stack is not None and plan.kernel and not plan.long and plan.padded is None and one_mask_set
                 and x.shape[0] <= self._stack_rows):
             # every layer in one call (csrc/decoder.cpp): the loop below, without its Python
             masks = plan.layer_masks[0]
@@ -251,7 +255,7 @@ class LlamaForward:
         if plan.short:
             att = small_gemm.tree_attention(q, *plan.short_caches, li, *plan.short_rows, masks.short_masks,
                                             masks.short_pasts, self.dtype, plan.short_causal)  # [T, Hq*D]
-            if not plan.long:
+            if not plan.long and plan.padded is None:
                 return att
         elif len(plan.segments) == 1:   # one request: its attention output is the whole step's
             seg = plan.segments[0]
@@ -259,6 +263,10 @@ class LlamaForward:
         else:
             att = torch.empty(q.shape[0], nq * d, dtype=self.dtype, device=q.device)
         rows = att.view(-1, nq, d)                                                # [T, Hq, D]
+        if plan.padded is not None:     # the tree-sized segments in one call (batched_attention.py)
+            out = batched_attention.attend(self.attention, q, plan.padded, li, masks.batched, self.n_kv_heads,
+                                           self.kv_dtype)                        # [T_b, Hq, D]
+            rows.index_copy_(0, plan.padded.out_rows, out.to(self.dtype))
         for i in plan.long:
             seg = plan.segments[i]
             rows[seg.start: seg.start + seg.rows] = self._attend(li, seg, masks.full_masks[i], q, plan.chunked[i])
@@ -282,6 +290,9 @@ class LlamaForward:
             plan.short_causal = [_chunkable(segments[i]) for i in plan.short]
         short = set(plan.short)
         plan.long = [i for i in range(len(segments)) if i not in short]
+        plan.padded = batched_attention.plan_batch(self.attention, segments, plan.long, self.device)
+        if plan.padded is not None:     # those attend in one call a layer; the rest one call each
+            plan.long = [i for i in plan.long if i not in plan.padded.picked]
         plan.chunked = {i: _chunkable(segments[i]) for i in plan.long}
         # One mask set per window that some row reaches past (a windowed mask hides more keys,
         # so a prefill stays causal and `chunked` holds); the other layers share the plain one
@@ -303,10 +314,13 @@ class LlamaForward:
                   pasts: list[torch.Tensor | None]) -> _MaskSet:
         """Each segment's masks in the form its attention path reads: float32 for the kernel's
         (`short`) segments, torch's [rows, length + rows] for the others."""
+        batched = None if plan.padded is None else batched_attention.pass_mask(
+            self.attention, plan.padded, masks, pasts, self.n_heads // self.n_kv_heads, self.kv_dtype, self.device)
         return _MaskSet(
             short_masks=[masks[i].to(torch.float32).contiguous() for i in plan.short],
             short_pasts=[None if pasts[i] is None else pasts[i].to(torch.float32).contiguous() for i in plan.short],
-            full_masks={i: self._full_mask(plan.segments[i], masks[i], pasts[i]) for i in plan.long})
+            full_masks={i: self._full_mask(plan.segments[i], masks[i], pasts[i]) for i in plan.long},
+            batched=batched)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """RMSNorm of x after the residual add x += delta (in place: x is this pass's own tensor).
@@ -438,6 +452,7 @@ class _MaskSet:
     short_masks: list[torch.Tensor]                 # the `short` segments' [rows, rows] float32
     short_pasts: list[torch.Tensor | None]          # their [rows, length] float32, None: all visible
     full_masks: dict[int, torch.Tensor]             # the `long` ones': torch's [rows, length + rows]
+    batched: object = None                          # the batched ones' (batched_attention.py), if any
 
 
 @dataclass
@@ -459,6 +474,7 @@ class _AttentionPlan:
     short_causal: list[bool] = field(default_factory=list)
     long: list[int] = field(default_factory=list)
     chunked: dict[int, bool] = field(default_factory=dict)
+    padded: batched_attention.PaddedLayout | None = None          # the batched segments' layout
     layer_masks: list[_MaskSet] = field(default_factory=list)      # per layer (shared where windows agree)
 
 # Up to this many rows a segment's attention folds its query-head groups into rows (measured with

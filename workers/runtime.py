@@ -82,12 +82,13 @@ class Runtime:
 
 
 def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "auto",
-                 keep_hf: bool = False, progress: bool = True) -> Runtime:
+                 attention: str | None = None, keep_hf: bool = False, progress: bool = True) -> Runtime:
     """`device`: where the target, its KV and every step's tensors live (workers/device.py:
-    'auto' takes CUDA when torch sees a GPU)."""
+    'auto' takes CUDA when torch sees a GPU); `attention`: how the requests torch attends for
+    share a call (workers/batched_attention.py; None: SPECGATE_ATTENTION, else auto)."""
     hf_model, tokenizer = load_target(model, dtype=resolve_dtype(dtype), device=resolve_device(device),
                                       progress=progress)
-    return Runtime(tokenizer, LlamaForward(hf_model), hf_model if keep_hf else None,
+    return Runtime(tokenizer, LlamaForward(hf_model, attention=attention), hf_model if keep_hf else None,
                    stop_token_ids(hf_model, tokenizer))
 
 

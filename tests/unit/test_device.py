@@ -75,3 +75,48 @@ def test_float16_decodes_the_same_with_and_without_speculation(tiny_model):
     # and it is the model: the float16 output follows transformers' float16 greedy
     agree = sum(a == b for p, o in zip(prompts, plain) for a, b in zip(o.token_ids, hf_greedy(half, p, 24, eos=2)))
     assert agree >= 0.9 * sum(len(o.token_ids) for o in plain)
+
+
+@pytest.mark.parametrize("attention", ["loop", "padded", "flex"])
+@pytest.mark.parametrize("arch", ["smollm2", "qwen2-mixed"])
+def test_the_device_generic_path_decodes_as_the_cpu_kernel_path(arch, attention):
+    """What a GPU runs (no CPU kernels; each attention option of workers/batched_attention.py),
+    greedy over batched trees of several requests with speculation on, token for token as the
+    CPU-kernel path and as transformers: a Llama with grouped heads, and a Qwen2 whose windowed
+    layers bind (its masks differ by layer)."""
+    from tests.helpers import device_generic
+    from tests.unit.test_conformance import MAX_NEW, model
+    from tests.unit.test_engine import prompts
+
+    m = model(arch)
+    ps = prompts(6)
+    refs = [hf_greedy(m, p, MAX_NEW, eos=2) for p in ps]
+    reqs = [GenerationRequest(f"r{i}", tuple(p), MAX_NEW, SamplingParams(), frozenset({2})) for i, p in enumerate(ps)]
+    truth = {r.request_id: ref for r, ref in zip(reqs, refs)}
+
+    def run(forward):
+        drafter = OracleDrafter(truth, 128, "mixed", seed=3)
+        return Engine(Verifier(forward, max_tree_tokens=16), drafter, TreeBudget(12, 6), adaptive=False).generate(reqs)
+
+    kernel, generic = run(LlamaForward(m)), run(device_generic(m, attention=attention))
+    assert [o.token_ids for o in generic] == [o.token_ids for o in kernel] == refs
+    assert sum(o.accepted for o in generic) > 20 and sum(o.drafted for o in generic) > sum(o.accepted for o in generic)
+
+
+@pytest.mark.parametrize("attention", ["loop", "padded"])
+def test_what_a_step_builds_past_the_verifiers_host_inputs_names_the_device(tiny_model, attention):
+    """The verifier builds a step's ids, positions and masks on the host (one copy each, made by
+    the forward); past that, every tensor the forward, the batched attention and the KV cache
+    create names the configured device (on a GPU, one that did not would be a host tensor)."""
+    from tests.helpers import DeviceAudit, device_generic
+
+    forward = device_generic(tiny_model, attention=attention)
+    prompts = [[5, 9, 13, 5, 9, 13, 5], [40, 41, 42, 43, 44, 45, 46, 47], list(range(3, 80))]
+    reqs = [GenerationRequest(f"r{i}", tuple(p), 16, SamplingParams(), frozenset({2})) for i, p in enumerate(prompts)]
+    truth = {r.request_id: out.token_ids for r, out in zip(reqs, Engine(
+        Verifier(LlamaForward(tiny_model), max_tree_tokens=16), NoneDrafter(), TreeBudget(0, 0)).generate(reqs))}
+    with DeviceAudit("workers/llama_forward.py", "workers/batched_attention.py", "workers/kv_cache.py") as audit:
+        out = Engine(Verifier(forward, max_tree_tokens=16), OracleDrafter(truth, 128, "mixed"),
+                     TreeBudget(12, 6), adaptive=False).generate(reqs)
+    assert {o.request_id: o.token_ids for o in out} == truth and sum(o.accepted for o in out) > 0
+    assert {m[0] for m in audit.made} >= {"empty", "tensor"} and audit.off_device(forward.device) == []

@@ -21,9 +21,10 @@ def gemm(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "torch", "padded", "flex"])
 def attention(request) -> str:
-    """Both attention paths: the CPU kernel (where this machine has it) and torch's."""
+    """Every attention path: the CPU kernel (where this machine has it), and torch's, one call per
+    request or the requests batched (workers/batched_attention.py: a GPU's options)."""
     if request.param == "kernel" and not small_gemm.available(torch.float32):
         pytest.skip(f"no CPU kernels here: {small_gemm.unavailable_reason}")
     return request.param
@@ -31,13 +32,16 @@ def attention(request) -> str:
 
 def lean(model, gemm: str, attention: str) -> LlamaForward:
     """attention "kernel": the CPU kernels, every layer in one call where every linear is on the
-    few-row kernel (gemm "small"); "torch": torch's rope and attention, the Python layer loop."""
+    few-row kernel (gemm "small"); "torch": torch's rope and attention, the Python layer loop;
+    "padded", "flex": that loop with several requests' attention in one call."""
     lf = LlamaForward(model, gemm=gemm)
     assert lf.fused_attention == (small_gemm.available(torch.float32))   # tiny_llama's head_dim is 64
     assert (lf._stack is not None) == (lf.fused_attention and gemm == "small")
+    assert lf.attention == "loop"                                        # the default, until a GPU measures
     lf.fused_attention = attention == "kernel"
-    if attention == "torch":
+    if attention != "kernel":
         lf._stack = None
+    lf.attention = attention if attention in ("padded", "flex") else "loop"
     return lf
 
 
@@ -235,3 +239,73 @@ def test_argmax_is_torchs_first_index_of_the_largest(dtype, tiny_model):
     assert lf.argmax(logits) == logits.float().argmax(-1).tolist()
     lf.fused = False
     assert lf.argmax(logits) == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["padded", "flex"])
+def test_batched_attention_equals_one_call_per_request_in_a_mixed_pass(tiny_model, kind):
+    """One pass of the device-generic forward holding a prefill longer than a batch takes (it
+    keeps its own call), two tree steps, a chunk of context followed by its root and tree, and a
+    draft-like segment whose past mask hides old slots: the batched segments' logits and KV equal
+    one SDPA call per request."""
+    from tests.helpers import device_generic
+    from workers.batched_attention import BATCH_MAX_ROWS
+    from workers.verifier import _step_mask
+
+    g = torch.Generator().manual_seed(11)
+    rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()   # noqa: E731
+    loop, batched = device_generic(tiny_model), device_generic(tiny_model, attention=kind)
+    trees = [TokenTree((4, 6, 8, 9), (-1, 0, 0, 2)), TokenTree.chain([9, 10, 11]), TokenTree((5, 7), (-1, -1))]
+    contexts = [rand(30), rand(7), rand(50), rand(20)]
+    long_prefill = BATCH_MAX_ROWS + 10
+    past = torch.zeros(3, 19)
+    past[:, 2:9] = float("-inf")                                        # slots a draft's window hides
+
+    def run(lf):
+        caches = [prefilled(lf, ctx) for ctx in contexts] + [lf.new_cache(long_prefill + 8)]
+        segs, ids, pos, start = [], [], [], 0
+        for cache, tree in zip(caches[:2], trees[:2]):                 # tree steps
+            rows = 1 + len(tree)
+            segs.append(Segment(cache, start, rows, _tree_mask(tree)))
+            ids += [7, *tree.tokens]
+            pos += [cache.length] + [cache.length + d for d in depths(tree)]
+            start += rows
+        c = 5                                                           # a chunk, then root and tree
+        segs.append(Segment(caches[2], start, c + 1 + len(trees[2]), _step_mask(c, trees[2])))
+        ids += rand(c) + [7, *trees[2].tokens]
+        L = caches[2].length
+        pos += list(range(L, L + c)) + [L + c] + [L + c + d for d in depths(trees[2])]
+        start = len(ids)
+        caches[3].length = 19                                           # a draft-like segment
+        caches[3].k.normal_(generator=g), caches[3].v.normal_(generator=g)
+        segs.append(Segment(caches[3], start, 3, causal(3), past))
+        ids += rand(3)
+        pos += [40, 41, 42]
+        start = len(ids)
+        segs.append(Segment(caches[4], start, long_prefill, causal(long_prefill)))
+        ids += rand(long_prefill)
+        pos += list(range(long_prefill))
+        out = lf.forward(torch.tensor(ids), torch.tensor(pos), segs, torch.arange(len(ids)))
+        return out, [s.cache.k[:, :, : s.cache.length + s.rows] for s in segs], lf._plan(segs, torch.tensor(pos))
+
+    g.manual_seed(11)
+    want, want_keys, plan = run(loop)
+    g.manual_seed(11)
+    got, got_keys, plan = run(batched)
+    assert plan.padded.picked == [0, 1, 2, 3] and plan.long == [4]   # the long prefill keeps its own call
+    assert loop._plan([], torch.zeros(0)).padded is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_keys, want_keys):            # the same KV: layer 0's before any attention
+        assert torch.equal(a[0], b[0])
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_attention_setting_is_checked_and_read_from_the_environment(tiny_model, monkeypatch):
+    from workers.batched_attention import resolve_attention
+
+    assert resolve_attention(None, torch.device("cpu")) == "loop"
+    monkeypatch.setenv("SPECGATE_ATTENTION", "padded")
+    assert LlamaForward(tiny_model).attention == "padded"
+    assert LlamaForward(tiny_model, attention="flex").attention == "flex"     # the argument wins
+    monkeypatch.setenv("SPECGATE_ATTENTION", "fused")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        LlamaForward(tiny_model)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from tests.helpers import hf_greedy
+from tests.helpers import DeviceAudit, device_generic, hf_greedy
 from tests.unit.test_engine import prompts
 from tests.unit.test_sampling_distribution import g_test_pvalue
 from workers.acceptance import accept_sampling, warp
@@ -199,3 +199,63 @@ def test_carrying_q_is_what_makes_sampled_drafts_pay(sampling_setup):
     _, with_q = _first_tokens(sampling_setup, keep_q=True)
     _, without_q = _first_tokens(sampling_setup, keep_q=False)
     assert with_q > 1.5 * without_q, (with_q, without_q)
+
+
+# --- device: what the drafter builds lives where its forward runs ---------------------------------
+
+DRAFT_CODE = ("workers/drafters/model.py", "workers/draft_model.py", "workers/llama_forward.py",
+              "workers/batched_attention.py")
+
+
+@pytest.mark.parametrize("options,attention", [({"mode": "dynamic"}, "loop"),
+                                               ({"mode": "widths", "widths": (3, 2, 1)}, "padded"),
+                                               ({"sample": True}, "padded")], ids=["dynamic", "widths", "sample"])
+def test_the_draft_builds_on_its_device_and_reads_to_the_host_once_a_pass(forward, other_model, references,
+                                                                          options, attention):
+    """The device-generic forward (what a GPU runs; its requests attended one call each, or
+    batched): every tensor the drafter, its KV and its forward create names the draft's device,
+    and the values the tree needs come to the host in one read per forward pass, whatever the
+    tree shape; output stays the target's greedy."""
+    draft = device_generic(other_model, windowed=False, attention=attention)
+    drafter = ModelDrafter(draft, DraftSpec(sink=2, window=8), **options)
+    audit, passes = DeviceAudit(*DRAFT_CODE), 0
+    forward_pass, propose = draft.forward, drafter.propose_batch
+
+    def counted(*args, **kw):
+        nonlocal passes
+        passes += 1
+        return forward_pass(*args, **kw)
+
+    def audited(*args, **kw):     # the drafter's calls only: the verifier reads its own step
+        with audit:
+            return propose(*args, **kw)
+
+    draft.forward, drafter.propose_batch = counted, audited
+    results = generate(forward, drafter)
+    assert [r.token_ids for r in results] == references
+    assert sum(r.drafted for r in results) > 0 and audit.made
+    assert audit.off_device(drafter.device) == []
+    assert 0 < len(audit.reads) <= passes, (len(audit.reads), passes, audit.reads[:10])
+
+
+def test_model_drafters_follow_the_verifiers_device(tmp_path, tiny_model):
+    """A BatchWorker creates model drafters, alone or in a merge, on its verifier's device; a
+    drafter loaded on its own takes 'auto'; a GPU asked for where there is none is refused."""
+    from tests.helpers import tiny_model_dir
+    from tools.draft_build import build_draft
+    from workers.batch_worker import BatchWorker
+    from workers.drafters.registry import create_drafter
+
+    target = tiny_model_dir(tmp_path / "target")
+    out = build_draft(str(target), tmp_path / "draft", layers="last1", sink=2, window=16, progress=False)
+    worker = BatchWorker(Verifier(LlamaForward(tiny_model)))
+    alone = worker.drafter(str(out))
+    merged = worker.drafter(f"merge:ngram+{out}")
+    assert alone.device == tiny_model.device == merged.drafters[1].device
+    alone.propose(DraftContext("r", "t", [5, 6, 7, 8], 4), TreeBudget(4, 2))
+    kv = alone._states["r"].kv
+    assert kv.cache.k.device == kv.pos.device == alone.forward.embed.device == tiny_model.device
+    assert create_drafter(str(out)).device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            create_drafter(str(out), device="cuda")

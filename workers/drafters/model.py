@@ -22,6 +22,13 @@ Tree shapes (``mode``):
   (one-hot), which is exact too.
 
 All requests of a call share each forward pass (`propose_batch`), as the verifier's do.
+
+Device: the draft's weights, its KV, the positions and masks it builds and its logits all live
+on the forward's device (`ModelDrafter.load(device=...)`; a `BatchWorker` creates model drafters
+on its verifier's device). What the tree needs crosses to the host once per forward pass, for
+all rows of the pass together: the top-k log-probabilities and ids (or, sampling, the rows' q,
+which the tree carries); parent pointers go the other way, as one small visibility matrix per
+request and pass.
 """
 from __future__ import annotations
 
@@ -34,8 +41,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
 from workers.contract import DraftContext, TreeBudget
+from workers.device import resolve_device
+from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
 from workers.drafters.base import Drafter
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree
@@ -82,6 +90,7 @@ class ModelDrafter(Drafter):
         if top_k < 1 or width < 1 or not widths or min(widths) < 1:
             raise ValueError("top_k, width and every width must be >= 1")
         self.forward = forward
+        self.device = forward.device   # where every tensor the drafter builds lives
         self.spec = spec or DraftSpec()
         self.name = name
         self.mode = mode
@@ -93,11 +102,14 @@ class ModelDrafter(Drafter):
         self._states: dict[str, _State] = {}
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32, **options) -> "ModelDrafter":
-        """A drafter from a model directory (its specgate_draft.json, if any, sets the attention)."""
+    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "auto", **options) -> "ModelDrafter":
+        """A drafter from a model directory (its specgate_draft.json, if any, sets the attention).
+        `device`: where its weights, KV and step tensors live (workers/device.py; 'auto' takes
+        CUDA when torch sees a GPU, so a draft replica with no GPU runs on its CPUs)."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(resolve_device(device))
         options.setdefault("name", str(path))
         # the draft attends as its spec says over a cache packed to sink + window (slots are not
         # positions), so the forward applies no window of the model's own
@@ -153,7 +165,7 @@ class ModelDrafter(Drafter):
                 chunk = pending[:PREFILL_CHUNK]
                 s = states[r]
                 start = len(s.fed)
-                positions = torch.arange(start, start + len(chunk))
+                positions = torch.arange(start, start + len(chunk), device=self.device)
                 s.kv.make_room(len(chunk), start)
                 own = sparse_mask(positions, positions, self.spec.sink, self.spec.window)
                 segs.append(Segment(s.kv.cache, len(ids), len(chunk), own, s.kv.past_mask(positions)))
@@ -162,8 +174,8 @@ class ModelDrafter(Drafter):
                 if len(chunk) == len(pending):
                     last_rows.append(len(ids) - 1)
                     finishing.append(r)
-            logits = self.forward.forward(torch.tensor(ids), torch.cat(pos), segs,
-                                          torch.tensor(last_rows) if last_rows else None)
+            logits = self.forward.forward(torch.tensor(ids, device=self.device), torch.cat(pos), segs,
+                                          torch.tensor(last_rows, device=self.device) if last_rows else None)
             for r, seg, positions in zip(list(todo), segs, pos):
                 states[r].kv.append(positions)
                 states[r].fed.extend(todo[r][: seg.rows])
@@ -183,7 +195,7 @@ class ModelDrafter(Drafter):
         base = [s.kv.length for s in states]                 # committed KV length, restored at the end
         for r, s in enumerate(states):
             s.kv.make_room(MAX_TREE_ROWS, len(s.fed))       # the only move: tree rows stay put
-        frontier = [self._children(contexts[r], -1, 0, 0.0, root_logits[r]) for r in range(len(states))]
+        frontier = self._children([(contexts[r], -1, 0, 0.0) for r in range(len(states))], root_logits)
         try:
             for depth in range(1, max(b.max_depth for b in budgets) + 1):
                 expand: list[tuple[int, list[int]]] = []     # (request, its nodes to expand now)
@@ -199,12 +211,11 @@ class ModelDrafter(Drafter):
                 frontier = [[] for _ in states]
                 if not expand:
                     break
-                logits = self._tree_pass(states, seen, expand, base)
-                row = 0
-                for r, picked in expand:
-                    for i in picked:
-                        frontier[r].extend(self._children(contexts[r], i, depth, seen[r][i].logp, logits[row]))
-                        row += 1
+                logits = self._tree_pass(states, seen, expand, base)               # [rows, V]
+                rows = [(r, i) for r, picked in expand for i in picked]
+                kids = self._children([(contexts[r], i, depth, seen[r][i].logp) for r, i in rows], logits)
+                for (r, _), children in zip(rows, kids):
+                    frontier[r].extend(children)
         finally:
             for s, n in zip(states, base):
                 s.kv.cache.length = n                        # forget the tree rows: only commits stay
@@ -244,23 +255,33 @@ class ModelDrafter(Drafter):
         return [_Node(nodes[i].token, index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp, nodes[i].q)
                 for i in ok]
 
-    def _children(self, ctx: DraftContext, parent: int, depth: int, logp: float,
-                  logits: torch.Tensor) -> list[_Node]:
-        """Candidate children of one row (at `depth`): its top-k (dynamic), top k_{depth+1}
-        (widths), or one token drawn from q (sample)."""
-        logq = torch.log_softmax(logits.float(), dim=-1)          # [V]
+    def _children(self, rows: list[tuple[DraftContext, int, int, float]],
+                  logits: torch.Tensor) -> list[list[_Node]]:
+        """Candidate children of each row (its context, node index, depth and cumulative log-prob;
+        every row of a pass is at one depth) from the rows' logits [rows, V]: its top-k (dynamic),
+        top k_{depth+1} (widths), or one token drawn from q (sample). One copy to the host for
+        all rows: the top-k log-probabilities and ids, or each row's q."""
+        logq = torch.log_softmax(logits.float(), dim=-1)          # [rows, V] on the device
         if self.sample:
-            q = logq.double().exp().cpu().numpy()                  # [V] on the host
-            q /= q.sum()
-            # Seeded by request and position: a retried step drafts the same chain.
-            rng = np.random.default_rng([self.seed, zlib.crc32(ctx.request_id.encode()), len(ctx.tokens), depth])
-            tok = min(int(np.searchsorted(np.cumsum(q), rng.random(), side="right")), q.size - 1)
-            if q[tok] <= 0:
-                tok = int(np.argmax(q))
-            return [_Node(tok, parent, depth + 1, logp + float(logq[tok]), q)]
+            qs = logq.double().exp().cpu().numpy()                 # [rows, V] on the host: trees carry q
+            return [[self._draw(ctx, parent, depth, logp, q)] for (ctx, parent, depth, logp), q in zip(rows, qs)]
+        depth = rows[0][2]
         k = self.top_k if self.mode == "dynamic" else self.widths[min(depth, len(self.widths) - 1)]
-        vals, toks = torch.topk(logq, k)
-        return [_Node(int(t), parent, depth + 1, logp + float(v)) for v, t in zip(vals, toks)]
+        vals, toks = torch.topk(logq, k)                           # [rows, k] each
+        # one copy for both: float64 holds every float32 value and token id exactly
+        host = torch.cat([vals.double(), toks.double()], dim=1).tolist()   # [rows, 2k]
+        return [[_Node(int(t), parent, depth + 1, logp + v) for v, t in zip(h[:k], h[k:])]
+                for (_, parent, depth, logp), h in zip(rows, host)]
+
+    def _draw(self, ctx: DraftContext, parent: int, depth: int, logp: float, q: np.ndarray) -> _Node:
+        """One child drawn from q ([V], on the host), seeded by request and position: a retried
+        step drafts the same chain."""
+        q /= q.sum()
+        rng = np.random.default_rng([self.seed, zlib.crc32(ctx.request_id.encode()), len(ctx.tokens), depth])
+        tok = min(int(np.searchsorted(np.cumsum(q), rng.random(), side="right")), q.size - 1)
+        if q[tok] <= 0:
+            tok = int(np.argmax(q))
+        return _Node(tok, parent, depth + 1, logp + float(np.log(q[tok])), q)
 
     def _tree_pass(self, states: list[_State], nodes: list[list[_Node]],
                    expand: list[tuple[int, list[int]]], base: list[int]) -> torch.Tensor:
@@ -270,20 +291,26 @@ class ModelDrafter(Drafter):
         for r, idx in expand:
             s, tree = states[r], nodes[r]
             root_pos = len(s.fed) - 1
-            positions = torch.tensor([root_pos + tree[i].depth for i in idx])
+            positions = torch.tensor([root_pos + tree[i].depth for i in idx], device=self.device)
             past = s.kv.past_mask(positions)                      # [rows, committed + tree rows]
-            past[:, base[r]:] = float("-inf")
+            # the tree rows held so far: each new row sees its ancestors among them, nothing else
+            held = s.kv.length - base[r]
+            ancestors = np.zeros((len(idx), held), dtype=bool)    # [rows, held], from parent pointers
             for row, i in enumerate(idx):
                 a = tree[i].parent
                 while a >= 0:
-                    past[row, base[r] + tree[a].slot] = 0.0
+                    ancestors[row, tree[a].slot] = True
                     a = tree[a].parent
+            if held:
+                seen = torch.tensor(ancestors, device=self.device)
+                past[:, base[r]:] = torch.zeros_like(past[:, base[r]:]).masked_fill_(~seen, float("-inf"))
             for k, i in enumerate(idx):
-                tree[i].slot = s.kv.length - base[r] + k
-            segs.append(Segment(s.kv.cache, len(ids), len(idx), _diagonal(len(idx)), past))
+                tree[i].slot = held + k
+            segs.append(Segment(s.kv.cache, len(ids), len(idx), _diagonal(len(idx), self.device), past))
             ids.extend(tree[i].token for i in idx)
             pos.append(positions)
-        logits = self.forward.forward(torch.tensor(ids), torch.cat(pos), segs, torch.arange(len(ids)))
+        logits = self.forward.forward(torch.tensor(ids, device=self.device), torch.cat(pos), segs,
+                                      torch.arange(len(ids), device=self.device))
         for (r, _), p in zip(expand, pos):
             states[r].kv.append(p)
         return logits
@@ -295,7 +322,9 @@ def _as_tree(nodes: list[_Node], sample: bool) -> TokenTree:
     return TokenTree(tuple(n.token for n in nodes), tuple(n.parent for n in nodes), probs)
 
 
-def _diagonal(n: int) -> torch.Tensor:
-    m = torch.full((n, n), float("-inf"))
+def _diagonal(n: int, device: torch.device) -> torch.Tensor:
+    """[n, n] additive mask: each row sees itself only (the other rows of a pass are its
+    siblings or cousins, never its ancestors: those were expanded in earlier passes)."""
+    m = torch.full((n, n), float("-inf"), device=device)
     m.fill_diagonal_(0.0)
     return m

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional
 
+import torch
+
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.model import ModelDrafter, is_model_dir
@@ -75,17 +77,21 @@ class Registry:
             raise ValueError(f"drafter {name!r} is already registered (pass replace=True to override)")
         self._factories[name] = factory
 
-    def create(self, name: str, **options: object) -> Drafter:
+    def create(self, name: str, *, device: str | torch.device | None = None, **options: object) -> Drafter:
+        """`device`: where a drafter that runs a model keeps its weights, KV and tensors (a model
+        directory, alone or in a merge; None: 'auto', workers/device.py); a `BatchWorker` passes its
+        verifier's. Drafters that run no model take no device."""
         factory = self._factories.get(name)
         if factory is not None:
             return factory(**options)
         if is_model_dir(name):
-            return ModelDrafter.load(name, **options)
+            return ModelDrafter.load(name, device=device if device is not None else "auto", **options)
         parts = self._merge_parts(name)
         for key in options:
             if key not in parts:
                 raise ValueError(f"drafter {name!r}: option {key!r} names none of its parts {parts}")
-        return MergeDrafter([self.create(p, **dict(options.get(p) or {})) for p in parts], name=name)
+        return MergeDrafter([self.create(p, device=device, **dict(options.get(p) or {})) for p in parts],
+                            name=name)
 
     def names(self) -> list[str]:
         return sorted([*self._factories, *(m for m in LISTED_MERGES if self.knows(m))])
@@ -121,8 +127,8 @@ def register_drafter(name: str, factory: DrafterFactory, *, replace: bool = Fals
     _DEFAULT.register(name, factory, replace=replace)
 
 
-def create_drafter(name: str, **options: object) -> Drafter:
-    return _DEFAULT.create(name, **options)
+def create_drafter(name: str, *, device: str | torch.device | None = None, **options: object) -> Drafter:
+    return _DEFAULT.create(name, device=device, **options)
 
 
 def drafter_names() -> list[str]:

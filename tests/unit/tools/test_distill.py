@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from specgate.cli import main
@@ -11,6 +12,7 @@ from loadtest.workload import load_workload
 from tests.helpers import tiny_model_dir
 from tools.distill import distill_loss, training_prompts
 from tools.draft_build import build_draft
+from workers.device import resolve_device
 from workers.draft_model import read_spec
 
 
@@ -74,8 +76,29 @@ def test_distill_raises_acceptance_resumes_and_writes_the_draft(tmp_path, capsys
     assert (draft / "model.safetensors").read_bytes() != before
     assert read_spec(draft).distilled_steps == one["steps"]
 
-    assert main(common + ["--minutes", "0.15", "--json", str(tmp_path / "two.json")]) == 0
+    assert one["device"] == str(resolve_device("auto")) and one["step_s"] > 0
+    ckpt = torch.load(draft / "distill" / "checkpoint.pt")
+    assert all(t.device.type == "cpu" for t in ckpt["weights"].values())   # resumes on any device
+
+    assert main(common + ["--minutes", "0.15", "--device", "cpu", "--json", str(tmp_path / "two.json")]) == 0
     two = json.loads((tmp_path / "two.json").read_text())
+    assert two["device"] == "cpu"
     assert two["alpha_before"] == one["alpha_before"]          # the untrained figure is kept
     assert two["steps"] > one["steps"]                          # resumed, not restarted
     assert read_spec(draft).distilled_steps == two["steps"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")
+def test_a_gpu_asked_for_where_there_is_none_stops_distill_and_draft_build_before_any_work(tmp_path, capsys):
+    target = tiny_model_dir(tmp_path / "target")
+    draft = build_draft(str(target), tmp_path / "draft", layers="last1", sink=2, window=32, progress=False)
+    before = sorted(p.name for p in draft.iterdir())
+    assert main(["distill", "--target", str(target), "--draft", str(draft), "--minutes", "0.1",
+                 "--device", "cuda"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+    assert sorted(p.name for p in draft.iterdir()) == before          # nothing generated or written
+    assert main(["draft", "build", "--target", str(target), "--out", str(tmp_path / "d2"), "--device", "cuda:0"]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err and not (tmp_path / "d2").exists()
+    assert main(["draft", "build", "--target", str(target), "--out", str(tmp_path / "d3"), "--layers", "first1",
+                 "--device", "cpu"]) == 0
+    assert "built on cpu in" in capsys.readouterr().err and (tmp_path / "d3" / "model.safetensors").is_file()

@@ -15,7 +15,7 @@ from workers.loader import resolve_model
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu") / "report.json"
-    args = argparse.Namespace(device="cpu", quick=True, sections="exact,attention,steps,speed,serve", serve_s=5.0,
+    args = argparse.Namespace(device="cpu", quick=True, sections="exact,attention,steps,speed,draft,serve", serve_s=5.0,
                               tokenizer=resolve_model(progress=False), json=str(out))
     rep = run(args)
     assert json.loads(out.read_text()) == json.loads(json.dumps(rep))   # written after each section
@@ -25,7 +25,7 @@ def report(tmp_path_factory):
 
 def test_every_section_runs_without_error(report):
     assert {n: s.get("error") for n, s in report["sections"].items()} == dict.fromkeys(
-        ("exact", "attention", "steps", "speed", "serve"))
+        ("exact", "attention", "steps", "speed", "draft", "serve"))
 
 
 def test_float32_speculation_matches_transformers_and_bfloat16_only_at_near_ties(report):
@@ -57,9 +57,29 @@ def test_step_times_cover_the_grid_and_speed_compares_with_transformers(report):
     assert {"hf_single_tok_s", "engine_none_single_tok_s", "engine_ngram_batched_tok_s"} <= set(speed)
 
 
+def test_every_attention_option_decodes_as_the_loop_and_is_timed_end_to_end(report):
+    """The engine's own options (SPECGATE_ATTENTION): batched trees decode the same under each,
+    and a verify step is timed under each at every point, so the GPU run can pick the default."""
+    (speed,) = report["sections"]["speed"]["result"]
+    assert speed["ok"] and speed["padded_same_as_loop"] == speed["flex_same_as_loop"] == speed["batch"]
+    assert speed["engine_ngram_batched_padded_tok_s"] > 0 and speed["engine_ngram_batched_flex_tok_s"] > 0
+    steps = [r for r in report["sections"]["attention"]["result"] if r.get("kind") == "step"]
+    assert [r["attention"] for r in steps] == ["loop", "padded", "flex"]
+    for r in steps:
+        assert r["ok"] and [(p["batch"], p["nodes"]) for p in r["points"]] == [(2, 4)], r
+        assert r["points"][0]["step_ms"] > 0
+    assert "attention step" in table(report)
+
+
 def test_the_batched_tree_attention_candidates_agree_with_the_forwards_own(report):
-    (row,) = report["sections"]["attention"]["result"]
+    (row,) = [r for r in report["sections"]["attention"]["result"] if r.get("kind") != "step"]
     assert row["ok"] and row["sdpa_padded_max_diff"] < 1e-4 and row["sdpa_loop_max_diff"] == 0.0
+
+
+def test_a_model_drafter_runs_on_the_device_and_keeps_greedy_output(report):
+    draft = report["sections"]["draft"]["result"]
+    assert draft["ok"], draft
+    assert draft["draft_on"] == ["cpu"] and draft["identical"] == draft["prompts"] and draft["drafted"] > 0
 
 
 def test_the_served_gateway_answers_every_stream(report):
