@@ -345,7 +345,8 @@ def test_reflection_lists_and_describes_the_service(env):
     assert {"specgate.v1.Generation", "grpc.health.v1.Health"} <= names
     files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in described.file_descriptor_response.file_descriptor_proto]
-    assert {m.name for f in files for s in f.service for m in s.method} == {"Generate", "GenerateStream"}
+    methods = {m.name for f in files for s in f.service for m in s.method}
+    assert methods == {"Generate", "GenerateStream", "Resume"}
 
 
 def test_committed_generated_code_matches_the_proto(tmp_path):
