@@ -124,7 +124,9 @@ class Resume:
 
 
 def resume_from(last_event_id: str | None) -> Resume:
-    """>>> resume_from("12").cursor.chars, resume_from("end").final, resume_from(None).opening
+    """The `Last-Event-ID` a client sends back (or `?after=`): 400 unless it is one of ours.
+
+    >>> resume_from("12").cursor.chars, resume_from("end").final, resume_from(None).opening
     (12, False, True)
     """
     if last_event_id is None:
