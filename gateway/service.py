@@ -332,16 +332,37 @@ class GenerationService:
                 continue
             detached = bool(tail.meta.get("detached"))
             grant = tail.meta.get("grant")
-            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached))
+            stops = self._stop_watch(rid) if detached else None
+            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached, stops))
             if not detached:
                 self.step_loop.cancel(rid)
                 cancelled.append(rid)
         return cancelled
 
-    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool) -> Callable:
-        """A recovered request's sink (the loop's thread: hands its work to a thread of ours)."""
+    def _stop_watch(self, request_id: str) -> OutputText | None:
+        """A detached request's output as its stream would show it, for its stop strings (None
+        without any): it ends at one as it would have with its stream attached (a resumed stream
+        cuts there anyway: gateway/replay.py; this saves generating past it)."""
+        req = self.step_loop.store.get(request_id)
+        if req is None or not req.stop:
+            return None
+        text = OutputText(self.tokenizer, req.prompt_ids, req.stop)
+        text.push(req.output_ids)
+        if text.stopped:
+            self.step_loop.cancel(request_id, status=Status.FINISHED, cause="stop_string")
+        return text
+
+    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool,
+                     stops: OutputText | None = None) -> Callable:
+        """A recovered request's sink (the loop's thread: hands its work to a thread of ours;
+        `stops`: its output so far, watched for a stop string)."""
         def sink(event: Delta | Finished) -> None:
             if not isinstance(event, Finished):
+                if stops is not None and not stops.stopped:
+                    stops.push(event.token_ids)
+                    if stops.stopped:
+                        self.step_loop.cancel(request_id, status=Status.FINISHED,
+                                              cause="stop_string")
                 return
             s = event.stats
             self._orphans.submit(self._orphan_ended, request_id, grant, s.prompt_len + s.committed,

@@ -195,3 +195,40 @@ def test_streams_that_cannot_resume_carry_no_ids_and_say_why(gw):
     rid = post(url, {"max_tokens": 4})[0][1]["id"]
     r = get(url, rid, last="12abc")
     assert r.status_code == 400 and r.json()["error"]["param"] == "Last-Event-ID"
+
+
+def test_a_resumable_stream_outlives_its_gateway_and_stops_at_its_stop_string(redis_url, redis_prefix):
+    # The first gateway streams to a client who leaves, then goes away itself; a second one over
+    # the same Redis takes the request over, ends it at its stop string (which the first never
+    # reached), and the client resumes from the second, after the last id it had.
+    from gateway.builders.embedded import build_embedded
+    from gateway.http.server import background_server
+    from gateway.tenancy.records import Tenant
+
+    settings = Settings(fake_worker=True, fake_step_ms=5.0, redis_url=redis_url,
+                        store_prefix=redis_prefix, log_level="critical")
+    rid = "chatcmpl-pinned-restart"
+    full = truth(rid, 400)
+    stop = full[200:207]
+    assert full.find(stop) == 200
+    first = build_embedded(settings, progress=False)
+    first.tenants.put(Tenant("acme"), [ACME])
+    first.service.request_id = lambda kind: rid
+    first.start()
+    with background_server(first.app, log_level="critical") as url:
+        live = post(url, {"max_tokens": 400, "stop": stop, "stream_options": {"resumable": True}},
+                    keep=3)
+        first.stop()                                   # the gateway goes, the request stays live
+    assert len(content(live)) < 200
+    second = build_embedded(settings, progress=False)
+    assert rid in second.recovered and rid not in second.cancelled
+    second.start()
+    try:
+        with background_server(second.app, log_level="critical") as url:
+            got = resume(url, rid, live[-1][0])
+        stats = wait_terminal(second, rid)
+        assert content(live) + content(got) == full[:200]
+        assert got[-2][1]["choices"][0]["finish_reason"] == "stop"
+        assert (stats.status, stats.cause) == (Status.FINISHED, "stop_string") and stats.committed < 400
+    finally:
+        second.stop()
