@@ -23,7 +23,9 @@ A concurrency grant is kept by `gateway.tenancy.grants.GrantKeeper`: renewed whi
 runs, released (off the event loop, retried if the store does not answer) however it ends.
 Both admit eagerly: they raise `ApiError` before returning, so a caller can still answer
 with an error status; the iterator it returns yields `StreamChunk`s then one `GenerateOutput`.
-Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step.
+Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step,
+unless the request is detached (a background response, a resumable chat stream): then it runs to
+its end with nobody listening (`adopt`), and readers follow it from the state store.
 """
 from __future__ import annotations
 
