@@ -35,6 +35,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ChatStreamOptions(StreamOptions):
+    """specgate extension: `resumable: true` keeps a chat stream's request running when its
+    client disconnects (it finishes, and a restarted gateway finishes it), so the client can
+    resume it (GET /v1/chat/completions/{id}/stream, gateway/http/chat_stream.py)."""
+    resumable: bool = False
+
+
 class SpeculationOptions(BaseModel):
     """specgate extension: `{"enabled": false}` turns speculation off for this request;
     `{"max_tree_tokens": 8}` caps its token tree (both bounded by the tenant's policy)."""
@@ -266,6 +273,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    stream_options: ChatStreamOptions | None = None
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Count | None = None
@@ -297,6 +305,10 @@ class ChatRequest(_Sampling):
     def _known_format(cls, v: dict | None) -> dict | None:
         constraint_of(v)                      # the shape here; the schema itself at the service
         return v
+
+    @property
+    def resumable(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.resumable)
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -23,7 +23,9 @@ A concurrency grant is kept by `gateway.tenancy.grants.GrantKeeper`: renewed whi
 runs, released (off the event loop, retried if the store does not answer) however it ends.
 Both admit eagerly: they raise `ApiError` before returning, so a caller can still answer
 with an error status; the iterator it returns yields `StreamChunk`s then one `GenerateOutput`.
-Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step.
+Closing it early (`aclose()`, a client gone) cancels the request and frees its KV within a step,
+unless the request is detached (a background response, a resumable chat stream): then it runs to
+its end with nobody listening (`adopt`), and readers follow it from the state store.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.grants import GrantKeeper
 from gateway.tenancy.records import SpeculationPolicy, Tenant
-from gateway.text import IncrementalDetokenizer, StopMatcher, max_token_chars, token_piece
+from gateway.text import IncrementalDetokenizer, OutputText, max_token_chars, token_piece
 from scheduler.admission import ADMITTED
 from scheduler.length_oracle import LengthOracle, prompt_key
 from scheduler.loop import Delta, Finished, StepLoop
@@ -89,6 +91,9 @@ class GenerateInput:
     # runs whether or not anyone listens (a background response, `open_detached`): closing its
     # stream does not cancel it, and a restarted gateway finishes it instead of cancelling it
     detached: bool = False
+    # kept with the request's record (`Request.meta`) for whoever reads it back: e.g. what a
+    # chat stream's resume needs to render its chunks as the live stream did (gateway/replay.py)
+    meta: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -285,10 +290,16 @@ class GenerationService:
         if not inp.detached:
             inp = replace(inp, detached=True)
         stream = await self.open_stream(inp)
+        self.adopt(stream)
+        return stream.request_id
+
+    def adopt(self, stream: "RequestStream") -> None:
+        """Run a detached request's stream to its end with nobody listening (its grant released
+        and `detached_ended` told when it ends): what `open_detached` does at once, and what a
+        resumable chat stream's `close` does when its client goes away. The event loop's."""
         task = asyncio.get_running_loop().create_task(self._drain(stream))
         self._detached.add(task)
         task.add_done_callback(self._detached.discard)
-        return stream.request_id
 
     async def _drain(self, stream: "RequestStream") -> None:
         try:
@@ -323,16 +334,37 @@ class GenerationService:
                 continue
             detached = bool(tail.meta.get("detached"))
             grant = tail.meta.get("grant")
-            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached))
+            stops = self._stop_watch(rid) if detached else None
+            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached, stops))
             if not detached:
                 self.step_loop.cancel(rid)
                 cancelled.append(rid)
         return cancelled
 
-    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool) -> Callable:
-        """A recovered request's sink (the loop's thread: hands its work to a thread of ours)."""
+    def _stop_watch(self, request_id: str) -> OutputText | None:
+        """A detached request's output as its stream would show it, for its stop strings (None
+        without any): it ends at one as it would have with its stream attached (a resumed stream
+        cuts there anyway: gateway/replay.py; this saves generating past it)."""
+        req = self.step_loop.store.get(request_id)
+        if req is None or not req.stop:
+            return None
+        text = OutputText(self.tokenizer, req.prompt_ids, req.stop)
+        text.push(req.output_ids)
+        if text.stopped:
+            self.step_loop.cancel(request_id, status=Status.FINISHED, cause="stop_string")
+        return text
+
+    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool,
+                     stops: OutputText | None = None) -> Callable:
+        """A recovered request's sink (the loop's thread: hands its work to a thread of ours;
+        `stops`: its output so far, watched for a stop string)."""
         def sink(event: Delta | Finished) -> None:
             if not isinstance(event, Finished):
+                if stops is not None and not stops.stopped:
+                    stops.push(event.token_ids)
+                    if stops.stopped:
+                        self.step_loop.cancel(request_id, status=Status.FINISHED,
+                                              cause="stop_string")
                 return
             s = event.stats
             self._orphans.submit(self._orphan_ended, request_id, grant, s.prompt_len + s.committed,
@@ -399,7 +431,7 @@ class GenerationService:
             stats.predicted_len = self.length_oracle.length(key, max_new)
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
-                      meta={"detached": True} if inp.detached else {})
+                      meta={**(inp.meta or {}), **({"detached": True} if inp.detached else {})})
         return _Prepared(req, tenant, inp.model, stops)
 
     def _check_constraint(self, constraint: str | None) -> None:
@@ -595,7 +627,8 @@ class GenerationService:
 
 class RequestStream:
     """One admitted request's events as an async iterator: `StreamChunk`s, then one
-    `GenerateOutput`. `aclose()` (or dropping it) before the end cancels the request."""
+    `GenerateOutput`. `aclose()` (or dropping it) before the end cancels the request, unless it
+    is detached: then the service adopts it (`GenerationService.adopt`) and it runs to its end."""
 
     def __init__(self, service: GenerationService, prep: _Prepared, grant: Grant | None,
                  aio: asyncio.AbstractEventLoop, t0: float) -> None:
@@ -609,8 +642,7 @@ class RequestStream:
         self._t0 = t0
         self._last_t: float | None = None
         req = prep.request
-        self._detok = IncrementalDetokenizer(service.tokenizer, req.prompt_ids)
-        self._stops = StopMatcher(prep.stops)
+        self._text = OutputText(service.tokenizer, req.prompt_ids, prep.stops)
         self._ids: list[int] = []
         self._pending_ids: list[int] = []
         self._out: collections.deque = collections.deque()
@@ -620,6 +652,8 @@ class RequestStream:
             if req.sampling.logprobs is not None else None
         self._ended = False          # the Finished event was handled (or the stream was closed)
         self._closed = False
+        self._detached = bool(req.meta.get("detached"))
+        self._adopted = False        # detached, and handed to the service when closed early
 
     # ---- the loop's thread ----------------------------------------------------------------------
     def sink(self, event: Delta | Finished) -> None:
@@ -659,6 +693,13 @@ class RequestStream:
         grant's release runs on the grant keeper's thread."""
         if self._closed:
             return
+        if self._detached and self.admitted and not self._ended and not self._adopted:
+            self._adopted = True     # nobody listens any more; it runs on (a second close cancels)
+            try:
+                self.service.adopt(self)
+                return
+            except RuntimeError:     # no running event loop (collected late): cancel it below
+                pass
         self._closed = True
         if self.admitted and not self._ended:
             self._ended = True
@@ -672,7 +713,7 @@ class RequestStream:
             pass
 
     def _on_delta(self, event: Delta) -> None:
-        if self._stops.stopped:
+        if self._text.stopped:
             return                                     # committed past a stop string: not shown
         now = time.perf_counter()
         tenant = self.prep.request.stats.tenant
@@ -681,24 +722,23 @@ class RequestStream:
         else:
             self.service.metrics.tokens(tenant, now - self._last_t, len(event.token_ids))
         self._last_t = now
-        self._ids.extend(event.token_ids)
-        self._pending_ids.extend(event.token_ids)
+        # token by token (gateway/text.py `OutputText`): the tokens after a stop string are cut
+        text, taken = self._text.push(event.token_ids)
+        ids = event.token_ids[:taken]
+        self._ids.extend(ids)
+        self._pending_ids.extend(ids)
         if self._logprobs is not None and event.logprobs is not None:
-            self._logprobs.add(event.token_ids, event.logprobs)
-        text, stopped = self._stops.push(self._detok.push(event.token_ids))
-        if stopped:
+            self._logprobs.add(ids, event.logprobs[:taken])
+        if self._text.stopped:
             self.service.step_loop.cancel(self.request_id, status=Status.FINISHED,
                                           cause="stop_string")
         self._emit(text)
 
     def _on_finished(self, event: Finished) -> concurrent.futures.Future | None:
-        text = ""
-        if not self._stops.stopped:
-            text, _ = self._stops.push(self._detok.flush())
-            text += self._stops.flush()
-        self._emit(text, final=not self._stops.stopped)
+        stopped = self._text.stopped
+        self._emit(self._text.finish(), final=not stopped)
         s = event.stats
-        reason = "stop" if self._stops.stopped else (event.finish_reason or "error")
+        reason = "stop" if stopped else (event.finish_reason or "error")
         if event.status is Status.FAILED:
             log.warning("request %s failed: %s", self.request_id, event.error)
             reason = "error"
@@ -708,7 +748,7 @@ class RequestStream:
         settled = self._settle({"stop": "finished", "length": "finished", "abort": "cancelled"}
                                .get(reason, "failed"))
         self._out.append(GenerateOutput(
-            self.request_id, self._stops.text, tuple(self._ids), reason,
+            self.request_id, self._text.text, tuple(self._ids), reason,
             self.prep.request.stats.prompt_len, len(self._ids), spec,
             self._logprobs.sent if self._logprobs is not None else None))
         return settled
@@ -719,7 +759,7 @@ class RequestStream:
         text, such as a stop token, included)."""
         lps = None
         if self._logprobs is not None:
-            lps = self._logprobs.take(None if final else len(self._stops.text))
+            lps = self._logprobs.take(None if final else len(self._text.text))
         if text or lps:
             self._out.append(StreamChunk(text, tuple(self._pending_ids), lps))
             self._pending_ids.clear()

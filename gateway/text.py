@@ -137,6 +137,55 @@ class StopMatcher:
         return text
 
 
+class OutputText:
+    """A request's output as a client is shown it: tokens → `IncrementalDetokenizer` →
+    `StopMatcher`, one token at a time, so the text shown after k tokens is a function of the
+    first k tokens alone, never of how steps grouped them. That is what makes a stream resumable
+    exactly (gateway/replay.py): a live stream and one rebuilt from the state store's tokens show
+    the same text at every token, and a stop string cuts at the same token.
+
+    `push` takes committed tokens and returns (new text, tokens taken): fewer than given when a
+    stop string completes, as the tokens after it are never part of the output.
+
+    >>> tok = ToyTokenizer()
+    >>> out = OutputText(tok, stops=["END"])
+    >>> out.push(tok.encode("one EN")), out.push(tok.encode("D two")), out.text, out.tokens
+    (('one ', 6), ('', 1), 'one ', 7)
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (),
+                 stops: Sequence[str] = ()) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._stops = StopMatcher(stops)
+        self.tokens = 0                   # tokens taken (the stop string's last one included)
+
+    @property
+    def text(self) -> str:
+        """Everything shown so far."""
+        return self._stops.text
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        out, taken = [], 0
+        for t in token_ids:
+            if self._stops.stopped:
+                break
+            taken += 1
+            out.append(self._stops.push(self._detok.push([int(t)]))[0])
+        self.tokens += taken
+        return "".join(out), taken
+
+    def finish(self) -> str:
+        """The text held at the end of a generation that no stop string ended."""
+        if self._stops.stopped:
+            return ""
+        text, _ = self._stops.push(self._detok.flush())
+        return text + self._stops.flush()
+
+
 def max_token_chars(tokenizer: Any) -> int:
     """The most characters of text one token can stand for, so that a prompt of n characters is
     known to have at least n / this many tokens before it is tokenized (a prompt far too long is

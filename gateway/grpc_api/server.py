@@ -27,6 +27,7 @@ from gateway.http.deps import field_names
 from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
+from gateway.replay import Cursor, Replayer
 from gateway.service import EventStream, GenerateInput, GenerateOutput, GenerationService
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import TenantRegistry
@@ -90,7 +91,9 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     by gRPC itself with RESOURCE_EXHAUSTED."""
     options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service, tenants), server)
+    replayer = Replayer(service.step_loop.store, service.tokenizer) \
+        if isinstance(service, GenerationService) else None
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service, tenants, replayer), server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -106,9 +109,12 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, service: GenerationService, tenants: TenantRegistry):
+    def __init__(self, service: GenerationService, tenants: TenantRegistry,
+                 replayer: Replayer | None = None):
+        """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND)."""
         self.service = service
         self.tenants = tenants
+        self.replayer = replayer
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -135,6 +141,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finally:
             if stream is not None:
                 await stream.aclose()
+
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
+        # the rest of a stream, from the state store (gateway/replay.py); closing it cancels
+        # nothing: the request is not this call's
+        try:
+            tenant = await authed_tenant(self.tenants, context.invocation_metadata())
+            if self.replayer is None:
+                raise ApiError(404, "this deployment does not resume streams", code="not_found")
+            record = await self.replayer.open(tenant, request.request_id)
+            stream = self.replayer.stream(record, Cursor(tokens=request.after))
+            async for message in stream_messages(stream):
+                await context.write(message)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+
+async def authed_tenant(tenants: TenantRegistry, metadata: Any) -> Tenant:
+    """The caller's tenant (401 without a known key), off the event loop when tenants live in
+    Redis."""
+    if tenants.remote:
+        tenant = await asyncio.to_thread(tenants.authenticate, api_key(metadata))
+    else:
+        tenant = tenants.authenticate(api_key(metadata))
+    if tenant is None:
+        raise errors.unauthorized()
+    return tenant
 
 
 async def authed_input(tenants: TenantRegistry, request: pb.GenerateRequest,

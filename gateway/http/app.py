@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from gateway import errors
 from gateway.http.deps import ClientDisconnected
 from gateway.metrics import GatewayMetrics
+from gateway.replay import Replayer
 from gateway.http.routers import admin, chat, completions, health, models, responses
 from gateway.http.routers import metrics as metrics_router
 from gateway.service import GenerationService
@@ -40,6 +41,10 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.tenants = tenants
     app.state.limiter = limiter
     app.state.metrics = metrics
+    # resumed chat streams read the state store; a remote service (Ray mode's ingress) has none
+    # here: its builder sets `app.state.replayer` over the same store, or resume answers 404
+    app.state.replayer = Replayer(service.step_loop.store, service.tokenizer) \
+        if isinstance(service, GenerationService) else None
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     for r in (completions.router, chat.router, responses.router, models.router, health.router,

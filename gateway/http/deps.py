@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import re
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -238,8 +238,21 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
 
 
 # ---- streaming and disconnects ------------------------------------------------------------------------
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+def sse(obj: Any, event_id: str | None = None) -> str:
+    data = f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return data if event_id is None else f"id: {event_id}\n{data}"
+
+
+class EventIds(Protocol):
+    """The SSE `id:` of a stream's events, where a client may resume after them (the
+    `Last-Event-ID` it sends back): gateway/http/chat_stream.py `ChatIds`."""
+    def opening(self, i: int) -> str: ...
+
+    def chunk(self, i: int, piece: StreamChunk) -> str: ...
+
+    def final(self, i: int) -> str: ...
+
+    def usage(self) -> str: ...
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -290,7 +303,8 @@ async def sse_events(streams: Sequence[EventStream], *,
                      chunk: Callable[[int, StreamChunk], dict | list[dict]],
                      final: Callable[[int, GenerateOutput], dict | list[dict]],
                      usage: Callable[[list[GenerateOutput]], dict] | None = None,
-                     openings: Sequence[dict] = ()) -> AsyncIterator[str]:
+                     openings: Sequence[dict] = (),
+                     ids: EventIds | None = None) -> AsyncIterator[str]:
     """A generation's choices (one stream each) as server-sent events: the `openings`, one
     `chunk(index, piece)` per piece of text (or of logprobs), each choice's `final(index,
     output)` chunk (finish_reason, specgate stats), `usage(outputs)` once every choice has
@@ -298,24 +312,26 @@ async def sse_events(streams: Sequence[EventStream], *,
     (or none: a tool call's text is held until it is whole, gateway/tools.py). Once the 200 has
     gone out an error can only be an event: a failed generation or an unexpected exception ends
     the stream with an OpenAI error object. The streams are closed however this ends; a client
-    that disconnects cancels every choice that way."""
+    that disconnects cancels every choice that way (a detached one runs on: gateway/service.py).
+    `ids`: each event's SSE `id:` (None: no ids)."""
     outs: dict[int, GenerateOutput] = {}
     try:
-        for opening in openings:
-            yield sse(opening)
+        for i, opening in enumerate(openings):
+            yield sse(opening, ids and ids.opening(i))
         async for i, item in merged(streams):
             if isinstance(item, GenerateOutput):
                 outs[i] = item
                 for event in _events(final(i, item)):
-                    yield sse(event)
+                    yield sse(event, ids and ids.final(i))
                 if item.finish_reason == "error":
                     yield sse(ApiError(500, "generation failed; retry the request",
                                        code="generation_failed").body())
             elif item.text or item.logprobs:
+                event_id = ids and ids.chunk(i, item)
                 for event in _events(chunk(i, item)):
-                    yield sse(event)
+                    yield sse(event, event_id)
         if usage is not None and outs:
-            yield sse(usage([outs[i] for i in sorted(outs)]))
+            yield sse(usage([outs[i] for i in sorted(outs)]), ids and ids.usage())
         yield SSE_DONE
     except Exception:
         log.exception("stream %s failed", streams[0].request_id)

@@ -6,6 +6,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "after")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    after: int
+    def __init__(self, request_id: _Optional[str] = ..., after: _Optional[int] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/specgate.v1.Generation/Resume',
+                request_serializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -67,6 +72,18 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """specgate extension: the rest of a request's stream after a lost connection, read from the
+        state store (the step loop stores tokens before it streams them): the deltas after the first
+        `after` output tokens, then the final response, as GenerateStream would have sent them, with
+        nothing missed or repeated. The request's tenant only (another's id: NOT_FOUND, as an
+        unknown or expired one); a request still running is followed until it ends. Costs no
+        generation. Cancelling this call cancels nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +95,11 @@ def add_GenerationServicer_to_server(servicer, server):
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
                     request_deserializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateRequest.FromString,
+                    response_serializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.ResumeRequest.FromString,
                     response_serializer=gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
@@ -135,6 +157,33 @@ class Generation:
             target,
             '/specgate.v1.Generation/GenerateStream',
             gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateRequest.SerializeToString,
+            gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specgate.v1.Generation/Resume',
+            gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.ResumeRequest.SerializeToString,
             gateway_dot_grpc__api_dot_proto_dot_specgate__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,

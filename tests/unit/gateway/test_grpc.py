@@ -345,7 +345,8 @@ def test_reflection_lists_and_describes_the_service(env):
     assert {"specgate.v1.Generation", "grpc.health.v1.Health"} <= names
     files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
              for raw in described.file_descriptor_response.file_descriptor_proto]
-    assert {m.name for f in files for s in f.service for m in s.method} == {"Generate", "GenerateStream"}
+    methods = {m.name for f in files for s in f.service for m in s.method}
+    assert methods == {"Generate", "GenerateStream", "Resume"}
 
 
 def test_committed_generated_code_matches_the_proto(tmp_path):
@@ -417,3 +418,51 @@ def test_real_service_generate_stream_cancel_and_limits(gateway_env):
         call(stub, "stream", pb.GenerateRequest(model=model, prompt="x", max_tokens=2), slow)
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(err.value.trailing_metadata())["retry-after"]) >= 1
+
+
+def test_real_service_resume_after_any_delta_follows_a_running_one_and_is_tenant_scoped(gateway_env):
+    emb, stub = gateway_env
+    auth = (("authorization", f"Bearer {emb.dev_key}"),)
+    model = emb.settings.model_id
+    emb.tenants.put(Tenant("other"), ["sk-other"])
+
+    def resumed(rid: str, after: int, metadata=auth) -> list:
+        return list(stub.Resume(pb.ResumeRequest(request_id=rid, after=after), metadata=metadata,
+                                timeout=20))
+
+    stream = stub.GenerateStream(pb.GenerateRequest(model=model, prompt="Hello", max_tokens=30),
+                                 metadata=auth, timeout=10)
+    events = list(stream)
+    rid = dict(stream.initial_metadata())["request-id"]
+    deltas, final = events[:-1], events[-1].final
+    received = 0
+    for k in range(len(deltas) + 1):              # after each delta (and none): the rest, the same
+        received += len(deltas[k - 1].delta.token_ids) if k else 0
+        got = resumed(rid, received)
+        assert got[-1].final == final
+        assert "".join(e.delta.text for e in got[:-1]) == "".join(e.delta.text for e in deltas[k:])
+        assert [t for e in got[:-1] for t in e.delta.token_ids] == \
+            [t for e in deltas[k:] for t in e.delta.token_ids]
+
+    # a running request is followed to its end; resuming it cancels nothing
+    live = stub.GenerateStream(pb.GenerateRequest(model=model, prompt="Hello", max_tokens=300),
+                               metadata=auth, timeout=20)
+    first = [next(live), next(live)]
+    running = dict(live.initial_metadata())["request-id"]
+    follower = stub.Resume(pb.ResumeRequest(request_id=running, after=sum(
+        len(e.delta.token_ids) for e in first)), metadata=auth, timeout=20)
+    rest = list(live)
+    followed = list(follower)
+    assert followed[-1].final == rest[-1].final and rest[-1].final.finish_reason == "length"
+    assert "".join(e.delta.text for e in followed[:-1]) == "".join(e.delta.text for e in rest[:-1])
+
+    # another tenant's request is NOT_FOUND, as an unknown one; no key is UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as theirs:
+        resumed(rid, 0, (("x-api-key", "sk-other"),))
+    with pytest.raises(grpc.RpcError) as unknown:
+        resumed(rid + "x", 0)
+    assert theirs.value.code() is unknown.value.code() is grpc.StatusCode.NOT_FOUND
+    assert theirs.value.details() == unknown.value.details().replace(rid + "x", rid)
+    with pytest.raises(grpc.RpcError) as err:
+        resumed(rid, 0, ())
+    assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED

@@ -91,7 +91,9 @@ def test_the_stream_ends_with_done(server):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
-    assert all(e.startswith("data: ") for e in events)
+    # each event's data, the chunks' after an id line (resumable: gateway/http/chat_stream.py)
+    assert all(e.startswith("data: ") for e in events[1::2])
+    assert [e.split(": ")[0] for e in events[:-1:2]] == ["id"] * (len(events) // 2)
 
 
 @pytest.mark.parametrize("stream", [False, True])
