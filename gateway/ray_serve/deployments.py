@@ -359,6 +359,8 @@ class IngressServer:
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
         self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
+        self._records_store: Any = None         # the scheduler's state store, read only
+        self._tok: Any = None
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -368,19 +370,38 @@ class IngressServer:
     def __serve_build_asgi_app__(self):
         from gateway.http.app import build_app
 
-        from gateway.builders.embedded import responses_service, scheduler_prefix
-        from scheduler.store import open_store
-        from workers.loader import load_tokenizer, resolve_model
+        from gateway.builders.embedded import responses_service
 
         app = build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
-        # the Responses API reads what it serves from Redis (the scheduler's records, the stored
-        # responses), so any ingress replica, or a new one, answers for any response
-        s = self.settings
-        records = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
-                             timeout_s=s.redis_timeout_s)
-        tokenizer = load_tokenizer(str(resolve_model(s.model, progress=False)), progress=False)
-        app.state.responses = responses_service(s, self.service, records, tokenizer, local=False)
+        # resumed streams and the Responses API read what they serve from Redis (the scheduler's
+        # records, the stored responses), so any ingress replica, or a new one, answers
+        app.state.replayer = self._replayer()
+        app.state.responses = responses_service(self.settings, self.service, self._records(),
+                                                self._tokenizer(), local=False)
         return app
+
+    def _records(self) -> Any:
+        if self._records_store is None:
+            from gateway.builders.embedded import scheduler_prefix
+            from scheduler.store import open_store
+
+            s = self.settings
+            self._records_store = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
+                                             timeout_s=s.redis_timeout_s)
+        return self._records_store
+
+    def _tokenizer(self) -> Any:
+        if self._tok is None:
+            from workers.loader import load_tokenizer, resolve_model
+
+            self._tok = load_tokenizer(str(resolve_model(self.settings.model, progress=False)),
+                                       progress=False)
+        return self._tok
+
+    def _replayer(self) -> Any:
+        from gateway.replay import Replayer
+
+        return Replayer(self._records(), self._tokenizer())
 
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 
@@ -407,6 +428,20 @@ class IngressServer:
         finally:
             if stream is not None:
                 await stream.aclose()
+
+
+    async def Resume(self, request, grpc_context):
+        from gateway.grpc_api.server import authed_tenant, stream_messages
+        from gateway.replay import Cursor
+
+        try:
+            tenant = await authed_tenant(self.tenants, grpc_context.invocation_metadata())
+            replayer = self._replayer()
+            record = await replayer.open(tenant, request.request_id)
+            async for message in stream_messages(replayer.stream(record, Cursor(tokens=request.after))):
+                yield message
+        except Exception as exc:
+            _fail_grpc(grpc_context, exc)
 
 
 GRPC_SERVICER = "gateway.grpc_api.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"

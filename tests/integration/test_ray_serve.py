@@ -120,12 +120,52 @@ def test_grpc_through_serves_proxy_answers_as_rest_does(ray_app, model_dir):
         assert one.usage.completion_tokens == rest.usage.completion_tokens
         assert "".join(p.delta.text for p in parts if p.HasField("delta")) == one.text
         assert parts[-1].final.text == one.text and parts[-1].final.finish_reason == "length"
+        # a stream (any front) resumed over gRPC at an ingress replica, read from Redis
+        rid = rest.id
+        resumed = list(stub.Resume(pb.ResumeRequest(request_id=rid, after=0), metadata=auth, timeout=120))
+        assert "".join(p.delta.text for p in resumed if p.HasField("delta")) == one.text
+        assert resumed[-1].final.text == one.text and resumed[-1].final.finish_reason == "length"
+        with pytest.raises(grpc.RpcError) as err:             # read from the store, tenant-scoped
+            list(stub.Resume(pb.ResumeRequest(request_id="cmpl-nope", after=0), metadata=auth, timeout=60))
+        assert err.value.code() is grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(req, metadata=(("authorization", "Bearer sk-nobody"),), timeout=60)
         assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(pb.GenerateRequest(model=model, prompt="x", temperature=-1), metadata=auth, timeout=60)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+
+
+def test_a_chat_stream_resumes_at_any_ingress_replica_from_redis(ray_app, model_dir):
+    url, _ = ray_app
+    body = {"model": str(model_dir), "messages": [{"role": "user", "content": PROMPTS[2]}],
+            "max_tokens": 24, "temperature": 0, "stream": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def chunks(method: str, path: str, **kw) -> list[tuple[str | None, dict]]:
+        out, event_id = [], None
+        with httpx.stream(method, url + path, headers={**auth, **kw.pop("headers", {})}, timeout=120,
+                          **kw) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("id: "):
+                    event_id = line[4:]
+                elif line.startswith("data: {"):
+                    out.append((event_id, json.loads(line[6:])))
+        return out
+
+    def content(evs) -> str:
+        return "".join(e["choices"][0]["delta"].get("content") or "" for _, e in evs if e["choices"])
+
+    def ends(evs) -> list:
+        return [(i, e) for i, e in evs if not (e["choices"] and e["choices"][0]["delta"].get("content"))]
+
+    live = chunks("POST", "/v1/chat/completions", json=body)
+    rid = live[0][1]["id"]
+    assert content(live)
+    for k in (0, 2, len(live) - 2):
+        resumed = chunks("GET", f"/v1/chat/completions/{rid}/stream", headers={"Last-Event-ID": live[k][0]})
+        assert content(resumed) == content(live[k + 1:]) and ends(resumed) == ends(live[k + 1:])
 
 
 def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, embedded_url, model_dir):
