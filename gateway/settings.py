@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # where the engine runs (workers/device.py): auto = CUDA when torch sees a GPU, else the CPU
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    # how the requests torch attends for (no CPU kernel: a GPU) share a call
+    # (workers/batched_attention.py); auto: one call per request until a GPU run decides
+    attention: Literal["auto", "loop", "padded", "flex"] = "auto"
     tenants_file: Path | None = None
     redis_url: str | None = None               # scheduler state, tenants and rate limits
     store_prefix: str = "specgate:"

@@ -81,7 +81,7 @@ class Gateway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = 900.0) -> None:
         import httpx
 
         env = {**os.environ, "SPECGATE_STORE_PREFIX": self.prefix, "SPECGATE_REPLICA_ID": "resume",

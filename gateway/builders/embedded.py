@@ -279,6 +279,7 @@ def _target(settings: Settings, progress: bool, runtime: Any = None):
     from workers.runtime import load_runtime
 
     rt = runtime or load_runtime(settings.model, dtype=settings.dtype, device=settings.device,
+                                 attention=settings.attention,
                                  progress=progress)
     return (rt.tokenizer, batch_worker(settings, rt), rt.stop_token_ids, planner_step_cost(settings, rt),
             rt.grammars)

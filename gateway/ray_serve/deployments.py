@@ -60,7 +60,8 @@ class VerifierServer:
         # where the replica runs decides: its pod's own SPECGATE_DEVICE (the chart sets cuda on
         # GPU workers), else the deployment's setting (auto: the GPU Ray gave it, if any)
         device = os.environ.get("SPECGATE_DEVICE") or s.device
-        self.runtime = load_runtime(s.model, dtype=s.dtype, device=device, progress=False)
+        self.runtime = load_runtime(s.model, dtype=s.dtype, device=device, attention=s.attention,
+                                    progress=False)
         remote = {} if drafts is None else {
             name: RemoteDrafter(drafts, name, affinity=self.replica_id)
             for name in s.drafter_names if name != "none"}
