@@ -18,7 +18,7 @@ import numpy as np
 from workers.contract import SamplingParams
 from workers.tree import TokenTree, children
 
-__all__ = ["Acceptance", "warp", "accept_greedy", "accept_sampling"]
+__all__ = ["Acceptance", "warp", "accept_greedy", "accept_sampling", "accept_coupled"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,40 @@ def accept_sampling(
         row = nxt + 1
 
 
+def accept_coupled(
+    tree: TokenTree,
+    target_probs: Callable[[int], np.ndarray],
+    uniform: Callable[[int], float],
+) -> Acceptance:
+    """Coupled speculative sampling: the target's token at each position is drawn first, by the
+    inverse CDF of p at a uniform that belongs to the position (``uniform(depth)``, depth 0 = the
+    root's row), and a child is accepted when it carries exactly that token. The committed tokens
+    follow p exactly (each is an inverse-CDF draw from p with a fresh uniform), and they are the
+    same whatever was drafted: the drafts only decide how many of them one step commits.
+
+    That is what a seeded request needs: with uniforms from (seed, absolute position), its text is
+    the same with speculation on or off, whichever drafter, tree size or batch, after an eviction
+    or a restart (a resumed stream continues the text it would have had). For deterministic drafts
+    the chance of accepting a child is p[x], as under ``accept_sampling`` (one child, or siblings:
+    p[x1] + p[x2] either way); for drafts sampled from q it is Σ q·p instead of Σ min(p, q).
+
+    Worked example: p at the root is {a: .2, b: .5, c: .3} (CDF .2, .7, 1); the uniform at depth 0
+    is .45, so the target's token there is "b". Children "a" and "b": "b" is accepted and the walk
+    goes on from its row; children "a" and "c" only: nothing is accepted and "b" is the bonus.
+    """
+    kids = children(tree)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = np.asarray(target_probs(row), dtype=np.float64)  # [V]
+        want = _inverse_cdf(p, uniform(len(path)))
+        nxt = next((c for c in kids[row] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return Acceptance(tuple(path), tuple(tree.tokens[i] for i in path) + (want,))
+        path.append(nxt)
+        row = nxt + 1
+
+
 def _residual(p: np.ndarray, q: Optional[np.ndarray], x: int) -> np.ndarray:
     """normalise(max(0, p − q)); q ``None`` = one-hot at x, so the residual is p with x removed.
 
@@ -199,8 +233,14 @@ def _sample(p: np.ndarray, rng: np.random.Generator) -> int:
     Inverse CDF via searchsorted: much cheaper than ``rng.choice`` (README.md, "Serving path and
     start-up times") and tolerant of rounding in sums.
     """
+    return _inverse_cdf(p, rng.random())
+
+
+def _inverse_cdf(p: np.ndarray, u: float) -> int:
+    """The token whose CDF interval holds u in [0, 1) (p need not be normalised); never a
+    zero-probability token."""
     cdf = np.cumsum(p)
-    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    i = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
     if i >= p.size:  # u * total rounded up to total: take the last token with mass
         i = int(np.flatnonzero(p)[-1])
     return i

@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
+from workers.acceptance import Acceptance, accept_coupled, accept_greedy, accept_sampling, warp
 
 from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult, TokenLogprob
 from workers.llama_forward import LlamaForward, Segment
@@ -398,9 +398,14 @@ class Verifier:
         def target_probs(row: int) -> np.ndarray:
             return warp(rows[row].double().cpu().numpy(), slot.sampling)   # [V] on the host
 
-        # One RNG per (seed, position): a request's draws depend on where it is in its output, not
-        # on how it got there, so its sampled text is the same alone, batched, after being evicted
-        # and re-prefilled, or after a restart (positions never repeat, so draws stay independent).
+        if slot.sampling.seed is not None:
+            # A seeded request: one uniform per (seed, absolute position), and the coupled rule,
+            # so its text depends on its seed alone: the same with any drafts, tree, batch, after an
+            # eviction or a restart (positions never repeat, so the draws stay independent)
+            return accept_coupled(tree, target_probs,
+                                  lambda depth: np.random.default_rng([slot.seed, root_pos + depth]).random())
+        # Unseeded: SpecInfer's rule (it accepts drafts sampled from a draft model more often),
+        # with one RNG per (seed drawn at admission, position)
         rng = np.random.default_rng([slot.seed, root_pos])
         return accept_sampling(tree, target_probs, rng)
 

@@ -92,6 +92,23 @@ def test_sampled_requests_get_the_same_output_alone_or_in_a_mixed_batch(forward)
     assert other.token_ids != alone[2].token_ids
 
 
+def test_a_seeded_sampled_request_says_the_same_with_any_drafts_or_none(forward, references):
+    """Seeded requests use the coupled rule (workers/acceptance.py `accept_coupled`): their text
+    is a function of the seed alone, so speculation, its drafter and the tree budget change how
+    fast it comes, not what it says (a restarted gateway continues the same text)."""
+    ps = prompts(4, seed=5)
+    reqs = [GenerationRequest(f"c{i}", tuple(p), 40, SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i),
+                              frozenset({EOS})) for i, p in enumerate(ps)]
+    plain = run(forward, create_drafter("none"), reqs)
+    ngram = run(forward, create_drafter("ngram"), reqs)
+    # an oracle drafting the greedy text: often wrong for a sampled request, sometimes right
+    oracle = OracleDrafter({r.request_id: ref for r, ref in zip(reqs, references)}, 128, "chain")
+    drafted = run(forward, oracle, reqs, TreeBudget(8, 8), adaptive=False)
+    for a, b, c in zip(plain, ngram, drafted):
+        assert a.token_ids == b.token_ids == c.token_ids
+    assert sum(r.accepted for r in ngram + drafted) > 0          # the drafts did take part
+
+
 def test_max_tokens_and_stop_tokens_end_generation(forward, references):
     ps = prompts()
     res = run(forward, create_drafter("ngram"), greedy_requests(ps, max_new=5))

@@ -179,3 +179,60 @@ def test_detects_a_broken_residual(monkeypatch, broken, draft):
     monkeypatch.setattr(acceptance, "_residual", broken)
     p_first, p_pair = check(first_two_tokens(draft, seed=11, trials=TRIALS // 2))
     assert min(p_first, p_pair) < 1e-3
+
+
+# --- the coupled rule (seeded requests): exact, and the same text whatever was drafted -----------
+
+
+def coupled_step(draft, root: int, rng: np.random.Generator) -> tuple[int, ...]:
+    tree = draft(root, rng)
+    return acceptance.accept_coupled(tree, lambda row: P[root if row == 0 else tree.tokens[row - 1]],
+                                     lambda depth: rng.random()).tokens
+
+
+@pytest.mark.parametrize("draft, seed", [(deterministic_tree, 17), (stochastic_tree, 18)],
+                         ids=["one-hot", "stochastic"])
+def test_the_coupled_rule_commits_tokens_that_follow_the_target(draft, seed):
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(TRIALS):
+        tokens = coupled_step(draft, ROOT, rng)
+        if len(tokens) == 1:
+            tokens += coupled_step(draft, tokens[0], rng)
+        counts[tokens[0], tokens[1]] += 1
+    p_first, p_pair = check(counts)
+    assert p_first > 1e-3 and p_pair > 1e-3, (p_first, p_pair)
+
+
+def junk_tree(root: int, rng: np.random.Generator) -> TokenTree:
+    """Drafts that ignore the model: a random chain."""
+    tokens = tuple(int(t) for t in rng.permutation(V)[:3])
+    return TokenTree(tokens, (-1, 0, 1))
+
+
+def no_tree(root: int, rng: np.random.Generator) -> TokenTree:
+    return TokenTree.empty()
+
+
+def seeded_text(draft, seed: int, n: int = 60, draft_seed: int = 0) -> list[int]:
+    """A seeded request's first n tokens, decoded step by step with `draft`'s trees, one uniform
+    per (seed, absolute position) as the verifier draws them."""
+    drafts = np.random.default_rng(draft_seed)
+    out = [ROOT]
+    while len(out) <= n:
+        pos = len(out)
+        tree = draft(out[-1], drafts)
+        acc = acceptance.accept_coupled(
+            tree, lambda row: P[out[-1] if row == 0 else tree.tokens[row - 1]],
+            lambda depth: np.random.default_rng([seed, pos + depth]).random())
+        out += acc.tokens
+    return out[1:n + 1]
+
+
+def test_a_seeded_text_is_the_same_whatever_was_drafted():
+    for seed in (1, 2, 3):
+        plain = seeded_text(no_tree, seed)
+        for draft in (deterministic_tree, stochastic_tree, junk_tree):
+            for draft_seed in (0, 1):
+                assert seeded_text(draft, seed, draft_seed=draft_seed) == plain, (seed, draft.__name__)
+    assert seeded_text(no_tree, 1) != seeded_text(no_tree, 2)          # the seed does matter
