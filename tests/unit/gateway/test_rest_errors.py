@@ -302,7 +302,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_and_frees_its_kv(se
         with c.stream("POST", "/v1/chat/completions",
                       json={"model": MODEL, "messages": [{"role": "user", "content": "go on"}],
                             "max_tokens": 3000, "stream": True}) as s:
-            lines = s.iter_lines()
+            lines = (line for line in s.iter_lines() if line.startswith("data: "))   # not id: lines
             first = json.loads(next(lines).removeprefix("data: "))
             rid = first["id"]
             while rid not in worker.resident():
