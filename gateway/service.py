@@ -197,7 +197,8 @@ class GenerationService:
         # detached requests (`open_detached`): their draining tasks, and who hears they ended
         self._detached: set[asyncio.Task] = set()
         self.detached_ended: list[Callable[[str], None]] = []
-        self._orphans = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specgate-orphans")
+        # recovered requests' ends are settled here (gateway/takeover.py): Redis calls, off the loop
+        self.orphans = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="specgate-orphans")
 
     # ---- the interface ------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -307,9 +308,9 @@ class GenerationService:
                 pass
         finally:
             await stream.aclose()
-        await asyncio.to_thread(self._tell_detached_ended, stream.request_id)
+        await asyncio.to_thread(self.tell_detached_ended, stream.request_id)
 
-    def _tell_detached_ended(self, request_id: str) -> None:
+    def tell_detached_ended(self, request_id: str) -> None:
         for hear in self.detached_ended:
             try:
                 hear(request_id)
@@ -321,65 +322,11 @@ class GenerationService:
         self.step_loop.cancel(request_id)
 
     def take_over(self, request_ids: Iterable[str]) -> list[str]:
-        """Look after requests a restarted step loop recovered, whose clients' connections died
-        with the old process: a detached one (a background response) runs on and is announced
-        to `detached_ended` when it ends; any other one has nobody left to receive it and is
-        cancelled. Either way its tenant's usage is corrected when it ends (the old process
-        charged prompt + max_tokens and died before correcting it). Any thread; reads the store.
-        Returns the ids cancelled."""
-        cancelled = []
-        for rid in request_ids:
-            tail = self.step_loop.store.tail(rid, 0)
-            if tail is None or tail.stats.status.terminal:
-                continue
-            detached = bool(tail.meta.get("detached"))
-            grant = tail.meta.get("grant")
-            stops = self._stop_watch(rid) if detached else None
-            self.step_loop.attach(rid, self._orphan_sink(rid, grant, detached, stops))
-            if not detached:
-                self.step_loop.cancel(rid)
-                cancelled.append(rid)
-        return cancelled
-
-    def _stop_watch(self, request_id: str) -> OutputText | None:
-        """A detached request's output as its stream would show it, for its stop strings (None
-        without any): it ends at one as it would have with its stream attached (a resumed stream
-        cuts there anyway: gateway/replay.py; this saves generating past it)."""
-        req = self.step_loop.store.get(request_id)
-        if req is None or not req.stop:
-            return None
-        text = OutputText(self.tokenizer, req.prompt_ids, req.stop)
-        text.push(req.output_ids)
-        if text.stopped:
-            self.step_loop.cancel(request_id, status=Status.FINISHED, cause="stop_string")
-        return text
-
-    def _orphan_sink(self, request_id: str, grant: list | None, detached: bool,
-                     stops: OutputText | None = None) -> Callable:
-        """A recovered request's sink (the loop's thread: hands its work to a thread of ours;
-        `stops`: its output so far, watched for a stop string)."""
-        def sink(event: Delta | Finished) -> None:
-            if not isinstance(event, Finished):
-                if stops is not None and not stops.stopped:
-                    stops.push(event.token_ids)
-                    if stops.stopped:
-                        self.step_loop.cancel(request_id, status=Status.FINISHED,
-                                              cause="stop_string")
-                return
-            s = event.stats
-            self._orphans.submit(self._orphan_ended, request_id, grant, s.prompt_len + s.committed,
-                                 detached)
-        return sink
-
-    def _orphan_ended(self, request_id: str, grant: list | None, used: int, detached: bool) -> None:
-        if grant is not None and self.limiter is not None:
-            from gateway.tenancy.limits import Grant
-            try:
-                self.limiter.correct(Grant.from_list(grant), used)
-            except Exception:
-                log.exception("correcting the usage of recovered request %s failed", request_id)
-        if detached:
-            self._tell_detached_ended(request_id)
+        """Look after requests a restarted step loop recovered (gateway/takeover.py): detached
+        ones run on, the others are cancelled; usage corrected either way. Returns the ids
+        cancelled."""
+        from gateway.takeover import take_over
+        return take_over(self, request_ids)
 
     # ---- check and tokenize ---------------------------------------------------------------------
     def _prepare(self, inp: GenerateInput, tenant: Tenant) -> _Prepared:
