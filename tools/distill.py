@@ -31,6 +31,7 @@ every ``--checkpoint-every`` seconds and at the end; a later run resumes from it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -315,9 +316,8 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     alpha_after = alpha(draft, evals, spec)
     say(f"alpha after: {alpha_after:.3f}")
     draft.save_pretrained(draft_dir)
-    write_spec(draft_dir, DraftSpec(spec.sink, spec.window, spec.source_layers, spec.target,
-                                    spec.distilled_steps + (prog.steps - _steps_before(first)),
-                                    spec.extra))
+    write_spec(draft_dir, dataclasses.replace(
+        spec, distilled_steps=spec.distilled_steps + (prog.steps - _steps_before(first))))
     first["steps_written"] = prog.steps
     summary_path.write_text(json.dumps(first))
     window = max(1, len(prog.losses) // 10)

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file
 
+from workers.draft_memory import default_memory_layers
 from workers.draft_model import DraftSpec, write_spec
 from workers.loader import DEFAULT_MODEL, load_target, resolve_model
 
@@ -83,8 +84,10 @@ def prune(target, layers: Sequence[int]):
 
 
 def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", sink: int = 4,
-                window: int | None = 256, progress: bool = True) -> Path:
-    """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path."""
+                window: int | None = 256, memory: bool = False, progress: bool = True) -> Path:
+    """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path.
+    `memory`: give the draft SPIRe's feedback memory over the target's activations
+    (workers/draft_memory.py), read from `default_memory_layers` of the target."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass a new directory")
@@ -94,8 +97,10 @@ def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", si
     out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    memory_layers = default_memory_layers(target.config.num_hidden_layers, len(picked)) if memory else ()
     write_spec(out, DraftSpec(sink=sink, window=window, source_layers=picked,
-                              target=str(resolve_model(target_name, progress=False))))
+                              target=str(resolve_model(target_name, progress=False)),
+                              memory_layers=memory_layers))
     return out
 
 
@@ -106,14 +111,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "(last2 is SPIRe's choice) or a comma list of indices")
     p.add_argument("--sink", type=int, default=4, help="attention-sink tokens every position sees")
     p.add_argument("--window", type=int, default=256, help="sliding-window length; 0 = full attention")
+    p.add_argument("--memory", action="store_true",
+                   help="feedback memory over the target's activations (SPIRe; train with `specgate spire train`)")
 
 
 def run(args: argparse.Namespace) -> int:
     out = build_draft(args.target, args.out, layers=args.layers, sink=args.sink,
-                      window=args.window or None)
+                      window=args.window or None, memory=args.memory)
     spec = json.loads((out / "specgate_draft.json").read_text())
     n = sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
     print(f"draft written to {out}: blocks {spec['source_layers']} of the target, sink {spec['sink']}, "
-          f"window {spec['window']}, {n / 1e6:.1f}M parameters", file=sys.stderr)
+          f"window {spec['window']}, memory from blocks {spec['memory_layers'] or 'none'}, "
+          f"{n / 1e6:.1f}M parameters", file=sys.stderr)
     print(out)
     return 0

@@ -82,7 +82,8 @@ class RemoteDrafter(Drafter):
 
     def _submit(self, items: Sequence[tuple[DraftContext, TreeBudget]]) -> Future:
         # A copy of each context: the worker extends its lists in place after this returns.
-        wire = [(DraftContext(c.request_id, c.tenant, list(c.tokens), c.prompt_len), b) for c, b in items]
+        wire = [(DraftContext(c.request_id, c.tenant, list(c.tokens), c.prompt_len, taps=c.taps), b)
+                for c, b in items]
         release, self._releases = self._releases, []
         self.calls += 1
         return self._client.submit(self._call, wire, release)

@@ -59,6 +59,7 @@ class _State:
     kv: SparseKV
     fed: list[int]        # tokens fed so far, the last root included (its KV is cached too)
     root_logits: torch.Tensor | None = None   # [V] the draft's logits at the last root fed
+    request_id: str = ""
 
 
 @dataclass
@@ -97,11 +98,12 @@ class ModelDrafter(Drafter):
         """A drafter from a model directory (its specgate_draft.json, if any, sets the attention)."""
         from transformers import AutoModelForCausalLM
 
+        spec = read_spec(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
         options.setdefault("name", str(path))
         # the draft attends as its spec says over a cache packed to sink + window (slots are not
         # positions), so the forward applies no window of the model's own
-        return cls(LlamaForward(model, windowed=False), read_spec(path), **options)
+        return cls(LlamaForward(model, windowed=False), spec, **options)
 
     # -- the Drafter protocol -------------------------------------------------------------------
 
@@ -135,7 +137,8 @@ class ModelDrafter(Drafter):
         state = self._states.get(ctx.request_id)
         n = len(state.fed) if state else 0
         if state is None or n > len(ctx.tokens) or (n and ctx.tokens[n - 1] != state.fed[-1]):
-            state = _State(SparseKV(self.forward.new_cache, self.spec, PREFILL_CHUNK + MAX_TREE_ROWS), [])
+            state = _State(SparseKV(self.forward.new_cache, self.spec, PREFILL_CHUNK + MAX_TREE_ROWS), [],
+                           request_id=ctx.request_id)
             self._states[ctx.request_id] = state
         return state
 
@@ -162,8 +165,8 @@ class ModelDrafter(Drafter):
                 if len(chunk) == len(pending):
                     last_rows.append(len(ids) - 1)
                     finishing.append(r)
-            logits = self.forward.forward(torch.tensor(ids), torch.cat(pos), segs,
-                                          torch.tensor(last_rows) if last_rows else None)
+            logits = self._feed(torch.tensor(ids), torch.cat(pos), segs,
+                                torch.tensor(last_rows) if last_rows else None, [states[r] for r in todo])
             for r, seg, positions in zip(list(todo), segs, pos):
                 states[r].kv.append(positions)
                 states[r].fed.extend(todo[r][: seg.rows])
@@ -172,6 +175,12 @@ class ModelDrafter(Drafter):
                 out[r] = states[r].root_logits = logits[k]
                 del todo[r]
         return torch.stack(out)
+
+    def _feed(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+              logit_rows: torch.Tensor | None, states: list[_State]) -> torch.Tensor | None:
+        """One pass over committed tokens (`states`: each segment's request); a draft that reads
+        more than the tokens (workers/drafters/memory.py) adds it here."""
+        return self.forward.forward(ids, positions, segments, logit_rows)
 
     # -- growing the tree ----------------------------------------------------------------------
 

@@ -20,7 +20,8 @@ from typing import Callable, Mapping, Optional
 
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
-from workers.drafters.model import ModelDrafter, is_model_dir
+from workers.drafters.memory import load_draft
+from workers.drafters.model import is_model_dir
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.suffix import SuffixDrafter
 
@@ -80,7 +81,7 @@ class Registry:
         if factory is not None:
             return factory(**options)
         if is_model_dir(name):
-            return ModelDrafter.load(name, **options)
+            return load_draft(name, **options)
         parts = self._merge_parts(name)
         for key in options:
             if key not in parts:
