@@ -225,3 +225,25 @@ def test_draft_kv_and_taps_are_constant_in_context_length(target, sink, window):
     # KV: sink + window and the room for one pass (workers/draft_model.py SparseKV); taps: sink + window
     assert held[1024][0] <= held[1024][2] == sink + window + PREFILL_CHUNK + MAX_TREE_ROWS
     assert held[1024][1] <= sink + window
+
+
+def test_the_worker_hands_each_steps_taps_to_the_drafter(target):
+    """Prefill's taps reach the drafter with its first proposal, each step's with the next; the
+    results that go up to the scheduler carry none."""
+    from workers.batch_worker import BatchWorker
+    from workers.contract import WorkItem
+
+    drafter = _drafter()
+    worker = BatchWorker(Verifier(LlamaForward(target), max_tree_tokens=16), default_drafter="memory",
+                         drafters={"memory": drafter})
+    prompt = prompts(3)[2]
+    done = worker.prefill("r", prompt, prompt_len=len(prompt), sampling=SamplingParams(), max_new_tokens=16)
+    assert done.taps is None and worker.verifier.taps == drafter.target_taps
+    held = []
+    for _ in range(3):
+        (res,) = worker.step([WorkItem("r", TreeBudget(4, 3))])
+        assert res.taps is None and res.tokens
+        held.append(drafter.taps_held("r"))
+    # the first proposal had the prompt's context; each later one also the taps of the step before
+    context = len(worker._resident["r"].context)
+    assert held[0] == len(prompt) - 1 and held[-1] == context - 1 - len(res.tokens)
