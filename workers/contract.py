@@ -128,7 +128,7 @@ class TapSpec:
         """Whether a draft whose newest position is `newest` can still read `position`.
 
         >>> [p for p in range(10) if TapSpec((1,), sink=2, window=3).keeps(p, 9)]
-        [0, 1, 6, 7, 8, 9]
+        [0, 1, 7, 8, 9]
         """
         return self.window is None or position < self.sink or newest - position < self.window
 
