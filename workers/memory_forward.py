@@ -34,6 +34,7 @@ class MemoryForward:
         self.vocab_size = draft.vocab_size
         self.dtype = draft.hf.model.embed_tokens.weight.dtype
         self.device = draft.hf.model.embed_tokens.weight.device
+        self.head = None        # a CheapHead (workers/cheap_head.py) in place of the full one
 
     def new_cache(self, capacity: int) -> KVCache:
         """Tokens' KV in heads [0, Hkv), the memory's in [Hkv, 2·Hkv) (module docstring)."""
@@ -75,7 +76,9 @@ class MemoryForward:
             for i in range(self.n_layers):
                 _, mk, mv = d.project(i, d.memory(i, own[unknown]), positions[unknown], queries=False)
                 self._store_memory(i, segments, unknown, mk, mv)
-        return None if logit_rows is None else d.logits(x[logit_rows])
+        if logit_rows is None:
+            return None
+        return d.logits(x[logit_rows]) if self.head is None else self.head(d.hf.model.norm(x[logit_rows]))
 
     @torch.inference_mode()
     def write_memory(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from workers.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TapSpec
 from workers.draft_memory import MemoryDraft
 from workers.draft_model import DraftSpec, read_spec
@@ -42,7 +43,11 @@ class MemoryDrafter(ModelDrafter):
         mix = spec.extra.get(MIX_KEY)
         draft = MemoryDraft(model, spec, None if mix is None else torch.tensor(mix)).to(dtype)
         options.setdefault("name", str(path))
-        return cls(MemoryForward(draft), spec, **options)
+        forward = MemoryForward(draft)
+        kept = read_head(path)
+        if kept is not None:
+            forward.head = CheapHead(model.lm_head.weight, kept)
+        return cls(forward, spec, **options)
 
     def propose_batch(self, items):
         for ctx, _ in items:

@@ -34,6 +34,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from workers.cheap_head import CheapHead, read_head
 from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
@@ -103,7 +104,11 @@ class ModelDrafter(Drafter):
         options.setdefault("name", str(path))
         # the draft attends as its spec says over a cache packed to sink + window (slots are not
         # positions), so the forward applies no window of the model's own
-        return cls(LlamaForward(model, windowed=False), spec, **options)
+        forward = LlamaForward(model, windowed=False)
+        kept = read_head(path)
+        if kept is not None:                    # a cheap head (workers/cheap_head.py)
+            forward.lm_head = CheapHead(model.lm_head.weight, kept, forward.gemm)
+        return cls(forward, spec, **options)
 
     # -- the Drafter protocol -------------------------------------------------------------------
 
