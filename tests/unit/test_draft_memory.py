@@ -247,3 +247,19 @@ def test_the_worker_hands_each_steps_taps_to_the_drafter(target):
     # the first proposal had the prompt's context; each later one also the taps of the step before
     context = len(worker._resident["r"].context)
     assert held[0] == len(prompt) - 1 and held[-1] == context - 1 - len(res.tokens)
+
+
+def test_a_drafter_names_taps_without_loading_it(tmp_path):
+    """What a verifier whose drafters run elsewhere (Ray mode) reads to return the taps."""
+    from workers.draft_model import write_spec
+    from workers.drafters.registry import taps_of
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    write_spec(tmp_path / "m", DraftSpec(sink=4, window=32, memory_layers=(1, 3)))
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "config.json").write_text("{}")
+    write_spec(tmp_path / "p", DraftSpec(sink=4, window=32))
+    assert taps_of(str(tmp_path / "m")) == TapSpec((1, 3), 4, 32)
+    assert taps_of(f"merge:ngram+{tmp_path / 'm'}") == TapSpec((1, 3), 4, 32)
+    assert taps_of(str(tmp_path / "p")) is None and taps_of("ngram") is None

@@ -100,3 +100,4 @@ def load_draft(path: str | Path, **options) -> ModelDrafter:
     """The drafter of a draft directory: with feedback memory if its spec names memory layers."""
     cls = MemoryDrafter if read_spec(path).memory_layers else ModelDrafter
     return cls.load(path, **options)
+

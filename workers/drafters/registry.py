@@ -20,13 +20,15 @@ from typing import Callable, Mapping, Optional
 
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
+from workers.contract import TapSpec
+from workers.draft_model import read_spec
 from workers.drafters.memory import load_draft
 from workers.drafters.model import is_model_dir
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.suffix import SuffixDrafter
 
 __all__ = ["DrafterFactory", "BUILTIN_DRAFTERS", "LISTED_MERGES", "MERGE_PREFIX", "Registry", "register_drafter",
-           "create_drafter", "drafter_names", "is_drafter_name"]
+           "create_drafter", "drafter_names", "is_drafter_name", "taps_of"]
 
 DrafterFactory = Callable[..., Drafter]
 
@@ -132,3 +134,16 @@ def drafter_names() -> list[str]:
 
 def is_drafter_name(name: str) -> bool:
     return _DEFAULT.knows(name)
+
+
+def taps_of(name: str) -> TapSpec | None:
+    """The target taps a drafter name reads, without loading it: a feedback-memory draft's
+    directory, or a merge holding one (for a verifier whose drafters run elsewhere: Ray mode's
+    replicas, gateway/ray_serve/draft_pool.py)."""
+    parts = name[len(MERGE_PREFIX):].split("+") if name.startswith(MERGE_PREFIX) else [name]
+    for part in parts:
+        if is_model_dir(part):
+            spec = read_spec(part)
+            if spec.memory_layers:
+                return TapSpec(spec.memory_layers, spec.sink, spec.window)
+    return None
