@@ -41,7 +41,7 @@ from workers.contract import SamplingParams
 from workers.contract import TreeBudget
 from workers.draft_model import DraftSpec
 from workers.drafters.base import Drafter
-from workers.drafters.model import ModelDrafter
+from workers.drafters.model import ModelDrafter, is_model_dir
 from workers.drafters.registry import MERGE_PREFIX, create_drafter
 from tools.throughput import spire_multiplier
 from scheduler.profile import StepCostModel
@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--tree-nodes", type=int, default=32)
     p.add_argument("--tree-depth", type=int, default=24)
+    p.add_argument("--chain", action="store_true",
+                   help="model drafters (a draft directory, self) draft one chain (SPIRe's k-token chain) "
+                        "rather than a dynamic tree")
     p.add_argument("--adaptive", action="store_true",
                    help="size each request's tree from its acceptance, as served (default: the "
                         "whole budget every step)")
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     encode = lambda pairs: [(w, encode_record(rt.tokenizer, r)) for w, r in pairs]   # noqa: E731
     report = bench_drafters(rt, drafters, encode(measured), encode(warm),
                             TreeBudget(args.tree_nodes, args.tree_depth), adaptive=args.adaptive,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, chain=args.chain)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -122,16 +125,18 @@ def merge_ratios(taus: dict[str, float]) -> dict[str, Any]:
                                    if d.startswith(MERGE_PREFIX) and best is not None}}
 
 
-def make_drafter(rt: Any, name: str) -> Drafter:
+def make_drafter(rt: Any, name: str, chain: bool = False) -> Drafter:
     """A drafter by name: ``self[:SINK:WINDOW]`` is the target drafting for itself under a sink +
-    window mask (module docstring), anything else comes from the registry."""
+    window mask (module docstring), anything else comes from the registry. `chain`: a model
+    drafter (self, a draft directory) drafts a single chain."""
+    options = {"mode": "widths", "widths": (1,)} if chain else {}
     if name == "self" or name.startswith("self:"):
         parts = name.split(":")[1:]
         if len(parts) not in (0, 2):
             raise ValueError(f"drafter {name!r}: self or self:SINK:WINDOW")
         sink, window = (int(parts[0]), int(parts[1])) if parts else (4, 256)
-        return ModelDrafter(rt.forward, DraftSpec(sink=sink, window=window), name=name)
-    return create_drafter(name)
+        return ModelDrafter(rt.forward, DraftSpec(sink=sink, window=window), name=name, **options)
+    return create_drafter(name, **options) if chain and is_model_dir(name) else create_drafter(name)
 
 
 def costs(tau: float, tokens: int, steps: int, levels: int, draft_s: float, verify_s: float, wall_s: float,
@@ -159,13 +164,13 @@ def costs(tau: float, tokens: int, steps: int, levels: int, draft_s: float, veri
 
 def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[str, list[int]]],
                    warm: Sequence[tuple[str, list[int]]], budget: TreeBudget, *, adaptive: bool = False,
-                   max_tokens: int = 96) -> dict:
+                   max_tokens: int = 96, chain: bool = False) -> dict:
     """Run every drafter over the same prompts (see the module docstring); the report."""
     cost = StepCostModel.from_doc(rt.step_profile(1, budget.max_nodes)) if adaptive else None
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     for name in drafters:
-        engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), make_drafter(rt, name),
+        engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), make_drafter(rt, name, chain),
                         budget, adaptive=adaptive, step_cost=cost)
 
         def generate(i: int, ids: list[int], tag: str):
@@ -208,7 +213,7 @@ def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[st
     return {
         "prompts": len(measured), "warmup_prompts": len(warm), "max_tokens": max_tokens,
         "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
-        "adaptive": adaptive, "drafters": results,
+        "adaptive": adaptive, "chain": chain, "drafters": results,
         **merge_ratios({d: r["tau"] for d, r in results.items()}),
         "identical": all(outputs[d] == reference for d in drafters),
     }

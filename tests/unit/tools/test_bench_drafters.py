@@ -63,5 +63,8 @@ def test_costs_multipliers_and_self_speculation_on_the_tiny_model(tiny_model):
         assert d["multiplier_measured"] > 0 and d["multiplier_predicted"] > 0
         assert d["verify_ms_per_step"] > 0 and d["tokens_per_s"] > 0
     assert selfspec["draft_ms_per_level"] > 0 and selfspec["draft_vs_target"] > 0
+    chained = bench_drafters(rt, ["none", "self:2:64"], measured, [], TreeBudget(4, 4), max_tokens=12, chain=True)
+    d = chained["drafters"]["self:2:64"]
+    assert d["alpha"] == 1.0 and d["tau"] > 3.0 and chained["identical"]     # the target's own chain
     with pytest.raises(ValueError):
         bench_drafters(rt, ["self:2"], measured, [], TreeBudget(4, 4), max_tokens=4)
