@@ -6,7 +6,7 @@ What it adds to `specgate distill` (whose data, evaluation set and progress bar 
 * SPIRe's mixed loss (tools/spire_loss.py): ω · cross-entropy against the target's distribution
   + (1 − ω) · (−expected acceptance), ``--weight`` ω;
 * for a draft with feedback memory (`specgate draft build --memory`), the target's activations at
-  every position (one lean target pass per batch, the verifier's own `forward_taps`) and SPIRe's
+  every position (the verifier's own `forward_taps`, once per sequence, kept in float16) and SPIRe's
   cheap k-step training (``--k``: k passes, each prefix ending at a multiple of k drafts k
   tokens from its own memory, workers/draft_memory.py); a plain draft ignores ``--k``;
 * ``--data``: a directory for the generated training text and evaluation set, so two drafts
@@ -69,11 +69,26 @@ class _Draft:
         self.hf, self.spec, self.forward = hf, spec, forward
         mix = spec.extra.get(MIX_KEY)
         self.memory = MemoryDraft(hf, spec, None if mix is None else torch.tensor(mix)) if spec.memory_layers else None
+        # each sample's target taps, float16 [T, S, H]: computed once (a target pass per batch
+        # otherwise costs more than the draft's own step), ~4.6 kB a token for SmolLM2
+        self._taps: dict[int, torch.Tensor] = {}
+
+    def taps(self, samples: Sequence[Sample], length: int) -> torch.Tensor:
+        """[B, length, S, H] float32, from the cache, computing the missing samples in one pass."""
+        missing = [s for s in samples if id(s) not in self._taps]
+        if missing:
+            fresh = target_taps(self.forward, missing, self.spec.memory_layers, max(len(s.ids) for s in missing))
+            for s, row in zip(missing, fresh):
+                self._taps[id(s)] = row[: len(s.ids)].half()
+        first = self._taps[id(samples[0])]
+        out = torch.zeros(len(samples), length, *first.shape[1:])
+        for b, s in enumerate(samples):
+            out[b, : len(s.ids)] = self._taps[id(s)].float()
+        return out
 
     def logits(self, samples: Sequence[Sample], ids: torch.Tensor, k: int) -> torch.Tensor:
         if self.memory is not None:
-            taps = target_taps(self.forward, samples, self.spec.memory_layers, ids.shape[1])
-            return self.memory.train_logits(ids, taps, k)                          # [B, T, V]
+            return self.memory.train_logits(ids, self.taps(samples, ids.shape[1]), k)   # [B, T, V]
         pos = torch.arange(ids.shape[1])
         mask = sparse_mask(pos, pos, self.spec.sink, self.spec.window)[None, None].expand(ids.shape[0], 1, -1, -1)
         return self.hf(input_ids=ids, attention_mask=mask).logits
@@ -130,8 +145,9 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
           lr: float = 5e-4, batch: int = 4, max_new: int = 160, gen_share: float = 0.3,
           data_dir: str | Path | None = None, prompts: Sequence[dict] | None = None,
           eval_prompts: Sequence[dict] | None = None, checkpoint_every: float = 300.0,
-          fresh: bool = False, seed: int = 0, progress: bool = True) -> dict:
-    """Train the draft in `draft_dir` for `minutes` of wall time (module docstring); the summary."""
+          fresh: bool = False, seed: int = 0, max_steps: int | None = None, progress: bool = True) -> dict:
+    """Train the draft in `draft_dir` for `minutes` of wall time, or until `max_steps` optimiser
+    steps in all (module docstring); the summary."""
     from transformers import AutoModelForCausalLM
 
     from workers.runtime import load_runtime
@@ -182,7 +198,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
     bar = _bar(budget_s, progress)
     draft.hf.train()
     with log_path.open("a") as log:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (max_steps is None or steps < max_steps):
             frac = (time.monotonic() - train_start) / budget_s
             rate = lr * min(1.0, (steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:      # warm-up over 20 steps, then cosine to 10% by the deadline
@@ -262,6 +278,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=float, default=300.0)
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint and log")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, help="stop after this many optimiser steps in all (resumed ones count)")
     p.add_argument("--json", type=Path, help="write the run's summary here")
 
 
@@ -273,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
         prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
     summary = train(args.target, args.draft, minutes=args.minutes, k=args.k, weight=args.weight, lr=args.lr,
                     batch=args.batch, max_new=args.max_new, gen_share=args.gen_share, data_dir=args.data,
-                    prompts=prompts, checkpoint_every=args.checkpoint_every, fresh=args.fresh, seed=args.seed)
+                    prompts=prompts, checkpoint_every=args.checkpoint_every, fresh=args.fresh, seed=args.seed,
+                    max_steps=args.max_steps)
     print(json.dumps(summary, indent=2))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")

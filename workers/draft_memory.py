@@ -146,7 +146,9 @@ class MemoryDraft(torch.nn.Module):
         taps target_taps [B, T, S, H] before each row's block start and its own after (module
         docstring); k passes over the sequence. Pass 0 is the committed text's own pass (every
         row reads the target's memory); its keys and values are what later passes read of the
-        tokens before a block, as drafting reads the cached KV of the committed text."""
+        tokens before a block, as drafting reads the cached KV of the committed text. Pass s
+        runs only the rows at offsets 0..s of their block (what its rows at offset s read), so
+        k passes cost about (k + 1) / 2 full ones."""
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         b, t = ids.shape
@@ -158,11 +160,13 @@ class MemoryDraft(torch.nn.Module):
         own = torch.zeros(b, t, self.taps, self.hidden, dtype=target_taps.dtype, device=ids.device)
         parts, order = [], []
         for s in range(min(k, t)):
-            rows = pos % k == s                                                    # [T]
-            x = self.embed(ids)                                                    # [B, T, H]
+            live = pos % k <= s if s else torch.ones(t, dtype=torch.bool, device=ids.device)   # [T]
+            at = pos[live]                                                         # [T_s] positions
+            rows = at % k == s                                                     # [T_s] this pass's
+            x = self.embed(ids[:, live])                                           # [B, T_s, H]
             outs = [x]
             for i in range(self.blocks):
-                q, kt, vt = self.project(i, x, pos)
+                q, kt, vt = self.project(i, x, at)
                 if s == 0:
                     target_kv.append(self.project(i, self.memory(i, target_taps), pos, queries=False)[1:])
                     context_kv.append((kt, vt))
@@ -171,15 +175,19 @@ class MemoryDraft(torch.nn.Module):
                     _, dk, dv = self.project(i, self.memory(i, own), pos, queries=False)
                     keys = [context_kv[i][0], kt, target_kv[i][0], dk]
                     values = [context_kv[i][1], vt, target_kv[i][1], dv]
-                    masks = [m["context"], m["block"], m["target"], m["own"]]
+                    masks = [m["context"][live], m["block"][live][:, live], m["target"][live], m["own"][live]]
                 att = F.scaled_dot_product_attention(q, torch.cat(keys, -2), torch.cat(values, -2),
                                                      attn_mask=torch.cat(masks, -1), enable_gqa=True)
                 x = self.finish(i, x, att)
                 outs.append(x)
             parts.append(self.logits(x[:, rows]))                                  # [B, n_s, V]
-            order.append(pos[rows])
+            order.append(at[rows])
             if s < k - 1:                       # this pass's rows: the draft's own taps from now on
-                own = torch.where(rows[None, :, None, None], torch.stack(outs, dim=2), own)
+                mine = torch.zeros(t, dtype=torch.bool, device=ids.device)
+                mine[at[rows]] = True
+                fresh = torch.zeros_like(own)
+                fresh[:, at[rows]] = torch.stack(outs, dim=2)[:, rows]
+                own = torch.where(mine[None, :, None, None], fresh, own)
         logits = torch.cat(parts, dim=1)                                           # [B, T, V] by pass
         return logits[:, torch.argsort(torch.cat(order))]
 
