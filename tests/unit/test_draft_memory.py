@@ -181,9 +181,16 @@ def _drafter(window=None, sink=0):
     return MemoryDrafter(MemoryForward(draft), draft.spec, name="memory")
 
 
-def test_greedy_output_is_identical_with_a_memory_draft(target):
+@pytest.mark.parametrize("merged", [False, True], ids=["alone", "merged-with-ngram"])
+def test_greedy_output_is_identical_with_a_memory_draft(target, merged):
+    from workers.drafters.merge import MergeDrafter
+    from workers.drafters.ngram import NgramDrafter
+
     forward = LlamaForward(target)
     drafter = _drafter(window=8, sink=2)
+    if merged:
+        drafter = MergeDrafter([drafter, NgramDrafter()])
+        assert drafter.target_taps == TapSpec(MEMORY_LAYERS, 2, 8)
     reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({EOS}))
             for i, p in enumerate(prompts(4))]
     out = Engine(Verifier(forward, max_tree_tokens=16), drafter, TreeBudget(8, 4), adaptive=False).generate(reqs)
