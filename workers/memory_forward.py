@@ -18,15 +18,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.draft_memory import MemoryDraft
+from workers.cpu_linear import Linear, pick_backend
+from workers.draft_memory import MemoryDraft, _rope
 from workers.kv_cache import KVCache
-from workers.llama_forward import Segment
+from workers.llama_forward import Segment, _fused, _fused_bias
 
 __all__ = ["MemoryForward"]
 
 
 class MemoryForward:
-    def __init__(self, draft: MemoryDraft):
+    def __init__(self, draft: MemoryDraft, gemm: str | None = None):
+        """`gemm`: the linears' layout (workers/cpu_linear.py; None: this machine's fastest).
+        The blocks' linears are packed once as the lean forward packs the target's (q/k/v and
+        gate/up fused): drafting is the few-row case those layouts are for. The draft must not
+        be trained further after this (the packed copies would not follow)."""
         self.draft = draft.eval()
         self.n_layers = draft.blocks
         self.n_kv_heads = draft.n_kv_heads
@@ -34,6 +39,12 @@ class MemoryForward:
         self.vocab_size = draft.vocab_size
         self.dtype = draft.hf.model.embed_tokens.weight.dtype
         self.device = draft.hf.model.embed_tokens.weight.device
+        self.gemm = pick_backend(self.device, self.dtype, gemm)
+        with torch.no_grad():
+            self.blocks = [_pack(layer, self.gemm) for layer in draft.hf.model.layers]
+            self.lm_head = Linear(draft.hf.lm_head.weight.detach(), None, self.gemm)
+        self.eps = draft.hf.config.rms_norm_eps
+        self.silu = getattr(draft.hf.config, "hidden_act", "silu") == "silu"
         self.head = None        # a CheapHead (workers/cheap_head.py) in place of the full one
 
     def new_cache(self, capacity: int) -> KVCache:
@@ -60,25 +71,26 @@ class MemoryForward:
         outs = [x]
         masks = [self._masks(seg, known[seg.start: seg.start + seg.rows]) for seg in segments]
         for i in range(self.n_layers):
-            q, k, v = d.project(i, x, positions)                  # q [Hq, T, D]; k, v [Hkv, T, D]
+            q, k, v = self._project(i, x, positions)              # q [Hq, T, D]; k, v [Hkv, T, D]
             mk = mv = None
             if bool(known.any()):
-                _, mk, mv = d.project(i, d.memory(i, taps[known].to(x.dtype)), positions[known], queries=False)
+                _, mk, mv = self._project(i, d.memory(i, taps[known].to(x.dtype)), positions[known], False)
             self._store(i, segments, k, v, known, mk, mv)
             att = torch.empty_like(q)                                              # [Hq, T, D]
             for seg, mask in zip(segments, masks):
                 att[:, seg.start: seg.start + seg.rows] = self._attend(i, seg, q, mask)
-            x = d.finish(i, x, att)
+            x = self._finish(i, x, att)
             outs.append(x)
         own = torch.stack(outs, dim=1)                                             # [T, S, H]
         unknown = ~known
         if bool(unknown.any()):                 # the draft's own memory, for the rows after these
             for i in range(self.n_layers):
-                _, mk, mv = d.project(i, d.memory(i, own[unknown]), positions[unknown], queries=False)
+                _, mk, mv = self._project(i, d.memory(i, own[unknown]), positions[unknown], False)
                 self._store_memory(i, segments, unknown, mk, mv)
         if logit_rows is None:
             return None
-        return d.logits(x[logit_rows]) if self.head is None else self.head(d.hf.model.norm(x[logit_rows]))
+        hidden = F.rms_norm(x[logit_rows], (x.shape[-1],), d.hf.model.norm.weight, self.eps)   # [R, H]
+        return (self.head or self.lm_head)(hidden)
 
     @torch.inference_mode()
     def write_memory(self, cache: KVCache, slots: torch.Tensor, positions: torch.Tensor,
@@ -87,9 +99,39 @@ class MemoryForward:
         taps [n, S, H]: a root's memory, once the step that read it reports its taps."""
         d, h = self.draft, self.n_kv_heads
         for i in range(self.n_layers):
-            _, mk, mv = d.project(i, d.memory(i, taps.to(self.dtype)), positions, queries=False)   # [Hkv, n, D]
+            _, mk, mv = self._project(i, d.memory(i, taps.to(self.dtype)), positions, False)   # [Hkv, n, D]
             cache.k[i, h:, slots] = mk
             cache.v[i, h:, slots] = mv
+
+    # -- block math (MemoryDraft's, on the packed linears) ----------------------------------------
+
+    def _project(self, i: int, x: torch.Tensor, positions: torch.Tensor, queries: bool = True):
+        """`MemoryDraft.project` for rows x [T, H]: q [Hq, T, D] (None unless `queries`), k, v [Hkv, T, D]."""
+        w, d = self.blocks[i], self.draft
+        h = F.rms_norm(x, (x.shape[-1],), w["ln1"], w["eps1"])
+        if queries:
+            qkv = w["wqkv"](h).view(h.shape[0], -1, self.head_dim)                 # [T, Hq+2Hkv, D]
+            nq = d.n_heads
+            q, k, v = qkv[:, :nq], qkv[:, nq: nq + self.n_kv_heads], qkv[:, nq + self.n_kv_heads:]
+        else:
+            kv = w["wkv"](h).view(h.shape[0], -1, self.head_dim)                   # [T, 2Hkv, D]
+            q, k, v = None, kv[:, : self.n_kv_heads], kv[:, self.n_kv_heads:]
+        if "k_norm" in w:                                                          # Qwen3
+            k = F.rms_norm(k, (self.head_dim,), w["k_norm"], w["qk_eps"])
+            q = None if q is None else F.rms_norm(q, (self.head_dim,), w["q_norm"], w["qk_eps"])
+        cos, sin = d.cos[positions].to(x.dtype), d.sin[positions].to(x.dtype)      # [T, D]
+        k = _rope(k.transpose(0, 1), cos, sin)
+        q = None if q is None else _rope(q.transpose(0, 1), cos, sin)
+        return q, k, v.transpose(0, 1)
+
+    def _finish(self, i: int, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """`MemoryDraft.finish`: attended [Hq, T, D] -> block i's output [T, H]."""
+        w = self.blocks[i]
+        if not self.silu:
+            return self.draft.finish(i, x, attended)
+        x = x + w["wo"](attended.transpose(0, 1).flatten(1))
+        gate, up = w["wgu"](F.rms_norm(x, (x.shape[-1],), w["ln2"], w["eps2"])).chunk(2, dim=-1)
+        return x + w["wdown"](F.silu(gate) * up)
 
     # -- per segment -------------------------------------------------------------------------
 
@@ -136,3 +178,21 @@ class MemoryForward:
                 slots = seg.cache.length + mine
                 seg.cache.k[i, h:, slots] = mk[:, index[seg.start + mine]]
                 seg.cache.v[i, h:, slots] = mv[:, index[seg.start + mine]]
+
+
+def _pack(layer, gemm: str) -> dict:
+    """One block's weights in the lean forward's packed layouts (workers/llama_forward.py)."""
+    att, mlp = layer.self_attn, layer.mlp
+    w = {"ln1": layer.input_layernorm.weight.detach(), "eps1": layer.input_layernorm.variance_epsilon,
+         "ln2": layer.post_attention_layernorm.weight.detach(),
+         "eps2": layer.post_attention_layernorm.variance_epsilon,
+         "wqkv": Linear(*_fused(att, "qkv_proj", "q_proj", "k_proj", "v_proj"), gemm),
+         "wkv": Linear(torch.cat([att.k_proj.weight, att.v_proj.weight]).detach(),
+                       _fused_bias(att.k_proj, att.v_proj), gemm),
+         "wo": Linear(att.o_proj.weight.detach(), _fused_bias(att.o_proj), gemm),
+         "wgu": Linear(*_fused(mlp, "gate_up_proj", "gate_proj", "up_proj"), gemm),
+         "wdown": Linear(mlp.down_proj.weight.detach(), _fused_bias(mlp.down_proj), gemm)}
+    if getattr(att, "q_norm", None) is not None:
+        w.update(q_norm=att.q_norm.weight.detach(), k_norm=att.k_norm.weight.detach(),
+                 qk_eps=att.q_norm.variance_epsilon)
+    return w
