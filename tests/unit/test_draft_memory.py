@@ -270,3 +270,18 @@ def test_a_drafter_names_taps_without_loading_it(tmp_path):
     assert taps_of(str(tmp_path / "m")) == TapSpec((1, 3), 4, 32)
     assert taps_of(f"merge:ngram+{tmp_path / 'm'}") == TapSpec((1, 3), 4, 32)
     assert taps_of(str(tmp_path / "p")) is None and taps_of("ngram") is None
+
+
+def test_taps_round_trip_and_refuse_a_wrong_size():
+    from workers.contract import TargetTaps
+    from workers.target_taps import committed_taps
+
+    vals = torch.randn(4, 3, 5)
+    pos, back = unpack(pack([7, 8, 9, 10], vals))
+    assert pos == [7, 8, 9, 10] and torch.equal(back, vals)
+    with pytest.raises(ValueError, match="do not hold"):
+        TargetTaps((1, 2), 3, 5, b"\0" * 4 * 3 * 5)
+    # sink 1, window 2, newest 6: of positions 0..5 only the sink and 5 can still be read
+    kept = committed_taps(TapSpec((0,), 1, 2), range(6), torch.randn(6, 3, 5), 6)
+    assert kept.positions == (0, 5)
+    assert committed_taps(TapSpec((0,), 0, 1), range(3), torch.randn(3, 3, 5), 9) is None
