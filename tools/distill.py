@@ -346,13 +346,13 @@ def _checkpoint(path: Path, draft, opt, prog: _Progress, params, trained_s: floa
     tmp.replace(path)
 
 
-def _bar(total_s: float, enabled: bool):
+def _bar(total_s: float, enabled: bool, desc: str = "distill"):
     """A progress bar over wall time; returns update(done_s, text, end=False)."""
     if not enabled:
         return lambda done, text, end=False: None
     from tqdm import tqdm
 
-    bar = tqdm(total=round(total_s), unit="s", desc="distill", file=sys.stderr, mininterval=1.0)
+    bar = tqdm(total=round(total_s), unit="s", desc=desc, file=sys.stderr, mininterval=1.0)
 
     def update(done: float, text: str, end: bool = False) -> None:
         bar.n = min(round(done), bar.total)

@@ -195,7 +195,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
     train_start = time.monotonic()
     budget_s = max(deadline - train_start, 1e-9)
     last_ckpt, losses = train_start, []
-    bar = _bar(budget_s, progress)
+    bar = _bar(budget_s, progress, "draft train")
     draft.hf.train()
     with log_path.open("a") as log:
         while time.monotonic() < deadline and (max_steps is None or steps < max_steps):
