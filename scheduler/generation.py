@@ -38,6 +38,7 @@ class GenerationResult:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    draft_levels: int = 0                                 # tree levels drafted: a model's draft passes
     finish_reason: str | None = None                      # "stop" | "length"
 
     @property
@@ -103,6 +104,7 @@ class Engine:
                     res.steps += 1
                     res.drafted += step.drafted
                     res.accepted += step.accepted
+                    res.draft_levels += step.draft_depth
                     self._commit(by_id[step.request_id], res, step.tokens)
                 live = [r for r in live if results[r.request_id].finish_reason is None]
         finally:

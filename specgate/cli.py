@@ -69,6 +69,10 @@ COMMANDS: tuple[Command, ...] = (
             "the throughput model's predicted speed-up per drafter x tree shape x batch x context"),
     Command(("draft", "build"), "tools.draft_build",
             "prune a SPIRe-style draft from the target (a few blocks, sink + window attention)"),
+    Command(("draft", "train"), "tools.spire_train",
+            "train a draft SPIRe's way: mixed loss, k-step training, feedback memory over the target's activations"),
+    Command(("draft", "head"), "tools.draft_head",
+            "restrict a draft's unembedding to the target's most frequent tokens (FR-Spec): a cheaper draft"),
     Command(("distill",), "tools.distill",
             "train a draft against the target on the target's own text"),
 )

@@ -13,6 +13,19 @@ Report, per drafter: τ overall and per workload, acceptance (accepted ÷ drafte
 per step, wall time; `best_single`: the non-merge drafter with the highest τ, and per merge
 `tau_vs_best_single`. Greedy output must not depend on the drafter: `identical` compares every
 drafter's tokens with the first one's.
+
+Costs, per drafter: drafting time per step and per level drafted (a model drafter runs one pass
+per level: its cost per draft token, also as a share of a plain target step), verification time
+per step, tokens/s over the measured prompts (wall time, prefills included). With ``none``
+(plain decoding) among the drafters (the CLI runs it first unless named), each drafter gets its
+measured multiplier (tokens/s ÷ plain tokens/s) beside SPIRe's predicted one, TM = τ ÷
+((k·t_draft + t_verify) ÷ t_target) from the same run's per-step costs (tools/throughput.py);
+what the prediction leaves out (prefills, the loop's bookkeeping) is the gap between them.
+
+``self`` or ``self:SINK:WINDOW`` names MagicDec-style self-speculation, SPIRe's baseline: the
+target itself drafts, attending only to a sink and a sliding window (default 4 and 256).
+
+    specgate bench drafters --workload chat --drafters none,ngram,self,DRAFT_DIR,merge:DRAFT_DIR+ngram
 """
 from __future__ import annotations
 
@@ -26,7 +39,11 @@ from typing import Any, Sequence
 from loadtest.workload import WORKLOADS, load_workload
 from workers.contract import SamplingParams
 from workers.contract import TreeBudget
+from workers.draft_model import DraftSpec
+from workers.drafters.base import Drafter
+from workers.drafters.model import ModelDrafter, is_model_dir
 from workers.drafters.registry import MERGE_PREFIX, create_drafter
+from tools.throughput import spire_multiplier
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
 from workers.loader import DEFAULT_MODEL
@@ -35,13 +52,16 @@ from workers.loader import DEFAULT_MODEL
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", default="ngram,suffix,merge:ngram+suffix",
                    help="comma-separated drafter names; the first one's output is the reference")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, mixed")
+    p.add_argument("--workloads", "--workload", default=",".join(WORKLOADS), help="comma-separated, mixed")
     p.add_argument("--per-workload", type=int, default=4, help="measured prompts per workload")
     p.add_argument("--warmup", type=int, default=2,
                    help="unmeasured prompts per workload first (the ones after the measured ones)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--tree-nodes", type=int, default=32)
     p.add_argument("--tree-depth", type=int, default=24)
+    p.add_argument("--chain", action="store_true",
+                   help="model drafters (a draft directory, self) draft one chain (SPIRe's k-token chain) "
+                        "rather than a dynamic tree")
     p.add_argument("--adaptive", action="store_true",
                    help="size each request's tree from its acceptance, as served (default: the "
                         "whole budget every step)")
@@ -53,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from workers.runtime import encode_record, load_runtime
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if drafters and "none" not in drafters:
+        drafters.insert(0, "none")          # plain decoding: the reference output and tokens/s
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not drafters or args.per_workload < 1 or args.warmup < 0:
         raise ValueError("name at least one drafter; --per-workload must be >= 1, --warmup >= 0")
@@ -61,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     encode = lambda pairs: [(w, encode_record(rt.tokenizer, r)) for w, r in pairs]   # noqa: E731
     report = bench_drafters(rt, drafters, encode(measured), encode(warm),
                             TreeBudget(args.tree_nodes, args.tree_depth), adaptive=args.adaptive,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, chain=args.chain)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -103,15 +125,52 @@ def merge_ratios(taus: dict[str, float]) -> dict[str, Any]:
                                    if d.startswith(MERGE_PREFIX) and best is not None}}
 
 
+def make_drafter(rt: Any, name: str, chain: bool = False) -> Drafter:
+    """A drafter by name: ``self[:SINK:WINDOW]`` is the target drafting for itself under a sink +
+    window mask (module docstring), anything else comes from the registry. `chain`: a model
+    drafter (self, a draft directory) drafts a single chain."""
+    options = {"mode": "widths", "widths": (1,)} if chain else {}
+    if name == "self" or name.startswith("self:"):
+        parts = name.split(":")[1:]
+        if len(parts) not in (0, 2):
+            raise ValueError(f"drafter {name!r}: self or self:SINK:WINDOW")
+        sink, window = (int(parts[0]), int(parts[1])) if parts else (4, 256)
+        return ModelDrafter(rt.forward, DraftSpec(sink=sink, window=window), name=name, **options)
+    return create_drafter(name, **options) if chain and is_model_dir(name) else create_drafter(name)
+
+
+def costs(tau: float, tokens: int, steps: int, levels: int, draft_s: float, verify_s: float, wall_s: float,
+          plain: dict | None) -> dict:
+    """A drafter's per-step costs and tokens/s; with `plain` (the ``none`` run's figures), its
+    measured and predicted multipliers (module docstring).
+
+    >>> plain = costs(1.0, 100, 100, 0, 0.0, 4.0, 4.4, None)
+    >>> c = costs(2.5, 100, 40, 160, 0.4, 2.0, 2.6, plain)
+    >>> c["draft_ms_per_level"], c["draft_vs_target"], c["multiplier_measured"], c["multiplier_predicted"]
+    (2.5, 0.062, 1.692, 1.667)
+    """
+    out = {"draft_ms_per_step": round(1e3 * draft_s / steps, 3) if steps else 0.0,
+           "draft_ms_per_level": round(1e3 * draft_s / levels, 3) if levels else 0.0,
+           "verify_ms_per_step": round(1e3 * verify_s / steps, 3) if steps else 0.0,
+           "tokens_per_s": round(tokens / wall_s, 2) if wall_s else 0.0}
+    if plain is not None and plain["verify_ms_per_step"] and steps:
+        target_s = plain["verify_ms_per_step"] / 1e3
+        out["draft_vs_target"] = round(draft_s / levels / target_s, 3) if levels else 0.0
+        out["multiplier_measured"] = round(out["tokens_per_s"] / plain["tokens_per_s"], 3)
+        out["multiplier_predicted"] = round(spire_multiplier(tau, draft_s / steps, verify_s / steps, target_s), 3)
+        out["prediction_error"] = round(out["multiplier_predicted"] / out["multiplier_measured"] - 1, 3)
+    return out
+
+
 def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[str, list[int]]],
                    warm: Sequence[tuple[str, list[int]]], budget: TreeBudget, *, adaptive: bool = False,
-                   max_tokens: int = 96) -> dict:
+                   max_tokens: int = 96, chain: bool = False) -> dict:
     """Run every drafter over the same prompts (see the module docstring); the report."""
     cost = StepCostModel.from_doc(rt.step_profile(1, budget.max_nodes)) if adaptive else None
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     for name in drafters:
-        engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), create_drafter(name),
+        engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), make_drafter(rt, name, chain),
                         budget, adaptive=adaptive, step_cost=cost)
 
         def generate(i: int, ids: list[int], tag: str):
@@ -122,14 +181,19 @@ def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[st
             generate(i, ids, "w")
         per: dict[str, list[int]] = {}          # workload -> [tokens, steps, drafted, accepted]
         outs = []
+        timings = engine.verifier.timings
+        draft0, verify0, levels = engine.worker.draft_s, timings.forward_s + timings.other_s, 0
         t0 = time.perf_counter()
         for i, (workload, ids) in enumerate(measured):
             res = generate(i, ids, "m")
             outs.append(res.token_ids)
+            levels += res.draft_levels
             acc = per.setdefault(workload, [0, 0, 0, 0])
             for j, v in enumerate((len(res.token_ids), res.steps, res.drafted, res.accepted)):
                 acc[j] += v
         wall = time.perf_counter() - t0
+        draft_s = engine.worker.draft_s - draft0
+        verify_s = timings.forward_s + timings.other_s - verify0
         tokens, steps, drafted, accepted = (sum(a[j] for a in per.values()) for j in range(4))
         outputs[name] = outs
         results[name] = {
@@ -138,12 +202,18 @@ def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[st
             "wall_s": round(wall, 2),
             "tau_by_workload": {w: round(a[0] / a[1], 3) for w, a in per.items()},
         }
-        print(f"{name}: tau {results[name]['tau']} ({wall:.0f} s)", file=sys.stderr, flush=True)
+        results[name].update(costs(tokens / steps, tokens, steps, levels, draft_s, verify_s, wall,
+                                   results.get("none") if name != "none" else None))
+        r = results[name]
+        print(f"{name}: tau {r['tau']} alpha {r['alpha']} draft {r['draft_ms_per_level']} ms/level "
+              f"({r.get('draft_vs_target', '-')} of a target step) {r['tokens_per_s']} tokens/s, "
+              f"x{r.get('multiplier_measured', '-')} measured, x{r.get('multiplier_predicted', '-')} "
+              f"predicted ({wall:.0f} s)", file=sys.stderr, flush=True)
     reference = outputs[drafters[0]]
     return {
         "prompts": len(measured), "warmup_prompts": len(warm), "max_tokens": max_tokens,
         "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
-        "adaptive": adaptive, "drafters": results,
+        "adaptive": adaptive, "chain": chain, "drafters": results,
         **merge_ratios({d: r["tau"] for d, r in results.items()}),
         "identical": all(outputs[d] == reference for d in drafters),
     }

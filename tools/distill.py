@@ -36,6 +36,7 @@ the device before reading the clock, so ``trained_minutes`` and ``step_s`` are t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -329,9 +330,8 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     alpha_after = alpha(draft, evals, spec)
     say(f"alpha after: {alpha_after:.3f}")
     draft.save_pretrained(draft_dir)
-    write_spec(draft_dir, DraftSpec(spec.sink, spec.window, spec.source_layers, spec.target,
-                                    spec.distilled_steps + (prog.steps - _steps_before(first)),
-                                    spec.extra))
+    write_spec(draft_dir, dataclasses.replace(
+        spec, distilled_steps=spec.distilled_steps + (prog.steps - _steps_before(first))))
     first["steps_written"] = prog.steps
     summary_path.write_text(json.dumps(first))
     window = max(1, len(prog.losses) // 10)
@@ -373,13 +373,13 @@ def _to_host(state):
     return state
 
 
-def _bar(total_s: float, enabled: bool):
+def _bar(total_s: float, enabled: bool, desc: str = "distill"):
     """A progress bar over wall time; returns update(done_s, text, end=False)."""
     if not enabled:
         return lambda done, text, end=False: None
     from tqdm import tqdm
 
-    bar = tqdm(total=round(total_s), unit="s", desc="distill", file=sys.stderr, mininterval=1.0)
+    bar = tqdm(total=round(total_s), unit="s", desc=desc, file=sys.stderr, mininterval=1.0)
 
     def update(done: float, text: str, end: bool = False) -> None:
         bar.n = min(round(done), bar.total)

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from workers.device import resolve_device, synchronize
+from workers.draft_memory import default_memory_layers
 from workers.draft_model import DraftSpec, write_spec
 from workers.loader import DEFAULT_MODEL, load_target, resolve_model
 
@@ -90,9 +91,12 @@ def prune(target, layers: Sequence[int]):
 
 
 def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", sink: int = 4,
-                window: int | None = 256, device: str = "auto", progress: bool = True) -> Path:
+                window: int | None = 256, memory: bool = False, device: str = "auto",
+                progress: bool = True) -> Path:
     """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path.
-    `device`: where the target is loaded and the draft assembled (workers/device.py)."""
+    `memory`: give the draft SPIRe's feedback memory over the target's activations
+    (workers/draft_memory.py), read from `default_memory_layers` of the target. `device`: where
+    the target is loaded and the draft assembled (workers/device.py)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass a new directory")
@@ -103,8 +107,10 @@ def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", si
     out.mkdir(parents=True, exist_ok=True)
     draft.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    memory_layers = default_memory_layers(target.config.num_hidden_layers, len(picked)) if memory else ()
     write_spec(out, DraftSpec(sink=sink, window=window, source_layers=picked,
-                              target=str(resolve_model(target_name, progress=False))))
+                              target=str(resolve_model(target_name, progress=False)),
+                              memory_layers=memory_layers))
     return out
 
 
@@ -117,6 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=256, help="sliding-window length; 0 = full attention")
     p.add_argument("--device", default="auto", help="where the target is loaded and the draft built: auto "
                                                     "(CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--memory", action="store_true",
+                   help="feedback memory over the target's activations (SPIRe; train with `specgate draft train`)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
     synchronize(dev)
     t0 = time.perf_counter()
     out = build_draft(args.target, args.out, layers=args.layers, sink=args.sink,
-                      window=args.window or None, device=str(dev))
+                      window=args.window or None, memory=args.memory, device=str(dev))
     synchronize(dev)
     seconds = time.perf_counter() - t0
     spec = json.loads((out / "specgate_draft.json").read_text())
     n = sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
     print(f"draft written to {out}: blocks {spec['source_layers']} of the target, sink {spec['sink']}, "
-          f"window {spec['window']}, {n / 1e6:.1f}M parameters; built on {dev} in {seconds:.1f} s",
-          file=sys.stderr)
+          f"window {spec['window']}, memory from blocks {spec['memory_layers'] or 'none'}, "
+          f"{n / 1e6:.1f}M parameters; built on {dev} in {seconds:.1f} s", file=sys.stderr)
     print(out)
     return 0

@@ -279,6 +279,19 @@ class ThroughputModel:
         return best
 
 
+def spire_multiplier(tau: float, draft_s: float, verify_s: float, target_s: float) -> float:
+    """SPIRe's TM = τ ÷ ((k·t_draft + t_verify) ÷ t_target) from measured per-step costs:
+    `draft_s` the drafting time of a step (all k draft calls), `verify_s` its verification pass,
+    `target_s` a plain decoding step's.
+
+    >>> round(spire_multiplier(2.5, 0.010, 0.050, 0.040), 3)       # 2.5 tokens for 1.5 plain steps
+    1.667
+    """
+    if target_s <= 0 or draft_s + verify_s <= 0:
+        raise ValueError("step costs must be positive")
+    return tau / ((draft_s + verify_s) / target_s)
+
+
 def fit_acceptance(history: Iterable[tuple[int, int, int, int]]) -> Acceptance:
     """α, coverage and reach from a drafter's steps, each (budget depth, proposed nodes, proposed
     depth, accepted): maximum-likelihood estimates of the three geometric/Bernoulli parts.

@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TreeBudget, WorkItem
+from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TargetTaps, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.registry import create_drafter
+from workers.target_taps import merge
 from workers.tree import TokenTree, depths, truncate
 from workers.verifier import Verifier, VerifyItem
 
@@ -35,9 +36,10 @@ class _Resident:
     prompt_len: int
     drafter: Drafter
     constraint: str | None = None   # SamplingParams.constraint: what the grammar drafter reads
+    taps: TargetTaps | None = None  # target activations its drafter has not been handed yet
 
     def draft_context(self, request_id: str) -> DraftContext:
-        return DraftContext(request_id, self.tenant, self.context, self.prompt_len, self.constraint)
+        return DraftContext(request_id, self.tenant, self.context, self.prompt_len, self.constraint, self.taps)
 
 
 class BatchWorker:
@@ -97,11 +99,23 @@ class BatchWorker:
         chosen = self.drafter(drafter)
         if sampling.constraint and self.grammar is not None:
             chosen = self._grammar_merged(chosen)
+        self._want_taps(chosen)
         done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer,
                                      prompt_len=prompt_len)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
-                                               sampling.constraint)
-        return done
+                                               sampling.constraint, done.taps)
+        return replace(done, taps=None)
+
+    def _want_taps(self, drafter: Drafter) -> None:
+        """A drafter that reads the target's activations (`Drafter.target_taps`): the verifier
+        returns them from now on. One spec per verifier: every pass computes the same taps."""
+        spec = drafter.target_taps
+        if spec is None or self.verifier.taps == spec:
+            return
+        if self.verifier.taps is not None:
+            raise ValueError(f"drafter {drafter.name!r} reads target taps {spec}, but this verifier "
+                             f"already returns {self.verifier.taps} for another drafter")
+        self.verifier.taps = spec
 
     def _grammar_merged(self, drafter: Drafter) -> Drafter:
         """The request's drafter with the grammar drafter's forced chain merged in (one shared
@@ -149,16 +163,19 @@ class BatchWorker:
         for step, tree, share in zip(results, trees, shares):
             res = self._resident[step.request_id]
             res.context.extend(step.tokens)
+            if step.taps is not None:
+                res.taps = merge(res.taps, step.taps, res.drafter.target_taps)
             if step.prefilled and step.pending:        # mid-prefill: index what is computed
                 res.drafter.observe(DraftContext(step.request_id, res.tenant,
                                                  res.context[:len(res.context) - step.pending],
                                                  res.prompt_len, res.constraint))
-            out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0)))
+            out.append(replace(step, draft_s=share, draft_depth=max(depths(tree), default=0), taps=None))
         # Let drafters start drafting the next step now (remote ones do, while the step's results
-        # travel), for these requests at this step's budgets. The contexts are the ones just
-        # drafted from: each one's tokens is its request's context list, which has just grown.
+        # travel), for these requests at this step's budgets, from their grown contexts (with the
+        # taps this step brought; they stay pending until a proposal hands them over).
         for drafter, group in groups:
-            drafter.prefetch_batch([(ctx, budget) for _, ctx, budget in group])
+            drafter.prefetch_batch([(self._resident[ctx.request_id].draft_context(ctx.request_id), budget)
+                                    for _, ctx, budget in group])
         return out
 
     def _groups(self, items: Sequence[WorkItem]) -> list[_Group]:
@@ -180,6 +197,9 @@ class BatchWorker:
         for drafter, group in groups:
             t0 = time.perf_counter()
             proposed = drafter.propose_batch([(ctx, budget) for _, ctx, budget in group])
+            for _, ctx, _ in group:
+                if ctx.taps is not None:        # handed over
+                    self._resident[ctx.request_id].taps = None
             share = (time.perf_counter() - t0) / len(group)
             for (i, _, b), tree in zip(group, proposed):
                 # held to the budget here: a remote drafter's tree may have been prefetched

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 __all__ = ["SamplingParams", "TokenLogprob", "MAX_TOP_LOGPROBS", "TreeBudget", "NO_SPECULATION",
-           "DraftContext", "WorkItem", "StepResult", "ContextLengthError"]
+           "TapSpec", "TargetTaps", "DraftContext", "WorkItem", "StepResult", "ContextLengthError"]
 
 MAX_TOP_LOGPROBS = 20        # OpenAI's bound on top_logprobs
 
@@ -106,6 +106,52 @@ class TreeBudget:
 NO_SPECULATION = TreeBudget(0, 0)
 
 
+@dataclass(frozen=True)
+class TapSpec:
+    """Which of the target's activations a draft with feedback memory reads (SPIRe), and which
+    positions it can still use, so the verifier returns no more than that.
+
+    Tap 0 is the token embedding, tap j the output of the target's block ``layers[j - 1]``.
+    A draft with sink ``sink`` and window ``window`` only ever reads memories at positions below
+    ``sink`` or within ``window`` of the newest one (workers/draft_model.py), so the verifier
+    keeps only those rows: what crosses to the drafter stays bounded in the context's length.
+    """
+    layers: tuple[int, ...]
+    sink: int = 0
+    window: Optional[int] = None
+
+    @property
+    def taps(self) -> int:
+        return 1 + len(self.layers)
+
+    def keeps(self, position: int, newest: int) -> bool:
+        """Whether a draft whose newest position is `newest` can still read `position`.
+
+        >>> [p for p in range(10) if TapSpec((1,), sink=2, window=3).keeps(p, 9)]
+        [0, 1, 7, 8, 9]
+        """
+        return self.window is None or position < self.sink or newest - position < self.window
+
+
+@dataclass(frozen=True)
+class TargetTaps:
+    """The target's activations at some committed positions, as plain bytes (no torch here).
+
+    ``data`` holds float32 values laid out [len(positions), taps, hidden], row-major, in the
+    order of ``positions`` (workers/target_taps.py packs and reads it). Positions are absolute
+    (0 = the prompt's first token) and need not be contiguous (the sink, then the window).
+    """
+    positions: tuple[int, ...]
+    taps: int
+    hidden: int
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.data) != 4 * len(self.positions) * self.taps * self.hidden:
+            raise ValueError(f"{len(self.data)} bytes do not hold {len(self.positions)} rows of "
+                             f"{self.taps} x {self.hidden} float32 values")
+
+
 @dataclass
 class DraftContext:
     """What a drafter sees of one request. ``tokens`` = prompt + committed output; the last is the root.
@@ -120,6 +166,10 @@ class DraftContext:
     tokens: Sequence[int]
     prompt_len: int
     constraint: Optional[str] = None
+    # The target's activations at committed positions this drafter may not have seen yet
+    # (`Drafter.target_taps`; the verifier computed them in its own passes, none extra).
+    # Idempotent: a position sent twice carries the same values. None: none new.
+    taps: Optional[TargetTaps] = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +208,11 @@ class StepResult:
     # One entry per committed token (same order as `tokens`) when the request asked for logprobs
     # (`SamplingParams.logprobs`), else None.
     logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    # The target's activations at this step's committed rows (the chunk, the root and the
+    # accepted nodes; not the bonus, which no pass has read yet), when the verifier is asked for
+    # taps (`TapSpec`): what a feedback-memory draft reads. The worker hands them to the
+    # request's drafter (`DraftContext.taps`) and drops them from what goes to the scheduler.
+    taps: Optional[TargetTaps] = None
 
     @property
     def tau(self) -> int:
@@ -186,6 +241,7 @@ class Prefilled:
     pending: int = 0          # context tokens left for steps to prefill (`WorkItem.prefill`)
     kv_tokens: int = 0        # KV slots the request holds now (the planner's KV budget counts them)
     home: Optional[str] = None   # where they are: the verifier replica in Ray mode, else None
+    taps: Optional[TargetTaps] = None   # the context's target activations (`StepResult.taps`)
 
 
 class ContextLengthError(ValueError):

@@ -35,6 +35,9 @@ class DraftSpec:
     source_layers: tuple[int, ...] = ()   # the target's blocks the draft was pruned from
     target: str = ""                      # the target model it was built from (a path or name)
     distilled_steps: int = 0              # optimiser steps of `specgate distill` so far
+    # Feedback memory (workers/draft_memory.py): the target's blocks whose outputs the draft's
+    # memory reads at committed positions, one per draft block; () = no memory.
+    memory_layers: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,6 +46,7 @@ class DraftSpec:
         if self.window is not None and self.window < 1:
             raise ValueError(f"window must be >= 1 (or None for full attention), got {self.window}")
         object.__setattr__(self, "source_layers", tuple(int(i) for i in self.source_layers))
+        object.__setattr__(self, "memory_layers", tuple(int(i) for i in self.memory_layers))
 
 
 def read_spec(path: str | Path) -> DraftSpec:
@@ -51,7 +55,8 @@ def read_spec(path: str | Path) -> DraftSpec:
     if not f.is_file():
         return DraftSpec()
     doc = json.loads(f.read_text())
-    known = {k: doc[k] for k in ("sink", "window", "source_layers", "target", "distilled_steps") if k in doc}
+    known = {k: doc[k] for k in ("sink", "window", "source_layers", "target", "distilled_steps",
+                                 "memory_layers") if k in doc}
     return DraftSpec(**known, extra={k: v for k, v in doc.items() if k not in known})
 
 
@@ -59,6 +64,7 @@ def write_spec(path: str | Path, spec: DraftSpec) -> None:
     doc = asdict(spec)
     doc.update(doc.pop("extra"))
     doc["source_layers"] = list(spec.source_layers)
+    doc["memory_layers"] = list(spec.memory_layers)
     (Path(path) / SPEC_FILE).write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -25,6 +25,7 @@ builds its forward with `windowed=False` and its own `past` masks say what each 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -168,6 +169,23 @@ class LlamaForward:
         """`forward`, also returning the final-normed hidden states of `logit_rows` ([R, H]: what
         the LM head reads, transformers' `last_hidden_state`), at no extra cost: features of the
         text so far for predictors that read the target's own state (a length predictor)."""
+        return self._run(input_ids, positions, segments, logit_rows, None)[:2]
+
+    @torch.inference_mode()
+    def forward_taps(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+                     logit_rows: torch.Tensor | None, tap_layers: Sequence[int]
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """`forward_hidden`, also returning every row's taps [T, 1 + len(tap_layers), H]: the
+        token embedding, then the output of each block in `tap_layers` (the residual stream after
+        it), what a feedback-memory draft reads (workers/target_taps.py). The same pass, on the
+        per-layer path (the one-call decoder stack exposes no block's output)."""
+        if any(not 0 <= li < self.n_layers for li in tap_layers) or list(tap_layers) != sorted(set(tap_layers)):
+            raise ValueError(f"tap layers {tuple(tap_layers)}: increasing block indices of the "
+                             f"target's {self.n_layers} are wanted")
+        return self._run(input_ids, positions, segments, logit_rows, tuple(tap_layers))
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+             logit_rows: torch.Tensor | None, tap_layers: tuple[int, ...] | None):
         for seg in segments:
             if seg.cache.length + seg.rows > seg.cache.capacity:
                 raise ValueError(f"KV capacity {seg.cache.capacity} exceeded "
@@ -182,29 +200,38 @@ class LlamaForward:
         plan = self._plan(segments, host_positions)
         one_mask_set = all(m is plan.layer_masks[0] for m in plan.layer_masks)
         if (self._stack is not None and plan.kernel and not plan.long and plan.padded is None and one_mask_set
-                and x.shape[0] <= self._stack_rows):
+                and x.shape[0] <= self._stack_rows and tap_layers is None):
             # every layer in one call (csrc/decoder.cpp): the loop below, without its Python
             masks = plan.layer_masks[0]
             delta = self._stack.forward(x, cos, sin, plan.k_caches, plan.v_caches, plan.starts, plan.rows,
                                         plan.lengths, masks.short_masks,
                                         [small_gemm.no_past(p) for p in masks.short_pasts],
                                         plan.short_causal, logit_rows is not None)
-            return (None, None) if logit_rows is None else self._logits(x, delta, logit_rows)
+            return (None, None, None) if logit_rows is None else (*self._logits(x, delta, logit_rows), None)
+        taps = [x.clone()] if tap_layers is not None else None   # tap 0: the embedding [T, H]
+        wanted = {li: j for j, li in enumerate(tap_layers or ())}
+        last_needed = max(tap_layers) if tap_layers else -1
         delta = None                    # the MLP output not yet added to x (added by the next norm)
         for li, w in enumerate(self.layers):
             h = self._norm(x, w["ln1"], delta)                                   # x += delta first
+            if li - 1 in wanted:
+                taps.append(x.clone())                                           # block li-1's output
             qkv = w["wqkv"](h)                                                   # [T, (Hq+2Hkv)D]
             if "q_norm" in w:
                 qkv = self._qk_norm(qkv, w)
             q = self._rope_store(li, qkv, cos, sin, plan)                        # [T, Hq, D]
-            if logit_rows is None and li == self.n_layers - 1:
+            if logit_rows is None and li == self.n_layers - 1 and last_needed < li:
                 # Nothing reads the last layer's output but logits: with none wanted (a
                 # prefill), its KV is all that is needed (a few percent of a prefill).
-                return None, None
+                return None, None, _stacked(taps)
             att = self._attention(li, q, plan)                                   # [T, Hq*D]
             h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
-        return self._logits(x, delta, logit_rows)
+        if self.n_layers - 1 in wanted:
+            taps.append(x + delta)
+        if logit_rows is None:
+            return None, None, _stacked(taps)
+        return (*self._logits(x, delta, logit_rows), _stacked(taps))
 
     def _logits(self, x: torch.Tensor, delta: torch.Tensor,
                 logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,6 +429,11 @@ class LlamaForward:
 
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+
+
+def _stacked(taps: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """Captured taps (each [T, H]) as [T, S, H]; None when none were asked for."""
+    return None if taps is None else torch.stack(taps, dim=1)
 
 
 def _fused(module, fused: str, *parts: str) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -39,11 +39,12 @@ import torch
 
 from workers.acceptance import Acceptance, accept_coupled, accept_greedy, accept_sampling, warp
 
-from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult, TokenLogprob
+from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult, TapSpec, TokenLogprob
 from workers.llama_forward import LlamaForward, Segment
 from workers.processors import NodeProcessor, ProcessorFactory, sampling_processors
 from workers.tree import TokenTree, ancestor_mask, depths, truncate
 from workers.prefix_cache import PrefixCache
+from workers.target_taps import committed_taps
 
 
 _EMPTY = TokenTree.empty()
@@ -98,19 +99,22 @@ class Verifier:
     def __init__(self, target: LlamaForward, *, max_tree_tokens: int = 64,
                  prefix_cache: PrefixCache | None = None, features: bool = False,
                  kv_block: int = KV_BLOCK, kv_pool_bytes: int | None = None,
-                 processors: ProcessorFactory | None = None):
+                 processors: ProcessorFactory | None = None, taps: TapSpec | None = None):
         """`features`: report each request's hidden state with its step result
         (`StepResult.features`); `kv_block`: tokens of KV a request grows by (module docstring);
         `kv_pool_bytes`: the KV memory requests and the prefix cache share; the prefix cache
         gives up blocks whenever the requests' KV needs them (the planner keeps the requests'
         KV within this pool: scheduler/kv_budget.py); `processors`: builds each request's
-        logit rules (workers/processors.py; default: penalties and logit_bias)."""
+        logit rules (workers/processors.py; default: penalties and logit_bias); `taps`: the
+        target activations a feedback-memory draft reads, returned for every committed row
+        (`StepResult.taps`, `Prefilled.taps`; workers/target_taps.py)."""
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         self.kv_block = kv_block
         self.kv_pool_bytes = kv_pool_bytes
         self.target = target
         self.features = features
+        self.taps = taps
         self.max_tree_tokens = max_tree_tokens
         self.prefix_cache = prefix_cache     # KV of prompt prefixes seen before, per tenant id
         self.processors = processors or sampling_processors(target.vocab_size)
@@ -169,25 +173,30 @@ class Verifier:
         slot.to_store = (tenant, context, chain) if pc is not None else None
         self._slots[request_id] = slot
         self._yield_pool()
-        features = None
+        features = taps = None
         if not (defer and slot.pending):         # whole prefill, or a whole-context cache hit
             if slot.pending or self.features:
-                (features,) = self._prefill_pass(slot)
+                features, taps = self._prefill_pass(slot)
             self._complete(slot)
-        return Prefilled(done, features, len(slot.pending), cache.capacity)
+        return Prefilled(done, features, len(slot.pending), cache.capacity, taps=taps)
 
     def _prefill_pass(self, slot: _Slot) -> tuple:
         """Compute every pending context token in one pass of its own (whole prefill); with
-        `features` the root rides along. Returns (root features or None,)."""
+        `features` the root rides along. Returns (root features or None, context taps or None)."""
         rows = slot.pending + ([slot.root] if self.features else [])
-        n, done = len(rows), slot.cache.length
+        n, done, c = len(rows), slot.cache.length, len(slot.pending)
         causal = torch.full((n, n), float("-inf")).triu(1)
         wanted = torch.tensor([n - 1]) if self.features else None
-        _, hidden = self.target.forward_hidden(torch.tensor(rows), torch.arange(done, done + n),
-                                               [Segment(slot.cache, 0, n, causal)], wanted)  # [1, H]
-        slot.cache.length = done + len(slot.pending)
+        args = (torch.tensor(rows), torch.arange(done, done + n), [Segment(slot.cache, 0, n, causal)], wanted)
+        taps = None
+        if self.taps is None:
+            _, hidden = self.target.forward_hidden(*args)                                  # [1, H]
+        else:
+            _, hidden, values = self.target.forward_taps(*args, self.taps.layers)          # [n, S, H]
+            taps = committed_taps(self.taps, range(done, done + c), values[:c], done + c)
+        slot.cache.length = done + c
         slot.pending = []
-        return (None if hidden is None else tuple(hidden[0].float().tolist()),)
+        return (None if hidden is None else tuple(hidden[0].float().tolist())), taps
 
     def _complete(self, slot: _Slot) -> None:
         """The context's KV is all computed: the prefix cache keeps it for later prompts."""
@@ -248,9 +257,10 @@ class Verifier:
         t0 = time.perf_counter()
         slots = [self._slot(item.request_id) for item in batch]
         plans = [self._rows(slot, item) for slot, item in zip(slots, batch)]
-        ids, pos, segments, wanted = [], [], [], []
+        ids, pos, segments, wanted, starts = [], [], [], [], []
         start = 0
         for slot, rp in zip(slots, plans):
+            starts.append(start)
             L, c, tree = slot.cache.length, rp.chunk, rp.tree
             ids += slot.pending[:c]
             pos += range(L, L + c)
@@ -263,19 +273,22 @@ class Verifier:
                 segments.append(Segment(slot.cache, start, rows, _step_mask(c, tree if rp.root_row else None)))
             start += rows
         t1 = time.perf_counter()
-        logits = hidden = None
+        logits = hidden = values = None
         if segments:
-            logits, hidden = self.target.forward_hidden(
-                torch.tensor(ids), torch.tensor(pos), segments,
-                torch.tensor(wanted) if wanted else None)                  # [R, V], [R, H]
+            args = (torch.tensor(ids), torch.tensor(pos), segments, torch.tensor(wanted) if wanted else None)
+            if self.taps is None:
+                logits, hidden = self.target.forward_hidden(*args)                  # [R, V], [R, H]
+            else:
+                logits, hidden, values = self.target.forward_taps(*args, self.taps.layers)   # [T, S, H]
         t2 = time.perf_counter()
         results = []
         greedy_rows = (self.target.argmax(logits) if any(s.sampling.greedy and rp.decode
                                                          for s, rp in zip(slots, plans)) else None)
         lo = 0                                   # this item's first row among the logits rows
-        for item, slot, rp in zip(batch, slots, plans):
+        for item, slot, rp, first in zip(batch, slots, plans, starts):
             c, tree = rp.chunk, rp.tree
             features = logprobs = None
+            length = slot.cache.length
             if rp.decode:
                 acc = self._accept(slot, tree, lo, logits, greedy_rows, slot.cache.length + c)
                 if slot.sampling.logprobs is not None:
@@ -293,6 +306,13 @@ class Verifier:
                 tokens, accepted, drafted = (), 0, 0
                 if rp.root_row and self.features:
                     features = tuple(hidden[lo].float().tolist())
+            taps = None
+            if values is not None:
+                # the rows this step committed: the chunk, then the root and the accepted nodes
+                kept = list(range(c)) + ([c, *(c + 1 + i for i in acc.path)] if rp.decode else [])
+                newest = length + len(kept) if rp.decode else length + len(slot.pending)
+                taps = committed_taps(self.taps, range(length, length + len(kept)),
+                                      values[[first + r for r in kept]], newest)
             if c:
                 del slot.pending[:c]
                 if slot.pending:
@@ -303,7 +323,7 @@ class Verifier:
                 lo += 1 + len(tree)
             results.append(StepResult(item.request_id, tokens, accepted, drafted, features=features,
                                       prefilled=c, pending=len(slot.pending),
-                                      kv_tokens=slot.cache.capacity, logprobs=logprobs))
+                                      kv_tokens=slot.cache.capacity, logprobs=logprobs, taps=taps))
         grown = self._grow_ahead(slots)
         if grown is not None:
             results[grown] = replace(results[grown], kv_tokens=slots[grown].cache.capacity)

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from gateway.ray_serve.releases import DroppedTenant, Evicted, Release, apply_releases, release_id
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
+from workers.drafters.registry import taps_of
 from workers.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class RemoteDrafter(Drafter):
     def __init__(self, handle: Any, name: str, *, affinity: str, timeout_s: float = 5.0) -> None:
         self.handle = handle
         self.name = name
+        # a feedback-memory draft on the draft replicas reads the target's activations: this
+        # replica's verifier returns them, and each call carries them (DraftContext.taps)
+        self.target_taps = taps_of(name)
         self.affinity = affinity
         self.timeout_s = timeout_s
         self.failures = 0
@@ -82,7 +86,8 @@ class RemoteDrafter(Drafter):
 
     def _submit(self, items: Sequence[tuple[DraftContext, TreeBudget]]) -> Future:
         # A copy of each context: the worker extends its lists in place after this returns.
-        wire = [(DraftContext(c.request_id, c.tenant, list(c.tokens), c.prompt_len), b) for c, b in items]
+        wire = [(DraftContext(c.request_id, c.tenant, list(c.tokens), c.prompt_len, taps=c.taps), b)
+                for c, b in items]
         release, self._releases = self._releases, []
         self.calls += 1
         return self._client.submit(self._call, wire, release)

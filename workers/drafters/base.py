@@ -18,6 +18,11 @@ right for a drafter without it, so callers never probe for methods:
   ``DraftContext.tenant`` is the tenant's immutable id, never reused, so a tenant created again
   under the same name never meets the old one's state.
 
+``target_taps`` declares that the drafter reads the target's activations at committed positions
+(a feedback-memory draft: workers/drafters/memory.py): the verifier returns them with each step
+(`StepResult.taps`) and the worker hands them over in ``DraftContext.taps``; None (the default):
+it reads tokens only, and no pass computes or sends more.
+
 ``batched`` says whether ``propose_batch`` drafts its requests together (one call's cost for the
 whole step: a draft model, a remote drafter) rather than one ``propose`` each (the default).
 """
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from workers.contract import DraftContext, TreeBudget
+from workers.contract import DraftContext, TapSpec, TreeBudget
 from workers.tree import TokenTree
 
 __all__ = ["Drafter", "NoneDrafter"]
@@ -39,6 +44,7 @@ class Drafter:
 
     name: str = "drafter"
     batched: bool = False          # propose_batch shares one call's work among its requests
+    target_taps: TapSpec | None = None   # the target activations it reads (module docstring)
 
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
         raise NotImplementedError

@@ -115,6 +115,8 @@ class MergeDrafter(Drafter):
             raise ValueError(f"merged drafters must have distinct names, got {names}")
         self.drafters = tuple(drafters)
         self.name = name or "merge:" + "+".join(names)
+        # the target activations its parts read (one memory draft per merge: the first one's)
+        self.target_taps = next((d.target_taps for d in drafters if d.target_taps is not None), None)
 
     def propose_merged(self, ctx: DraftContext, budget: TreeBudget) -> MergedTree:
         """The merged tree with its proposers (for per-drafter statistics). Every drafter sees every

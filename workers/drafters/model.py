@@ -41,6 +41,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from workers.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TreeBudget
 from workers.device import resolve_device
 from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
@@ -67,6 +68,7 @@ class _State:
     kv: SparseKV
     fed: list[int]        # tokens fed so far, the last root included (its KV is cached too)
     root_logits: torch.Tensor | None = None   # [V] the draft's logits at the last root fed
+    request_id: str = ""
 
 
 @dataclass
@@ -109,11 +111,16 @@ class ModelDrafter(Drafter):
         CUDA when torch sees a GPU, so a draft replica with no GPU runs on its CPUs)."""
         from transformers import AutoModelForCausalLM
 
+        spec = read_spec(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(resolve_device(device))
         options.setdefault("name", str(path))
         # the draft attends as its spec says over a cache packed to sink + window (slots are not
         # positions), so the forward applies no window of the model's own
-        return cls(LlamaForward(model, windowed=False), read_spec(path), **options)
+        forward = LlamaForward(model, windowed=False)
+        kept = read_head(path)
+        if kept is not None:                    # a cheap head (workers/cheap_head.py)
+            forward.lm_head = CheapHead(model.lm_head.weight, kept, forward.gemm)
+        return cls(forward, spec, **options)
 
     # -- the Drafter protocol -------------------------------------------------------------------
 
@@ -147,7 +154,8 @@ class ModelDrafter(Drafter):
         state = self._states.get(ctx.request_id)
         n = len(state.fed) if state else 0
         if state is None or n > len(ctx.tokens) or (n and ctx.tokens[n - 1] != state.fed[-1]):
-            state = _State(SparseKV(self.forward.new_cache, self.spec, PREFILL_CHUNK + MAX_TREE_ROWS), [])
+            state = _State(SparseKV(self.forward.new_cache, self.spec, PREFILL_CHUNK + MAX_TREE_ROWS), [],
+                           request_id=ctx.request_id)
             self._states[ctx.request_id] = state
         return state
 
@@ -174,8 +182,9 @@ class ModelDrafter(Drafter):
                 if len(chunk) == len(pending):
                     last_rows.append(len(ids) - 1)
                     finishing.append(r)
-            logits = self.forward.forward(torch.tensor(ids, device=self.device), torch.cat(pos), segs,
-                                          torch.tensor(last_rows, device=self.device) if last_rows else None)
+            logits = self._feed(torch.tensor(ids, device=self.device), torch.cat(pos), segs,
+                                torch.tensor(last_rows, device=self.device) if last_rows else None,
+                                [states[r] for r in todo])
             for r, seg, positions in zip(list(todo), segs, pos):
                 states[r].kv.append(positions)
                 states[r].fed.extend(todo[r][: seg.rows])
@@ -184,6 +193,12 @@ class ModelDrafter(Drafter):
                 out[r] = states[r].root_logits = logits[k]
                 del todo[r]
         return torch.stack(out)
+
+    def _feed(self, ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+              logit_rows: torch.Tensor | None, states: list[_State]) -> torch.Tensor | None:
+        """One pass over committed tokens (`states`: each segment's request); a draft that reads
+        more than the tokens (workers/drafters/memory.py) adds it here."""
+        return self.forward.forward(ids, positions, segments, logit_rows)
 
     # -- growing the tree ----------------------------------------------------------------------
 

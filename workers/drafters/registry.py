@@ -22,12 +22,15 @@ import torch
 
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
-from workers.drafters.model import ModelDrafter, is_model_dir
+from workers.contract import TapSpec
+from workers.draft_model import read_spec
+from workers.drafters.memory import load_draft
+from workers.drafters.model import is_model_dir
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.suffix import SuffixDrafter
 
 __all__ = ["DrafterFactory", "BUILTIN_DRAFTERS", "LISTED_MERGES", "MERGE_PREFIX", "Registry", "register_drafter",
-           "create_drafter", "drafter_names", "is_drafter_name"]
+           "create_drafter", "drafter_names", "is_drafter_name", "taps_of"]
 
 DrafterFactory = Callable[..., Drafter]
 
@@ -85,7 +88,7 @@ class Registry:
         if factory is not None:
             return factory(**options)
         if is_model_dir(name):
-            return ModelDrafter.load(name, device=device if device is not None else "auto", **options)
+            return load_draft(name, device=device if device is not None else "auto", **options)
         parts = self._merge_parts(name)
         for key in options:
             if key not in parts:
@@ -137,3 +140,16 @@ def drafter_names() -> list[str]:
 
 def is_drafter_name(name: str) -> bool:
     return _DEFAULT.knows(name)
+
+
+def taps_of(name: str) -> TapSpec | None:
+    """The target taps a drafter name reads, without loading it: a feedback-memory draft's
+    directory, or a merge holding one (for a verifier whose drafters run elsewhere: Ray mode's
+    replicas, gateway/ray_serve/draft_pool.py)."""
+    parts = name[len(MERGE_PREFIX):].split("+") if name.startswith(MERGE_PREFIX) else [name]
+    for part in parts:
+        if is_model_dir(part):
+            spec = read_spec(part)
+            if spec.memory_layers:
+                return TapSpec(spec.memory_layers, spec.sink, spec.window)
+    return None

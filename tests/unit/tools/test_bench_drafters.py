@@ -43,3 +43,28 @@ def test_a_run_on_the_tiny_model(tiny_model):
     assert rep["drafters"][best]["tau"] == max(rep["drafters"][n]["tau"] for n in ("none", "ngram", "suffix"))
     assert rep["tau_vs_best_single"]["merge:ngram+suffix"] == pytest.approx(
         rep["drafters"]["merge:ngram+suffix"]["tau"] / rep["drafters"][best]["tau"], abs=2e-3)
+
+
+def test_costs_multipliers_and_self_speculation_on_the_tiny_model(tiny_model):
+    """Self-speculation drafts (the target under a sink + window mask: on a context shorter than
+    the window it is the target itself, so its likeliest child of the root, always in its tree,
+    is always accepted), and every drafter after plain decoding gets its costs and both
+    multipliers."""
+    rt = Runtime(tokenizer=None, forward=LlamaForward(tiny_model), hf_model=None,
+                 stop_token_ids=frozenset({2}))
+    ps = [p for p in prompts(8) if len(p) > 4]
+    measured = [("x", p) for p in ps[:3]]
+    rep = bench_drafters(rt, ["none", "ngram", "self:2:64"], measured, [], TreeBudget(4, 4), max_tokens=12)
+    assert rep["identical"] is True
+    selfspec = rep["drafters"]["self:2:64"]
+    assert selfspec["tau"] >= 1.9 and selfspec["alpha"] >= 0.24     # >= 1 of its 4 nodes each step
+    for name in ("ngram", "self:2:64"):
+        d = rep["drafters"][name]
+        assert d["multiplier_measured"] > 0 and d["multiplier_predicted"] > 0
+        assert d["verify_ms_per_step"] > 0 and d["tokens_per_s"] > 0
+    assert selfspec["draft_ms_per_level"] > 0 and selfspec["draft_vs_target"] > 0
+    chained = bench_drafters(rt, ["none", "self:2:64"], measured, [], TreeBudget(4, 4), max_tokens=12, chain=True)
+    d = chained["drafters"]["self:2:64"]
+    assert d["alpha"] == 1.0 and d["tau"] > 3.0 and chained["identical"]     # the target's own chain
+    with pytest.raises(ValueError):
+        bench_drafters(rt, ["self:2"], measured, [], TreeBudget(4, 4), max_tokens=4)

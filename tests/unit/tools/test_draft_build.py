@@ -77,3 +77,16 @@ def test_a_draft_directory_merges_with_ngram_and_output_stays_greedy(tmp_path, t
                      adaptive=False).generate(reqs)
     assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 24, eos=2) for p in prompts(4)]
     assert sum(r.drafted for r in results) > 0
+
+
+def test_build_with_memory_writes_a_memory_draft_the_registry_loads(tmp_path):
+    from workers.drafters.memory import MemoryDrafter
+
+    target = tiny_model_dir(tmp_path / "target")                 # 2 blocks
+    out = build_draft(str(target), tmp_path / "draft", layers="first1", sink=2, window=16, memory=True,
+                      progress=False)
+    assert read_spec(out).memory_layers == (1,)                  # one per draft block, the target's last
+    drafter = create_drafter(str(out))
+    assert isinstance(drafter, MemoryDrafter) and drafter.target_taps.layers == (1,)
+    tree = drafter.propose(DraftContext("r", "t", [1, 2, 3, 4], 4), TreeBudget(4, 2))
+    assert 1 <= len(tree) <= 4
