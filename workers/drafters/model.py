@@ -207,9 +207,11 @@ class ModelDrafter(Drafter):
         """Expand every request's tree depth by depth, one forward pass per depth for all of them;
         returns each request's chosen nodes, parents first."""
         seen: list[list[_Node]] = [[] for _ in states]     # every node drafted, parents first
-        base = [s.kv.length for s in states]                 # committed KV length, restored at the end
         for r, s in enumerate(states):
             s.kv.make_room(MAX_TREE_ROWS, len(s.fed))       # the only move: tree rows stay put
+        # committed KV length, restored at the end: read once `make_room` has packed the cache
+        # (read before, a packed cache would be "restored" past what it holds)
+        base = [s.kv.length for s in states]
         frontier = self._children([(contexts[r], -1, 0, 0.0) for r in range(len(states))], root_logits)
         try:
             for depth in range(1, max(b.max_depth for b in budgets) + 1):
