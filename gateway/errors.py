@@ -11,9 +11,10 @@ answered with a generic 500: no stack trace, exception text or internal name rea
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from typing import Any, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, TypeVar
 
 import redis
 from fastapi import FastAPI, Request
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # OpenAI's error types by status.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
@@ -158,6 +160,16 @@ STORE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 def store_unavailable() -> ApiError:
     return overloaded("the state store is unavailable; retry later", retry_after_s=1.0,
                       code="store_unavailable")
+
+
+async def store_call(remote: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    """`fn(*args, **kw)`, a state store's call: on a thread when the store is `remote` (it may
+    wait on the network, up to its timeout; never on the event loop), inline when it is a dict
+    lookup; a store that is down or does not answer is the client's 503 (`store_unavailable`)."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw) if remote else fn(*args, **kw)
+    except STORE_ERRORS:
+        raise store_unavailable() from None
 
 
 async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:

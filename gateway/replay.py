@@ -57,10 +57,7 @@ class Replayer:
         self.poll_s = poll_s
 
     async def _io(self, fn: Callable, *args: Any, **kw: Any) -> Any:
-        try:
-            return await asyncio.to_thread(fn, *args, **kw) if self.records.remote else fn(*args, **kw)
-        except errors.STORE_ERRORS:
-            raise errors.store_unavailable() from None
+        return await errors.store_call(self.records.remote, fn, *args, **kw)
 
     async def open(self, tenant: Tenant, request_id: str) -> Request:
         """The record of `tenant`'s request (ApiError 404 otherwise): prompt, stop strings,
@@ -162,7 +159,5 @@ class ReplayStream:
             reason = "error"
         else:
             reason = finish_reason(s.status, s.cause) or "error"
-        spec = SpecStats(drafted=max(0, s.attained - s.n_steps), accepted=s.accepted_sum,
-                         steps=s.n_steps, tau=(s.tau_sum / s.n_steps) if s.n_steps else 0.0)
         return GenerateOutput(self.request_id, self._text.text, tuple(self._ids), reason,
-                              s.prompt_len, len(self._ids), spec)
+                              s.prompt_len, len(self._ids), SpecStats.of(s))

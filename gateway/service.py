@@ -103,6 +103,12 @@ class SpecStats:
     steps: int          # verification steps the request was in
     tau: float          # mean tokens committed per step (accepted + 1)
 
+    @classmethod
+    def of(cls, s: RequestStats) -> "SpecStats":
+        """A request's speculation, from its final stats."""
+        return cls(drafted=max(0, s.attained - s.n_steps), accepted=s.accepted_sum,
+                   steps=s.n_steps, tau=(s.tau_sum / s.n_steps) if s.n_steps else 0.0)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -689,8 +695,7 @@ class RequestStream:
         if event.status is Status.FAILED:
             log.warning("request %s failed: %s", self.request_id, event.error)
             reason = "error"
-        spec = SpecStats(drafted=max(0, s.attained - s.n_steps), accepted=s.accepted_sum,
-                         steps=s.n_steps, tau=(s.tau_sum / s.n_steps) if s.n_steps else 0.0)
+        spec = SpecStats.of(s)
         self._ended = True
         settled = self._settle({"stop": "finished", "length": "finished", "abort": "cancelled"}
                                .get(reason, "failed"))

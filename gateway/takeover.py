@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from gateway.text import OutputText
 from scheduler.loop import Delta, Finished
-from scheduler.request import Status
+from scheduler.request import Request, Status
 
 # `service` below is the `gateway.service.GenerationService` whose loop recovered the requests (not
 # imported: the service calls in here)
@@ -27,16 +27,17 @@ log = logging.getLogger(__name__)
 
 def take_over(service: GenerationService, request_ids: Iterable[str]) -> list[str]:
     """Attach to each recovered request (before the loop steps them), cancel those nobody can
-    receive. Any thread; one store read per request. Returns the ids cancelled."""
+    receive. Any thread; one store read per request (its whole record). Returns the ids
+    cancelled."""
     loop = service.step_loop
     cancelled = []
     for rid in request_ids:
-        tail = loop.store.tail(rid, 0)
-        if tail is None or tail.stats.status.terminal:
+        req = loop.store.get(rid)
+        if req is None or req.stats.status.terminal:
             continue
-        detached = bool(tail.meta.get("detached"))
-        grant = tail.meta.get("grant")
-        stops = _stop_watch(service, rid) if detached else None
+        detached = bool(req.meta.get("detached"))
+        grant = req.meta.get("grant")
+        stops = _stop_watch(service, req) if detached else None
         loop.attach(rid, _sink(service, rid, grant, detached, stops))
         if not detached:
             loop.cancel(rid)
@@ -44,17 +45,16 @@ def take_over(service: GenerationService, request_ids: Iterable[str]) -> list[st
     return cancelled
 
 
-def _stop_watch(service: GenerationService, request_id: str) -> OutputText | None:
+def _stop_watch(service: GenerationService, req: Request) -> OutputText | None:
     """A detached request's output as its stream would show it, for its stop strings (None
     without any): it ends at one as it would have with its stream attached (a resumed stream
     cuts there anyway: gateway/replay.py; this saves generating past it)."""
-    req = service.step_loop.store.get(request_id)
-    if req is None or not req.stop:
+    if not req.stop:
         return None
     text = OutputText(service.tokenizer, req.prompt_ids, req.stop)
     text.push(req.output_ids)
     if text.stopped:
-        service.step_loop.cancel(request_id, status=Status.FINISHED, cause="stop_string")
+        service.step_loop.cancel(req.request_id, status=Status.FINISHED, cause="stop_string")
     return text
 
 

@@ -26,18 +26,18 @@ from gateway.errors import ApiError
 from gateway.responses.events import EventLog, text_of
 from gateway.responses.objects import Header, Outcome, deleted, response
 from gateway.responses.request import ResponseRequest
+from gateway.replay import POLL_S
 from gateway.responses.store import ResponseStore, Stored
 from gateway.schemas import SpeculationOptions
 from gateway.service import GenerateInput, GenerateOutput
 from gateway.tenancy.records import Tenant
-from scheduler.request import Status
+from scheduler.request import RequestStats, Status, finish_reason
 from scheduler.store import StateStore, Tail
 
 log = logging.getLogger(__name__)
 
 # the generation service's names for fields this API names otherwise
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
-POLL_S = 0.02          # how often a follower reads a running response's new tokens
 CANCEL_WAIT_S = 5.0    # how long a cancel waits to return the cancelled response
 
 
@@ -59,7 +59,6 @@ def final_of(tail: Tail) -> dict[str, Any]:
 
 
 def _reason(tail: Tail) -> str | None:
-    from scheduler.request import finish_reason
     return finish_reason(tail.stats.status, tail.stats.cause)
 
 
@@ -80,10 +79,7 @@ class ResponseService:
 
     # ---- blocking store calls, off the event loop when they cross the network -------------------
     async def _io(self, remote: bool, fn: Callable, *args: Any, **kw: Any) -> Any:
-        try:
-            return await asyncio.to_thread(fn, *args, **kw) if remote else fn(*args, **kw)
-        except errors.STORE_ERRORS:
-            raise errors.store_unavailable() from None
+        return await errors.store_call(remote, fn, *args, **kw)
 
     async def _stored(self, tenant: Tenant, response_id: str) -> Stored:
         held = await self._io(self.responses.remote, self.responses.get, response_id)
@@ -141,7 +137,7 @@ class ResponseService:
             except asyncio.CancelledError:              # the client left: so does the request
                 waiter.cancel()
                 raise
-        return await self._object(header, None if header.background else rid)
+        return await self._object(header)
 
     async def _drain(self, stream: Any, store: bool) -> GenerateOutput | None:
         """Run a client-tied request to its end (cancelled: the request is cancelled), then keep
@@ -188,10 +184,9 @@ class ResponseService:
         if stream:
             after = -1 if starting_after is None else starting_after
             return self._follow(held.header, after)
-        return await self._object(held.header, response_id, held)
+        return await self._object(held.header, held)
 
-    async def _object(self, header: Header, request_id: str | None,
-                      held: Stored | None = None) -> dict:
+    async def _object(self, header: Header, held: Stored | None = None) -> dict:
         if held is None:
             held = await self._io(self.responses.remote, self.responses.get, header.id)
             held = held or Stored(header, None)
@@ -301,7 +296,6 @@ def _outcome_of_final(final: dict, tokenizer: Any) -> Outcome:
 
 
 def _tail_of_final(final: dict, start: int) -> Tail:
-    from scheduler.request import RequestStats
     ids = final.get("output_ids") or []
     stats = RequestStats(final.get("id", ""), "", 0.0, prompt_len=int(final.get("input_tokens") or 0),
                          max_tokens=max(1, len(ids)), status=Status(final["status"]),
