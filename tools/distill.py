@@ -191,6 +191,17 @@ def _generate(runtime, records: Sequence[dict], max_new: int, *, deadline: float
     return out
 
 
+def state_directory(path: Path, fresh: bool) -> Path:
+    """A training run's state directory (checkpoint, logs, cached data), created; emptied of
+    its files first when `fresh`, so the run starts over instead of resuming."""
+    if fresh and path.exists():
+        for f in path.iterdir():
+            if f.is_file():
+                f.unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def _save_samples(path: Path, samples: Sequence[Sample]) -> None:
     torch.save([s.__dict__ for s in samples], path)
 
@@ -229,11 +240,7 @@ def distill(target: str, draft_dir: str | Path, *, minutes: float, prompts: Sequ
     t_start = time.monotonic()
     deadline = t_start + minutes * 60.0
     draft_dir = Path(draft_dir)
-    state_dir = draft_dir / STATE_DIR
-    if fresh and state_dir.exists():
-        for f in state_dir.iterdir():
-            f.unlink()
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = state_directory(draft_dir / STATE_DIR, fresh)
     torch.manual_seed(seed)
     spec = read_spec(draft_dir)
     runtime = load_runtime(target, device=str(dev), progress=False)
