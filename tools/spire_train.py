@@ -33,11 +33,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from tools.distill import TOP_K, Sample, _bar, _generate, _load_samples, _pad_batch, _save_samples, training_prompts
+from tools.distill import (TOP_K, Sample, _bar, _generate, _load_samples, _pad_batch, _save_samples,
+                           state_directory, training_prompts)
 from tools.spire_loss import mixed_loss
 from workers.draft_memory import MemoryDraft
 from workers.draft_model import read_spec, sparse_mask, write_spec
-from workers.drafters.memory import MIX_KEY
 from workers.llama_forward import Segment
 
 __all__ = ["target_taps", "train", "add_arguments", "run"]
@@ -67,8 +67,7 @@ class _Draft:
 
     def __init__(self, hf, spec, forward):
         self.hf, self.spec, self.forward = hf, spec, forward
-        mix = spec.extra.get(MIX_KEY)
-        self.memory = MemoryDraft(hf, spec, None if mix is None else torch.tensor(mix)) if spec.memory_layers else None
+        self.memory = MemoryDraft.from_spec(hf, spec) if spec.memory_layers else None
         # each sample's target taps, float16 [T, S, H]: computed once (a target pass per batch
         # otherwise costs more than the draft's own step), ~4.6 kB a token for SmolLM2
         self._taps: dict[int, torch.Tensor] = {}
@@ -93,15 +92,15 @@ class _Draft:
         mask = sparse_mask(pos, pos, self.spec.sink, self.spec.window)[None, None].expand(ids.shape[0], 1, -1, -1)
         return self.hf(input_ids=ids, attention_mask=mask).logits
 
-    def params(self) -> list[torch.nn.Parameter]:
+    def params(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """(the blocks' and final norm's weights, the memory's mix and gates)."""
         for p in self.hf.parameters():
             p.requires_grad_(False)
-        params = [p for layer in self.hf.model.layers for p in layer.parameters()] + list(self.hf.model.norm.parameters())
-        if self.memory is not None:
-            params.append(self.memory.mix)
-        for p in params:
+        weights = [p for layer in self.hf.model.layers for p in layer.parameters()] + list(self.hf.model.norm.parameters())
+        memory = [self.memory.mix, self.memory.gate] if self.memory is not None else []
+        for p in weights + memory:
             p.requires_grad_(True)
-        return params
+        return weights, memory
 
 
 @torch.no_grad()
@@ -142,7 +141,7 @@ def _data(runtime, data_dir: Path, records, eval_records, *, max_new: int, deadl
 
 
 def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, weight: float = 0.5,
-          lr: float = 5e-4, batch: int = 4, max_new: int = 160, gen_share: float = 0.3,
+          lr: float = 5e-4, memory_lr: float = 0.05, batch: int = 4, max_new: int = 160, gen_share: float = 0.3,
           data_dir: str | Path | None = None, prompts: Sequence[dict] | None = None,
           eval_prompts: Sequence[dict] | None = None, checkpoint_every: float = 300.0,
           fresh: bool = False, seed: int = 0, max_steps: int | None = None, progress: bool = True) -> dict:
@@ -155,12 +154,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
     t_start = time.monotonic()
     deadline = t_start + minutes * 60.0
     draft_dir = Path(draft_dir)
-    state = draft_dir / STATE_DIR
-    if fresh and state.exists():
-        for f in state.iterdir():
-            if f.is_file():
-                f.unlink()
-    state.mkdir(parents=True, exist_ok=True)
+    state = state_directory(draft_dir / STATE_DIR, fresh)
     torch.manual_seed(seed)
     say = (lambda m: print(f"draft train: {m}", file=sys.stderr, flush=True)) if progress else (lambda m: None)
     spec = read_spec(draft_dir)
@@ -171,8 +165,12 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
                         max_new=max_new, deadline=deadline, share=gen_share, say=say)
     if not data:
         raise ValueError("no training data: raise --minutes or --gen-share")
-    params = draft.params()
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    weights, memory = draft.params()
+    params = weights + memory
+    # the mix and gates are a few scalars each that must travel several units (a gate from
+    # GATE_OFF to open), where Adam moves a weight about lr a step: their own, larger rate
+    groups = [{"params": weights, "scale": 1.0}] + ([{"params": memory, "scale": memory_lr / lr}] if memory else [])
+    opt = torch.optim.AdamW(groups, lr=lr, weight_decay=0.0)
     ckpt, log_path, summary_path = state / "checkpoint.pt", state / "log.jsonl", state / "summary.json"
     first = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     steps = tokens = 0
@@ -202,7 +200,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
             frac = (time.monotonic() - train_start) / budget_s
             rate = lr * min(1.0, (steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for g in opt.param_groups:      # warm-up over 20 steps, then cosine to 10% by the deadline
-                g["lr"] = rate
+                g["lr"] = rate * g["scale"]
             chunk = rng.sample(data, min(batch, len(data)))
             ids, real = _pad_batch(chunk)
             lp = torch.zeros(*ids.shape, TOP_K)
@@ -237,7 +235,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
     draft.hf.save_pretrained(draft_dir)
     extra = dict(spec.extra)
     if draft.memory is not None:
-        extra[MIX_KEY] = draft.memory.mix.detach().tolist()
+        extra.update(draft.memory.learned())
     write_spec(draft_dir, dataclasses.replace(
         spec, distilled_steps=spec.distilled_steps + steps - first.get("steps_written", 0), extra=extra))
     first["steps_written"] = steps
@@ -249,6 +247,7 @@ def train(target: str, draft_dir: str | Path, *, minutes: float, k: int = 1, wei
             "train_tokens": tokens, "train_sequences": len(data), "eval_sequences": len(evals),
             "trained_minutes": (trained_before + trained) / 60, "wall_minutes": (time.monotonic() - t_start) / 60,
             "k": k, "weight": weight, "memory_layers": list(spec.memory_layers), "draft": str(draft_dir),
+            "memory_gate": draft.memory.gate.detach().tolist() if draft.memory is not None else None,
             "target": target, "log": str(log_path)}
 
 
@@ -265,6 +264,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL)
     p.add_argument("--draft", required=True, type=Path, help="the draft directory (`specgate draft build`)")
     p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of this run")
+    # defaults: the best of the measured 30-minute runs (README, "SPIRe drafts"): k 1 beat k 4
+    # (a k-step pass costs more, so fewer steps fit) and ω 0.5 matched or beat 0.2
     p.add_argument("--k", type=int, default=1, help="k-step training: tokens drafted from each k-th prefix "
                                                    "(a memory draft only)")
     p.add_argument("--weight", type=float, default=0.5, help="ω of the mixed loss: ω·CE + (1-ω)·(-acceptance)")
@@ -272,6 +273,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, help="JSONL of training prompts; default: questions about Python's "
                                                 "standard library")
     p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--memory-lr", type=float, default=0.05, help="learning rate of the memory's mix and gates")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--max-new", type=int, default=160)
     p.add_argument("--gen-share", type=float, default=0.3)
@@ -288,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = None
     if args.prompts:
         prompts = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()]
-    summary = train(args.target, args.draft, minutes=args.minutes, k=args.k, weight=args.weight, lr=args.lr,
+    summary = train(args.target, args.draft, minutes=args.minutes, k=args.k, weight=args.weight, lr=args.lr, memory_lr=args.memory_lr,
                     batch=args.batch, max_new=args.max_new, gen_share=args.gen_share, data_dir=args.data,
                     prompts=prompts, checkpoint_every=args.checkpoint_every, fresh=args.fresh, seed=args.seed,
                     max_steps=args.max_steps)

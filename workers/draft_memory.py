@@ -11,7 +11,11 @@ the taps are the **target's** (its token embedding and the outputs of the blocks
 workers/target_taps.py); at a position the target has not read yet (the root, the tree's nodes)
 they are the draft's own (its embedding and each of its blocks' outputs), so the draft needs as
 many memory layers as it has blocks. The memory enters attention through the block's own input
-norm and key/value projections (rotated at position t), so it adds no weights but `mix`.
+norm and key/value projections (rotated at position t), so it adds no weights but `mix` and one
+*gate* per block: a learned bias on the attention scores of its memory keys. The gate starts
+nearly closed (`GATE_OFF`): a pruned draft's blocks were not made to read memory, and an open,
+untrained memory perturbs them (their greedy acceptance starts far below the same draft's
+without memory), so training opens it as far as it pays.
 
 What a row at position q sees of the memory: positions t < q only (a position's memory exists
 once every block has run on it), under the draft's sink + window rule
@@ -31,7 +35,13 @@ import torch.nn.functional as F
 
 from workers.draft_model import DraftSpec, sparse_mask
 
-__all__ = ["MemoryDraft", "memory_masks", "default_memory_layers"]
+__all__ = ["MemoryDraft", "memory_masks", "default_memory_layers", "MIX_KEY", "GATE_KEY", "GATE_OFF"]
+
+MIX_KEY = "memory_mix"      # specgate_draft.json: the learned mix, [blocks][taps]
+GATE_KEY = "memory_gate"    # specgate_draft.json: the learned gate, [blocks]
+# e^-4 ≈ 0.018: the memory's keys weigh about 2% of what the same scores would give a token's
+# key, small enough to leave the pruned blocks as they were, large enough for a gradient
+GATE_OFF = -4.0
 
 
 def default_memory_layers(target_layers: int, draft_blocks: int) -> tuple[int, ...]:
@@ -75,7 +85,8 @@ class MemoryDraft(torch.nn.Module):
     """A pruned Llama-family draft (a transformers model) with feedback memory: the block math
     both training and inference use, and the k-step training forward."""
 
-    def __init__(self, hf_model, spec: DraftSpec, mix: torch.Tensor | None = None):
+    def __init__(self, hf_model, spec: DraftSpec, mix: torch.Tensor | None = None,
+                 gate: torch.Tensor | None = None):
         super().__init__()
         cfg = hf_model.config
         self.hf = hf_model
@@ -92,12 +103,25 @@ class MemoryDraft(torch.nn.Module):
         self.vocab_size = cfg.vocab_size
         # zeros: every tap weighs the same at first; training finds the mix
         self.mix = torch.nn.Parameter(torch.zeros(self.blocks, self.taps) if mix is None else mix.clone().float())
+        self.gate = torch.nn.Parameter(torch.full((self.blocks,), GATE_OFF) if gate is None
+                                       else gate.clone().float().reshape(self.blocks))
         with torch.no_grad():
             positions = torch.arange(cfg.max_position_embeddings)[None]
             probe = hf_model.model.embed_tokens.weight[:1]
             cos, sin = hf_model.model.rotary_emb(probe, positions)
         self.register_buffer("cos", cos[0].float(), persistent=False)            # [P, D]
         self.register_buffer("sin", sin[0].float(), persistent=False)            # [P, D]
+
+    @classmethod
+    def from_spec(cls, hf_model, spec: DraftSpec) -> "MemoryDraft":
+        """The draft with the mix and gate its spec saved (`learned`), or fresh ones."""
+        mix, gate = spec.extra.get(MIX_KEY), spec.extra.get(GATE_KEY)
+        return cls(hf_model, spec, None if mix is None else torch.tensor(mix),
+                   None if gate is None else torch.tensor(gate))
+
+    def learned(self) -> dict[str, list]:
+        """What a spec's `extra` keeps of this draft besides the transformers weights."""
+        return {MIX_KEY: self.mix.detach().float().tolist(), GATE_KEY: self.gate.detach().float().tolist()}
 
     # -- block math, shared with inference ------------------------------------------------------
 
@@ -170,12 +194,14 @@ class MemoryDraft(torch.nn.Module):
                 if s == 0:
                     target_kv.append(self.project(i, self.memory(i, target_taps), pos, queries=False)[1:])
                     context_kv.append((kt, vt))
-                    keys, values, masks = [kt, target_kv[i][0]], [vt, target_kv[i][1]], [band, m["first"]]
+                    keys, values = [kt, target_kv[i][0]], [vt, target_kv[i][1]]
+                    masks = [band, m["first"] + self.gate[i]]
                 else:
                     _, dk, dv = self.project(i, self.memory(i, own), pos, queries=False)
                     keys = [context_kv[i][0], kt, target_kv[i][0], dk]
                     values = [context_kv[i][1], vt, target_kv[i][1], dv]
-                    masks = [m["context"][live], m["block"][live][:, live], m["target"][live], m["own"][live]]
+                    masks = [m["context"][live], m["block"][live][:, live], m["target"][live] + self.gate[i],
+                             m["own"][live] + self.gate[i]]
                 att = F.scaled_dot_product_attention(q, torch.cat(keys, -2), torch.cat(values, -2),
                                                      attn_mask=torch.cat(masks, -1), enable_gqa=True)
                 x = self.finish(i, x, att)

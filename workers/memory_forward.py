@@ -77,8 +77,11 @@ class MemoryForward:
                 _, mk, mv = self._project(i, d.memory(i, taps[known].to(x.dtype)), positions[known], False)
             self._store(i, segments, k, v, known, mk, mv)
             att = torch.empty_like(q)                                              # [Hq, T, D]
+            gate = d.gate[i].to(self.dtype)
             for seg, mask in zip(segments, masks):
-                att[:, seg.start: seg.start + seg.rows] = self._attend(i, seg, q, mask)
+                half = mask.shape[1] // 2              # tokens, then memory (`_masks`)
+                gated = torch.cat([mask[:, :half], mask[:, half:] + gate], dim=1)
+                att[:, seg.start: seg.start + seg.rows] = self._attend(i, seg, q, gated)
             x = self._finish(i, x, att)
             outs.append(x)
         own = torch.stack(outs, dim=1)                                             # [T, S, H]
@@ -137,7 +140,7 @@ class MemoryForward:
 
     def _masks(self, seg: Segment, known: torch.Tensor) -> torch.Tensor:
         """[rows, 2·(length + rows)] additive: tokens (past, own), then memory (past, own rows
-        strictly earlier and known)."""
+        strictly earlier and known), before each block's gate."""
         n, length = seg.rows, seg.cache.length
         past = seg.past if seg.past is not None else torch.zeros(n, length)
         own = seg.mask.float()

@@ -18,7 +18,7 @@ from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from tools.draft_build import prune
 from workers.contract import DraftContext, SamplingParams, TapSpec, TreeBudget
-from workers.draft_memory import MemoryDraft, default_memory_layers, memory_masks
+from workers.draft_memory import GATE_OFF, MemoryDraft, default_memory_layers, memory_masks
 from workers.draft_model import DraftSpec, SparseKV, sparse_mask
 from workers.drafters.memory import MemoryDrafter
 from workers.drafters.model import MAX_TREE_ROWS, PREFILL_CHUNK
@@ -88,6 +88,25 @@ def test_shapes_and_the_logits_read_the_memory(target):
     assert torch.all(diff[6:] > 1e-4)                        # every later row does
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_a_closed_gate_leaves_the_pruned_draft_as_it_was(target, window):
+    """Gates shut: the memory draft's logits are the pruned draft's own under its sink + window
+    mask; at GATE_OFF (how `draft build --memory` starts) they stay close to them; open, not."""
+    model = prune(tiny_llama(3, layers=4, max_positions=4608), (0, 1))
+    spec = DraftSpec(sink=1, window=window, source_layers=(0, 1), memory_layers=MEMORY_LAYERS)
+    ids = torch.randint(3, 128, (1, 14))
+    taps = target_taps(target, ids)
+    pos = torch.arange(14)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=sparse_mask(pos, pos, 1, window)[None, None]).logits
+        shut = MemoryDraft(model, spec, gate=torch.full((2,), -1e4)).train_logits(ids, taps, k=2)
+        start = MemoryDraft(model, spec).train_logits(ids, taps, k=2)
+        assert float(MemoryDraft(model, spec).gate.max()) == GATE_OFF
+        opened = MemoryDraft(model, spec, gate=torch.zeros(2)).train_logits(ids, taps, k=2)
+    torch.testing.assert_close(shut, plain, atol=1e-5, rtol=1e-4)
+    assert (start - plain).abs().max() < 0.1 * (opened - plain).abs().max()
+
+
 def test_memory_masks_follow_the_window():
     m = memory_masks(6, 3, 1, 2)
     visible = lambda name: (m[name] == 0).int().tolist()[4]   # noqa: E731
@@ -137,14 +156,15 @@ def test_k_step_gradients_match_a_rollout_per_prefix(target):
     k = 2
     draft.zero_grad()
     draft.train_logits(ids, taps, k=k).logsumexp(-1).sum().backward()
-    cheap = draft.mix.grad.clone()
+    cheap = draft.mix.grad.clone(), draft.gate.grad.clone()
+    assert bool(cheap[1].abs().gt(0).all())                  # every block's gate gets a gradient
     draft.zero_grad()
     total = 0
     for j in range(0, 6, k):     # prefix up to j + k, training k-step with one block: rows j..j+k-1
         sub = draft.train_logits(ids[:, : j + k], taps[:, : j + k], k=j + k if j == 0 else k)
         total = total + sub[:, j: j + k].logsumexp(-1).sum()
     total.backward()
-    torch.testing.assert_close(cheap, draft.mix.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cheap, (draft.mix.grad, draft.gate.grad), atol=1e-5, rtol=1e-4)
     draft.zero_grad()
 
 

@@ -15,7 +15,7 @@ from tools.distill import training_prompts
 from tools.draft_build import build_draft
 from tools.spire_loss import mixed_loss
 from workers.draft_model import read_spec
-from workers.drafters.memory import MIX_KEY
+from workers.draft_memory import GATE_KEY, GATE_OFF, MIX_KEY
 
 
 def test_mixed_loss_against_a_hand_computation():
@@ -69,6 +69,8 @@ def test_draft_train_learns_logs_resumes_and_writes_the_draft(tmp_path, memory, 
     spec = read_spec(draft)
     assert spec.distilled_steps == one["steps"]
     assert (MIX_KEY in spec.extra) == memory
+    if memory:      # the gates moved off their start (their own learning rate), and were saved
+        assert spec.extra[GATE_KEY] == one["memory_gate"] and min(one["memory_gate"]) != GATE_OFF
 
     assert main(common + ["--minutes", "10", "--max-steps", "30", "--json", str(tmp_path / "two.json")]) == 0
     two = json.loads((tmp_path / "two.json").read_text())
