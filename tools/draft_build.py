@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 
 from workers.device import resolve_device, synchronize
 from workers.draft_memory import default_memory_layers
-from workers.draft_model import DraftSpec, write_spec
+from workers.draft_model import DRAFT_DTYPES, DraftSpec, write_spec
 from workers.loader import DEFAULT_MODEL, load_target, resolve_model
 
 __all__ = ["parse_layers", "prune", "build_draft", "add_arguments", "run"]
@@ -92,15 +92,17 @@ def prune(target, layers: Sequence[int]):
 
 def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", sink: int = 4,
                 window: int | None = 256, memory: bool = False, device: str = "auto",
-                progress: bool = True) -> Path:
+                dtype: str = "float32", progress: bool = True) -> Path:
     """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path.
     `memory`: give the draft SPIRe's feedback memory over the target's activations
     (workers/draft_memory.py), read from `default_memory_layers` of the target. `device`: where
-    the target is loaded and the draft assembled (workers/device.py)."""
+    the target is loaded and the draft assembled (workers/device.py). `dtype`: what it drafts in
+    (`DraftSpec.dtype`; its weights are kept in float32 for training)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; pass a new directory")
     dev = resolve_device(device)     # a GPU asked for where there is none: refused before loading
+    DraftSpec(dtype=dtype)           # an unknown dtype: refused before loading too
     target, tokenizer = load_target(target_name, device=dev, progress=progress)
     picked = parse_layers(layers, target.config.num_hidden_layers)
     draft = prune(target, picked)
@@ -110,7 +112,7 @@ def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", si
     memory_layers = default_memory_layers(target.config.num_hidden_layers, len(picked)) if memory else ()
     write_spec(out, DraftSpec(sink=sink, window=window, source_layers=picked,
                               target=str(resolve_model(target_name, progress=False)),
-                              memory_layers=memory_layers))
+                              memory_layers=memory_layers, dtype=dtype))
     return out
 
 
@@ -123,6 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=256, help="sliding-window length; 0 = full attention")
     p.add_argument("--device", default="auto", help="where the target is loaded and the draft built: auto "
                                                     "(CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=DRAFT_DTYPES, default="float32",
+                   help="what the draft drafts in (training is float32 either way; the target verifies "
+                        "every token, so output does not change): bfloat16 halves the bytes a draft "
+                        "token reads and uses AMX / AVX-512 BF16 where the CPU has them")
     p.add_argument("--memory", action="store_true",
                    help="feedback memory over the target's activations (SPIRe; train with `specgate draft train`)")
 
@@ -132,13 +138,13 @@ def run(args: argparse.Namespace) -> int:
     synchronize(dev)
     t0 = time.perf_counter()
     out = build_draft(args.target, args.out, layers=args.layers, sink=args.sink,
-                      window=args.window or None, memory=args.memory, device=str(dev))
+                      window=args.window or None, memory=args.memory, device=str(dev), dtype=args.dtype)
     synchronize(dev)
     seconds = time.perf_counter() - t0
     spec = json.loads((out / "specgate_draft.json").read_text())
     n = sum(t.numel() for t in load_file(str(out / "model.safetensors")).values())
     print(f"draft written to {out}: blocks {spec['source_layers']} of the target, sink {spec['sink']}, "
-          f"window {spec['window']}, memory from blocks {spec['memory_layers'] or 'none'}, "
+          f"window {spec['window']}, memory from blocks {spec['memory_layers'] or 'none'}, drafts in {spec['dtype']}, "
           f"{n / 1e6:.1f}M parameters; built on {dev} in {seconds:.1f} s", file=sys.stderr)
     print(out)
     return 0

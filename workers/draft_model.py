@@ -23,8 +23,9 @@ import torch
 from workers.kv_cache import KVCache
 
 SPEC_FILE = "specgate_draft.json"
+DRAFT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["SPEC_FILE", "DraftSpec", "read_spec", "write_spec", "sparse_mask", "SparseKV"]
+__all__ = ["SPEC_FILE", "DRAFT_DTYPES", "DraftSpec", "read_spec", "write_spec", "sparse_mask", "SparseKV"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class DraftSpec:
     # Feedback memory (workers/draft_memory.py): the target's blocks whose outputs the draft's
     # memory reads at committed positions, one per draft block; () = no memory.
     memory_layers: tuple[int, ...] = ()
+    # The dtype the draft drafts in (training is float32 either way). The target verifies every
+    # token in its own dtype, so output does not depend on it; only the draft's cost and
+    # acceptance do: a bfloat16 draft reads half the bytes per token, and on CPUs with AMX /
+    # AVX-512 BF16 its matmuls run on those units (workers/small_gemm.py).
+    dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,6 +53,12 @@ class DraftSpec:
             raise ValueError(f"window must be >= 1 (or None for full attention), got {self.window}")
         object.__setattr__(self, "source_layers", tuple(int(i) for i in self.source_layers))
         object.__setattr__(self, "memory_layers", tuple(int(i) for i in self.memory_layers))
+        if self.dtype not in DRAFT_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
 
 def read_spec(path: str | Path) -> DraftSpec:
@@ -56,7 +68,7 @@ def read_spec(path: str | Path) -> DraftSpec:
         return DraftSpec()
     doc = json.loads(f.read_text())
     known = {k: doc[k] for k in ("sink", "window", "source_layers", "target", "distilled_steps",
-                                 "memory_layers") if k in doc}
+                                 "memory_layers", "dtype") if k in doc}
     return DraftSpec(**known, extra={k: v for k, v in doc.items() if k not in known})
 
 

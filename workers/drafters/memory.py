@@ -16,7 +16,7 @@ import torch
 
 from workers.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TapSpec
-from workers.draft_memory import MemoryDraft
+from workers.draft_memory import MIX_KEY, MemoryDraft
 from workers.draft_model import DraftSpec, read_spec
 from workers.drafters.model import ModelDrafter, _State
 from workers.llama_forward import Segment
@@ -24,8 +24,6 @@ from workers.memory_forward import MemoryForward
 from workers.target_taps import unpack
 
 __all__ = ["MemoryDrafter", "MIX_KEY", "load_draft"]
-
-MIX_KEY = "memory_mix"      # specgate_draft.json: the learned mix, [blocks][taps]
 
 
 class MemoryDrafter(ModelDrafter):
@@ -35,22 +33,22 @@ class MemoryDrafter(ModelDrafter):
         self._taps: dict[str, dict[int, torch.Tensor]] = {}   # request -> position -> [S, H]
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+    def load(cls, path: str | Path, *, dtype: torch.dtype | None = None,
              device: str | torch.device = "auto", **options) -> "MemoryDrafter":
+        """As `ModelDrafter.load`."""
         from transformers import AutoModelForCausalLM
 
         from workers.device import resolve_device
 
         spec = read_spec(path)
+        dtype = dtype or spec.torch_dtype
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-        mix = spec.extra.get(MIX_KEY)
-        draft = MemoryDraft(model, spec, None if mix is None else torch.tensor(mix)).to(
-            dtype).to(resolve_device(device))
+        draft = MemoryDraft.from_spec(model, spec).to(dtype).to(resolve_device(device))
         options.setdefault("name", str(path))
         forward = MemoryForward(draft)
         kept = read_head(path)
         if kept is not None:
-            forward.head = CheapHead(model.lm_head.weight, kept)
+            forward.head = CheapHead(model.lm_head.weight, kept, forward.gemm)
         return cls(forward, spec, **options)
 
     def propose_batch(self, items):

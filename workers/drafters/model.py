@@ -104,15 +104,17 @@ class ModelDrafter(Drafter):
         self._states: dict[str, _State] = {}
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
+    def load(cls, path: str | Path, *, dtype: torch.dtype | None = None,
              device: str | torch.device = "auto", **options) -> "ModelDrafter":
-        """A drafter from a model directory (its specgate_draft.json, if any, sets the attention).
-        `device`: where its weights, KV and step tensors live (workers/device.py; 'auto' takes
-        CUDA when torch sees a GPU, so a draft replica with no GPU runs on its CPUs)."""
+        """A drafter from a model directory (its specgate_draft.json, if any, sets the attention
+        and the dtype it drafts in; `dtype` overrides that). `device`: where its weights, KV and
+        step tensors live (workers/device.py; 'auto' takes CUDA when torch sees a GPU, so a
+        draft replica with no GPU runs on its CPUs)."""
         from transformers import AutoModelForCausalLM
 
         spec = read_spec(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(resolve_device(device))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or spec.torch_dtype).eval().to(
+            resolve_device(device))
         options.setdefault("name", str(path))
         # the draft attends as its spec says over a cache packed to sink + window (slots are not
         # positions), so the forward applies no window of the model's own

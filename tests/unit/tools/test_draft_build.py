@@ -90,3 +90,41 @@ def test_build_with_memory_writes_a_memory_draft_the_registry_loads(tmp_path):
     assert isinstance(drafter, MemoryDrafter) and drafter.target_taps.layers == (1,)
     tree = drafter.propose(DraftContext("r", "t", [1, 2, 3, 4], 4), TreeBudget(4, 2))
     assert 1 <= len(tree) <= 4
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["plain", "memory"])
+def test_a_bfloat16_draft_drafts_in_bfloat16_and_output_stays_greedy(tmp_path, memory):
+    """`draft build --dtype bfloat16`: the spec says so, the registry loads the draft (merged with
+    n-gram, as served) in bfloat16, its KV too, and the float32 target's output is unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_greedy
+    from tests.unit.test_engine import prompts
+    from workers.contract import SamplingParams
+    from scheduler.generation import Engine, GenerationRequest
+    from workers.llama_forward import LlamaForward
+    from workers.verifier import Verifier
+
+    target_dir = tiny_model_dir(tmp_path / "target")
+    out = build_draft(str(target_dir), tmp_path / "draft", layers="first1", sink=2, window=16, memory=memory,
+                      dtype="bfloat16", progress=False)
+    assert read_spec(out).dtype == "bfloat16" and read_spec(out).torch_dtype == torch.bfloat16
+    drafter = create_drafter(f"merge:ngram+{out}")
+    model_drafter = drafter.drafters[1]
+    assert model_drafter.forward.dtype == torch.bfloat16
+    assert create_drafter(str(out)).forward.dtype == torch.bfloat16
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({2}))
+            for i, p in enumerate(prompts(4))]
+    results = Engine(Verifier(LlamaForward(target), max_tree_tokens=16), drafter, TreeBudget(8, 4),
+                     adaptive=False).generate(reqs)
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 24, eos=2) for p in prompts(4)]
+    assert sum(r.drafted for r in results) > 0
+    model_drafter.propose(DraftContext("kv", "t", [1, 2, 3, 4], 4), TreeBudget(4, 2))
+    assert model_drafter._states["kv"].kv.cache.k.dtype == torch.bfloat16
+
+
+def test_build_refuses_an_unknown_dtype(tmp_path):
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        build_draft(str(tmp_path / "not-loaded"), tmp_path / "draft", dtype="int8", progress=False)
+    assert not (tmp_path / "draft").exists()
