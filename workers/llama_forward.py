@@ -120,9 +120,22 @@ class LlamaForward:
                    w["ln2"].contiguous(), w["wgu"].small, bias(w["wgu"]), w["wdown"].small, bias(w["wdown"]),
                    w.get("q_norm", empty).contiguous(), w.get("k_norm", empty).contiguous()]
                   for w in self.layers]
-        stack = small_gemm.layer_stack(layers, self.n_heads, self.n_kv_heads, self.head_dim, self.hidden,
-                                       intermediate, self.eps)
-        return stack, min(lin.small_max_rows for lin in linears)
+        # layer ranges [lo, hi) -> their own stack (the same weights, not copies): a step that
+        # returns taps runs the stack in pieces that end at each tapped block (`_tap_stacks`)
+        self._stack_of = lambda lo, hi: small_gemm.layer_stack(   # noqa: E731
+            layers[lo:hi], self.n_heads, self.n_kv_heads, self.head_dim, self.hidden, intermediate, self.eps)
+        self._tap_pieces: dict[tuple[int, ...], list] = {}
+        return self._stack_of(0, len(layers)), min(lin.small_max_rows for lin in linears)
+
+    def _tap_stacks(self, tap_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
+        """(lo, hi, stack) pieces of the layer stack, each ending after a tapped block (the last
+        one at the last layer), built once per set of tapped blocks."""
+        pieces = self._tap_pieces.get(tap_layers)
+        if pieces is None:
+            ends = [li + 1 for li in tap_layers if li + 1 < self.n_layers] + [self.n_layers]
+            pieces = [(lo, hi, self._stack_of(lo, hi)) for lo, hi in zip([0] + ends[:-1], ends)]
+            self._tap_pieces[tap_layers] = pieces
+        return pieces
 
     def _layer_weights(self, layer) -> dict:
         att, mlp = layer.self_attn, layer.mlp
@@ -177,8 +190,8 @@ class LlamaForward:
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """`forward_hidden`, also returning every row's taps [T, 1 + len(tap_layers), H]: the
         token embedding, then the output of each block in `tap_layers` (the residual stream after
-        it), what a feedback-memory draft reads (workers/target_taps.py). The same pass, on the
-        per-layer path (the one-call decoder stack exposes no block's output)."""
+        it), what a feedback-memory draft reads (workers/target_taps.py). The same pass: on the
+        decoder stack, in pieces that end at the tapped blocks, where the stack serves the step."""
         if any(not 0 <= li < self.n_layers for li in tap_layers) or list(tap_layers) != sorted(set(tap_layers)):
             raise ValueError(f"tap layers {tuple(tap_layers)}: increasing block indices of the "
                              f"target's {self.n_layers} are wanted")
@@ -200,13 +213,14 @@ class LlamaForward:
         plan = self._plan(segments, host_positions)
         one_mask_set = all(m is plan.layer_masks[0] for m in plan.layer_masks)
         if (self._stack is not None and plan.kernel and not plan.long and plan.padded is None and one_mask_set
-                and x.shape[0] <= self._stack_rows and tap_layers is None):
+                and x.shape[0] <= self._stack_rows):
             # every layer in one call (csrc/decoder.cpp): the loop below, without its Python
             masks = plan.layer_masks[0]
-            delta = self._stack.forward(x, cos, sin, plan.k_caches, plan.v_caches, plan.starts, plan.rows,
-                                        plan.lengths, masks.short_masks,
-                                        [small_gemm.no_past(p) for p in masks.short_pasts],
-                                        plan.short_causal, logit_rows is not None)
+            args = (plan.starts, plan.rows, plan.lengths, masks.short_masks,
+                    [small_gemm.no_past(p) for p in masks.short_pasts], plan.short_causal)
+            if tap_layers is not None:
+                return self._stacked_taps(x, cos, sin, plan, args, logit_rows, tap_layers)
+            delta = self._stack.forward(x, cos, sin, plan.k_caches, plan.v_caches, *args, logit_rows is not None)
             return (None, None, None) if logit_rows is None else (*self._logits(x, delta, logit_rows), None)
         taps = [x.clone()] if tap_layers is not None else None   # tap 0: the embedding [T, H]
         wanted = {li: j for j, li in enumerate(tap_layers or ())}
@@ -227,6 +241,28 @@ class LlamaForward:
             att = self._attention(li, q, plan)                                   # [T, Hq*D]
             h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
+        if self.n_layers - 1 in wanted:
+            taps.append(x + delta)
+        if logit_rows is None:
+            return None, None, _stacked(taps)
+        return (*self._logits(x, delta, logit_rows), _stacked(taps))
+
+    def _stacked_taps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan, args: tuple,
+                      logit_rows: torch.Tensor | None, tap_layers: tuple[int, ...]):
+        """`_run` with taps on the layer stack: one call per piece (`_tap_stacks`), each tapped
+        block's output read between them: a step that feeds a memory draft keeps the stack's
+        speed instead of paying the per-layer loop's Python (csrc/decoder.cpp says how much)."""
+        taps = [x.clone()]                                                       # tap 0: the embedding
+        wanted = set(tap_layers)
+        delta = None
+        for lo, hi, stack in self._tap_stacks(tap_layers):
+            last = hi == self.n_layers
+            full = not last or logit_rows is not None or (hi - 1) in wanted      # else stop at the KV
+            delta = stack.forward(x, cos, sin, [k[lo:hi] for k in plan.k_caches],     # each [hi-lo, Hkv, S, D]
+                                  [v[lo:hi] for v in plan.v_caches], *args, full)
+            if not last:
+                x.add_(delta)                     # the next piece starts from the block's output
+                taps.append(x.clone())
         if self.n_layers - 1 in wanted:
             taps.append(x + delta)
         if logit_rows is None:

@@ -187,6 +187,30 @@ def test_verifier_taps_are_the_targets_activations(target):
     torch.testing.assert_close(values[0], ref[len(prompt) - 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layers", [MEMORY_LAYERS, (0,), (2,), (0, 1, 2, 3)], ids=str)
+def test_taps_on_the_decoder_stack_equal_the_layer_loop(target, layers):
+    """A step that returns taps runs the one-call decoder stack in pieces: the same logits, taps
+    and KV as the per-layer loop, for a prefill (no logits) and a step after it."""
+    stacked, loop = LlamaForward(target), LlamaForward(target)
+    if stacked._stack is None:
+        pytest.skip("the decoder stack does not serve this model on this machine")
+    loop._stack = None
+    ids = torch.tensor(prompts(3)[2][:14])
+    results = []
+    for fwd in (stacked, loop):
+        cache = fwd.new_cache(32)
+        causal = lambda n: torch.full((n, n), float("-inf")).triu(1)         # noqa: E731
+        first = fwd.forward_taps(ids[:11], torch.arange(11), [Segment(cache, 0, 11, causal(11))], None, layers)
+        cache.length = 11
+        step = fwd.forward_taps(ids[11:], torch.arange(11, 14), [Segment(cache, 0, 3, causal(3))],
+                                torch.arange(3), layers)
+        results.append((first[2], step[0], step[2], cache.k[:, :, :14].clone(), cache.v[:, :, :14].clone()))
+    assert layers in stacked._tap_pieces and not loop._tap_pieces      # the stack ran; the loop did not
+    assert results[0][0].shape == (11, len(layers) + 1, 64)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_taps_are_bounded_by_the_window():
     spec = TapSpec((0,), sink=2, window=3)
     vals = torch.arange(10 * 2 * 1, dtype=torch.float32).view(10, 2, 1)
