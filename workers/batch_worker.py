@@ -13,18 +13,19 @@ drafting time.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Sequence
 
 from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TargetTaps, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.registry import create_drafter
-from workers.target_taps import merge
+from workers.target_taps import gather
 from workers.tree import TokenTree, depths, truncate
 from workers.verifier import Verifier, VerifyItem
 
 _EMPTY = TokenTree.empty()
+TAP_CHUNKS = 64     # a request's pending tap chunks before they are gathered (and bounded) in one
 # one drafter's requests of a step: (item index, what the drafter sees, budget) each
 _Group = tuple[Drafter, list[tuple[int, DraftContext, TreeBudget]]]
 
@@ -36,10 +37,19 @@ class _Resident:
     prompt_len: int
     drafter: Drafter
     constraint: str | None = None   # SamplingParams.constraint: what the grammar drafter reads
-    taps: TargetTaps | None = None  # target activations its drafter has not been handed yet
+    # target activations its drafter has not been handed yet: a chunk per step, gathered into
+    # one only when it drafts (a request the planner gives no drafts would otherwise re-pack its
+    # whole sink + window of taps every step)
+    taps: list[TargetTaps] = field(default_factory=list)
+
+    def add_taps(self, taps: TargetTaps) -> None:
+        self.taps.append(taps)
+        if len(self.taps) > TAP_CHUNKS:             # bounded again: to the rows the draft can read
+            self.taps = [gather(self.taps, self.drafter.target_taps, len(self.context) - 1)]
 
     def draft_context(self, request_id: str) -> DraftContext:
-        return DraftContext(request_id, self.tenant, self.context, self.prompt_len, self.constraint, self.taps)
+        return DraftContext(request_id, self.tenant, self.context, self.prompt_len, self.constraint,
+                            gather(self.taps, self.drafter.target_taps, len(self.context) - 1))
 
 
 class BatchWorker:
@@ -103,7 +113,8 @@ class BatchWorker:
         done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer,
                                      prompt_len=prompt_len)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
-                                               sampling.constraint, done.taps)
+                                               sampling.constraint,
+                                               [done.taps] if done.taps is not None else [])
         return replace(done, taps=None)
 
     def _want_taps(self, drafter: Drafter) -> None:
@@ -164,7 +175,7 @@ class BatchWorker:
             res = self._resident[step.request_id]
             res.context.extend(step.tokens)
             if step.taps is not None:
-                res.taps = merge(res.taps, step.taps, res.drafter.target_taps)
+                res.add_taps(step.taps)
             if step.prefilled and step.pending:        # mid-prefill: index what is computed
                 res.drafter.observe(DraftContext(step.request_id, res.tenant,
                                                  res.context[:len(res.context) - step.pending],
@@ -199,7 +210,7 @@ class BatchWorker:
             proposed = drafter.propose_batch([(ctx, budget) for _, ctx, budget in group])
             for _, ctx, _ in group:
                 if ctx.taps is not None:        # handed over
-                    self._resident[ctx.request_id].taps = None
+                    self._resident[ctx.request_id].taps = []
             share = (time.perf_counter() - t0) / len(group)
             for (i, _, b), tree in zip(group, proposed):
                 # held to the budget here: a remote drafter's tree may have been prefetched

@@ -15,7 +15,7 @@ import torch
 
 from workers.contract import TapSpec, TargetTaps
 
-__all__ = ["pack", "unpack", "merge", "committed_taps"]
+__all__ = ["pack", "unpack", "gather", "committed_taps"]
 
 
 def pack(positions: Sequence[int], values: torch.Tensor) -> TargetTaps:
@@ -32,18 +32,23 @@ def unpack(taps: TargetTaps) -> tuple[list[int], torch.Tensor]:
     return list(taps.positions), torch.from_numpy(arr.copy())
 
 
-def merge(older: TargetTaps | None, newer: TargetTaps | None, spec: TapSpec | None = None) -> TargetTaps | None:
-    """One TargetTaps holding both (a position in both: the newer's values, though they agree),
-    in position order; with `spec`, only the rows the draft can still read after the newest."""
-    if older is None or newer is None:
-        return newer if older is None else older
+def gather(chunks: Sequence[TargetTaps | None], spec: TapSpec | None = None,
+           newest: int | None = None) -> TargetTaps | None:
+    """One TargetTaps holding every chunk's rows (a position in several: the latest chunk's
+    values, though they agree), in position order; with `spec`, only the rows the draft can
+    still read once its newest position is `newest` (default: the newest row's). A lone chunk
+    is returned as it is."""
+    chunks = [c for c in chunks if c is not None]
+    if len(chunks) <= 1:
+        return chunks[0] if chunks else None
     rows: dict[int, torch.Tensor] = {}
-    for taps in (older, newer):
+    for taps in chunks:
         pos, vals = unpack(taps)
         rows.update(zip(pos, vals))
     keep = sorted(rows)
     if spec is not None:
-        keep = [p for p in keep if spec.keeps(p, keep[-1])]
+        last = keep[-1] if newest is None else newest
+        keep = [p for p in keep if spec.keeps(p, last)]
     return pack(keep, torch.stack([rows[p] for p in keep])) if keep else None
 
 

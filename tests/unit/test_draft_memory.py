@@ -24,7 +24,7 @@ from workers.drafters.memory import MemoryDrafter
 from workers.drafters.model import MAX_TREE_ROWS, PREFILL_CHUNK
 from workers.llama_forward import LlamaForward, Segment
 from workers.memory_forward import MemoryForward
-from workers.target_taps import merge, pack, unpack
+from workers.target_taps import gather, pack, unpack
 from workers.verifier import Verifier
 
 EOS = 2
@@ -214,10 +214,32 @@ def test_taps_on_the_decoder_stack_equal_the_layer_loop(target, layers):
 def test_taps_are_bounded_by_the_window():
     spec = TapSpec((0,), sink=2, window=3)
     vals = torch.arange(10 * 2 * 1, dtype=torch.float32).view(10, 2, 1)
-    both = merge(pack(range(5), vals[:5]), pack(range(5, 10), vals[5:]), spec)
+    both = gather([pack(range(5), vals[:5]), None, pack(range(5, 10), vals[5:])], spec)
     pos, got = unpack(both)
     assert pos == [0, 1, 7, 8, 9]
     assert torch.equal(got, vals[[0, 1, 7, 8, 9]])
+    lone = pack(range(5, 10), vals[5:])
+    assert gather([lone], spec) is lone and gather([], spec) is None
+
+
+def test_a_request_given_no_drafts_keeps_its_taps_in_bounded_chunks(target):
+    """The worker keeps a step's taps as they came until the drafter drafts (no re-packing of
+    the whole window every step), gathers them once there are TAP_CHUNKS, and hands the drafter
+    exactly the rows it can read."""
+    from workers.batch_worker import TAP_CHUNKS, BatchWorker
+    from workers.contract import WorkItem
+
+    worker = BatchWorker(Verifier(LlamaForward(target), max_tree_tokens=16), default_drafter="memory")
+    worker._drafters["memory"] = _drafter(window=8, sink=2)
+    prompt = prompts(3)[2]
+    worker.prefill("r", prompt, prompt_len=len(prompt), sampling=SamplingParams(), max_new_tokens=80)
+    res = worker._resident["r"]
+    for n in range(TAP_CHUNKS + 3):
+        worker.step([WorkItem("r", TreeBudget(0, 0))])       # the planner gives it no drafts
+        assert len(res.taps) <= TAP_CHUNKS
+    pos, _ = unpack(res.draft_context("r").taps)
+    newest = len(res.context) - 1
+    assert pos == [p for p in range(newest) if p < 2 or newest - p < 8]
 
 
 def _drafter(window=None, sink=0):
