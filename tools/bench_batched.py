@@ -50,6 +50,7 @@ def serve_all(rt: Runtime, prompts, *, concurrency: int, max_tokens: int, drafte
                          sizing=SizingConfig(max_tree_tokens=budget.max_nodes, max_depth=budget.max_depth),
                          step_cost=profile, aging_bound_s=None)
     loop = StepLoop(policy, worker, max_resident=concurrency)
+    worker.drafter(drafter)     # loaded before the clock: a draft model's load is not serving
     out: dict[str, list[int]] = {}
     request_steps = [0]
 
@@ -71,7 +72,12 @@ def serve_all(rt: Runtime, prompts, *, concurrency: int, max_tokens: int, drafte
 def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, streams_per_slot: int = 2,
                       drafter: str = "ngram", budget: TreeBudget = TreeBudget(16, 8),
                       reference_prompts: int = 3, profile: str | None = None,
-                      workloads: tuple[str, ...] = WORKLOADS) -> dict:
+                      workloads: tuple[str, ...] = WORKLOADS, rounds: int = 1) -> dict:
+    """`rounds` > 1: plain and speculative serve the prompts that many times each, alternating
+    which goes first, and the figures are the sums: on a machine whose speed drifts, one pass
+    of each measures the drift as much as speculation."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     rt = load_runtime(model, dtype="float32", keep_hf=True)
     prompts = mixed_prompts(rt, concurrency * streams_per_slot, workloads)
     # the planner's step costs: this machine's, as the gateway measures them at start-up, unless a
@@ -90,15 +96,27 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
                                        do_sample=False, pad_token_id=rt.tokenizer.eos_token_id)
         hf_s += time.perf_counter() - t0
         hf_tokens += gen.shape[1] - len(ids)
-    plain, plain_s, plain_steps, _ = serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
-                                            drafter="none", budget=TreeBudget(0, 0), profile=cost)
-    spec, spec_s, spec_steps, spec_request_steps = serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
-                                         drafter=drafter, budget=budget, profile=cost)
+    sums = {"plain": [None, 0.0, 0, 0], "spec": [None, 0.0, 0, 0]}   # outputs, seconds, steps, request-steps
+    settings = {"plain": ("none", TreeBudget(0, 0)), "spec": (drafter, budget)}
+    outputs = []                                                     # every pass's, to compare
+    for r in range(rounds):
+        for kind in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
+            name, b = settings[kind]
+            out, secs, steps, req_steps = serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
+                                                    drafter=name, budget=b, profile=cost)
+            acc = sums[kind]
+            outputs.append(out)
+            acc[0], acc[1], acc[2], acc[3] = out, acc[1] + secs, acc[2] + steps, acc[3] + req_steps
+    plain, plain_s, plain_steps, _ = sums["plain"]
+    spec, spec_s, spec_steps, spec_request_steps = sums["spec"]
+    plain_steps, spec_steps, spec_request_steps = (v // rounds for v in (plain_steps, spec_steps, spec_request_steps))
+    plain_s, spec_s = plain_s / rounds, spec_s / rounds
     hf_rate = hf_tokens / hf_s
     spec_tokens = sum(len(v) for v in spec.values())
     plain_tokens = sum(len(v) for v in plain.values())
     report = {
         "concurrency": concurrency, "requests": len(prompts), "max_tokens": max_tokens, "dtype": "float32",
+        "rounds": rounds,
         "drafter": drafter, "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
         "workloads": list(workloads), "step_profile": profile or "measured at start-up",
         "hf_greedy_tok_s": round(hf_rate, 2),
@@ -109,7 +127,7 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
         "speedup_vs_plain": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
         "tau_mean": round(spec_tokens / max(1, spec_request_steps), 3),
         "steps": spec_steps, "plain_steps": plain_steps,
-        "identical": spec == plain,
+        "identical": all(out == plain for out in outputs),
     }
     print(f"concurrency {concurrency}: specgate {report['total_tokens_per_s']} tok/s "
           f"({report['speedup_vs_hf_greedy']}x hf greedy), plain {report['plain_total_tokens_per_s']} tok/s, "

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1,
                    help="N > 1: N concurrent streams through the step loop, on --workload or, "
                         "without one, on all workloads mixed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --concurrency: serve the prompts plain and speculative this many times each, "
+                        "alternating which goes first (figures are per round, summed over rounds)")
     p.add_argument("--fixed-budget", action="store_true",
                    help="draft the whole --tree-nodes/--tree-depth budget every step (no per-request "
                         "sizing): measures a drafter's acceptance as such, e.g. a draft model's")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         workloads = (args.workload,) if args.workload else WORKLOADS   # default: all, mixed
         report = bench_concurrency(args.concurrency, model=args.model, max_tokens=args.max_tokens,
                                    drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
-                                   workloads=workloads)
+                                   workloads=workloads, rounds=args.rounds)
     else:
         if args.workload is None:
             raise ValueError("--workload is needed for a single-stream run")
