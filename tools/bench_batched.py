@@ -96,21 +96,17 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
                                        do_sample=False, pad_token_id=rt.tokenizer.eos_token_id)
         hf_s += time.perf_counter() - t0
         hf_tokens += gen.shape[1] - len(ids)
-    sums = {"plain": [None, 0.0, 0, 0], "spec": [None, 0.0, 0, 0]}   # outputs, seconds, steps, request-steps
     settings = {"plain": ("none", TreeBudget(0, 0)), "spec": (drafter, budget)}
-    outputs = []                                                     # every pass's, to compare
+    passes: dict[str, list[tuple]] = {"plain": [], "spec": []}     # serve_all's results, per pass
     for r in range(rounds):
         for kind in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
             name, b = settings[kind]
-            out, secs, steps, req_steps = serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
-                                                    drafter=name, budget=b, profile=cost)
-            acc = sums[kind]
-            outputs.append(out)
-            acc[0], acc[1], acc[2], acc[3] = out, acc[1] + secs, acc[2] + steps, acc[3] + req_steps
-    plain, plain_s, plain_steps, _ = sums["plain"]
-    spec, spec_s, spec_steps, spec_request_steps = sums["spec"]
-    plain_steps, spec_steps, spec_request_steps = (v // rounds for v in (plain_steps, spec_steps, spec_request_steps))
-    plain_s, spec_s = plain_s / rounds, spec_s / rounds
+            passes[kind].append(serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
+                                          drafter=name, budget=b, profile=cost))
+    per_round = lambda kind, i: sum(p[i] for p in passes[kind]) / rounds   # noqa: E731  (a mean over passes)
+    plain, plain_s, plain_steps = passes["plain"][0][0], per_round("plain", 1), int(per_round("plain", 2))
+    spec, spec_s, spec_steps = passes["spec"][0][0], per_round("spec", 1), int(per_round("spec", 2))
+    spec_request_steps = int(per_round("spec", 3))
     hf_rate = hf_tokens / hf_s
     spec_tokens = sum(len(v) for v in spec.values())
     plain_tokens = sum(len(v) for v in plain.values())
@@ -127,7 +123,7 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
         "speedup_vs_plain": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
         "tau_mean": round(spec_tokens / max(1, spec_request_steps), 3),
         "steps": spec_steps, "plain_steps": plain_steps,
-        "identical": all(out == plain for out in outputs),
+        "identical": all(p[0] == plain for kind in passes for p in passes[kind]),
     }
     print(f"concurrency {concurrency}: specgate {report['total_tokens_per_s']} tok/s "
           f"({report['speedup_vs_hf_greedy']}x hf greedy), plain {report['plain_total_tokens_per_s']} tok/s, "

@@ -103,13 +103,17 @@ class LlamaForward:
             # instead of four (slice, slice, neg, cat), and bitwise the same result.
             half = self.head_dim // 2
             self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)   # [P, D]
-        self._stack, self._stack_rows = self._layer_stack(cfg.intermediate_size)
+        self._stack_of, self._stack_rows = self._layer_stacks(cfg.intermediate_size)
+        self._stack = None if self._stack_of is None else self._stack_of(0, self.n_layers)
+        self._tap_pieces: dict[tuple[int, ...], list] = {}     # tapped blocks -> `_tap_stacks`
 
-    def _layer_stack(self, intermediate: int):
-        """Every decoder layer for one kernel call (small_gemm.layer_stack) where the step's
-        kernels all run: the fused attention and every linear on the few-row kernel (q/k norms
-        too, where their eps is the layer norms'; it is in Qwen3). Returns the stack (or None)
-        and the most rows it serves (every linear's own limit)."""
+    def _layer_stacks(self, intermediate: int):
+        """Decoder layers for one kernel call (small_gemm.layer_stack) where the step's kernels
+        all run: the fused attention and every linear on the few-row kernel (q/k norms too,
+        where their eps is the layer norms'; it is in Qwen3). Returns a maker of the stack of
+        layers [lo, hi) (the same weights, not copies; None where the kernels do not serve the
+        model) and the most rows a stack serves (every linear's own limit). The whole stack
+        serves a step; a step that returns taps runs it in pieces (`_tap_stacks`)."""
         linears = [w[k] for w in self.layers for k in ("wqkv", "wo", "wgu", "wdown")]
         if (not self.fused_attention or any(lin.small is None for lin in linears)
                 or any(w.get("qk_eps", self.eps) != self.eps for w in self.layers)):
@@ -120,12 +124,9 @@ class LlamaForward:
                    w["ln2"].contiguous(), w["wgu"].small, bias(w["wgu"]), w["wdown"].small, bias(w["wdown"]),
                    w.get("q_norm", empty).contiguous(), w.get("k_norm", empty).contiguous()]
                   for w in self.layers]
-        # layer ranges [lo, hi) -> their own stack (the same weights, not copies): a step that
-        # returns taps runs the stack in pieces that end at each tapped block (`_tap_stacks`)
-        self._stack_of = lambda lo, hi: small_gemm.layer_stack(   # noqa: E731
+        stack_of = lambda lo, hi: small_gemm.layer_stack(   # noqa: E731
             layers[lo:hi], self.n_heads, self.n_kv_heads, self.head_dim, self.hidden, intermediate, self.eps)
-        self._tap_pieces: dict[tuple[int, ...], list] = {}
-        return self._stack_of(0, len(layers)), min(lin.small_max_rows for lin in linears)
+        return stack_of, min(lin.small_max_rows for lin in linears)
 
     def _tap_stacks(self, tap_layers: tuple[int, ...]) -> list[tuple[int, int, object]]:
         """(lo, hi, stack) pieces of the layer stack, each ending after a tapped block (the last

@@ -16,14 +16,14 @@ import torch
 
 from workers.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TapSpec
-from workers.draft_memory import MIX_KEY, MemoryDraft
+from workers.draft_memory import MemoryDraft
 from workers.draft_model import DraftSpec, read_spec
 from workers.drafters.model import ModelDrafter, _State
 from workers.llama_forward import Segment
 from workers.memory_forward import MemoryForward
 from workers.target_taps import unpack
 
-__all__ = ["MemoryDrafter", "MIX_KEY", "load_draft"]
+__all__ = ["MemoryDrafter", "load_draft"]
 
 
 class MemoryDrafter(ModelDrafter):

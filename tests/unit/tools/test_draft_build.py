@@ -60,6 +60,15 @@ def test_build_writes_a_draft_directory_the_registry_loads(tmp_path):
 
 def test_a_draft_directory_merges_with_ngram_and_output_stays_greedy(tmp_path, tiny_model):
     """merge:ngram+DIR (SpecInfer: a small model and prompt lookup in one tree) is still exact."""
+    draft_dir = tmp_path / "d"
+    tiny_llama(5).save_pretrained(draft_dir)           # another random model, same vocabulary
+    drafter = create_drafter(f"merge:ngram+{draft_dir}")
+    assert [d.name for d in drafter.drafters] == ["ngram", str(draft_dir)]
+    assert_greedy_with(tiny_model, drafter)
+
+
+def assert_greedy_with(target, drafter) -> None:
+    """Greedy output with `drafter`'s trees is the target's own, and it drafted."""
     from tests.helpers import hf_greedy
     from tests.unit.test_engine import prompts
     from workers.contract import SamplingParams
@@ -67,15 +76,11 @@ def test_a_draft_directory_merges_with_ngram_and_output_stays_greedy(tmp_path, t
     from workers.llama_forward import LlamaForward
     from workers.verifier import Verifier
 
-    draft_dir = tmp_path / "d"
-    tiny_llama(5).save_pretrained(draft_dir)           # another random model, same vocabulary
-    drafter = create_drafter(f"merge:ngram+{draft_dir}")
-    assert [d.name for d in drafter.drafters] == ["ngram", str(draft_dir)]
     reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({2}))
             for i, p in enumerate(prompts(4))]
-    results = Engine(Verifier(LlamaForward(tiny_model), max_tree_tokens=16), drafter, TreeBudget(8, 4),
+    results = Engine(Verifier(LlamaForward(target), max_tree_tokens=16), drafter, TreeBudget(8, 4),
                      adaptive=False).generate(reqs)
-    assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 24, eos=2) for p in prompts(4)]
+    assert [r.token_ids for r in results] == [hf_greedy(target, p, 24, eos=2) for p in prompts(4)]
     assert sum(r.drafted for r in results) > 0
 
 
@@ -98,13 +103,6 @@ def test_a_bfloat16_draft_drafts_in_bfloat16_and_output_stays_greedy(tmp_path, m
     n-gram, as served) in bfloat16, its KV too, and the float32 target's output is unchanged."""
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers import hf_greedy
-    from tests.unit.test_engine import prompts
-    from workers.contract import SamplingParams
-    from scheduler.generation import Engine, GenerationRequest
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
-
     target_dir = tiny_model_dir(tmp_path / "target")
     out = build_draft(str(target_dir), tmp_path / "draft", layers="first1", sink=2, window=16, memory=memory,
                       dtype="bfloat16", progress=False)
@@ -113,13 +111,7 @@ def test_a_bfloat16_draft_drafts_in_bfloat16_and_output_stays_greedy(tmp_path, m
     model_drafter = drafter.drafters[1]
     assert model_drafter.forward.dtype == torch.bfloat16
     assert create_drafter(str(out)).forward.dtype == torch.bfloat16
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({2}))
-            for i, p in enumerate(prompts(4))]
-    results = Engine(Verifier(LlamaForward(target), max_tree_tokens=16), drafter, TreeBudget(8, 4),
-                     adaptive=False).generate(reqs)
-    assert [r.token_ids for r in results] == [hf_greedy(target, p, 24, eos=2) for p in prompts(4)]
-    assert sum(r.drafted for r in results) > 0
+    assert_greedy_with(AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), drafter)
     model_drafter.propose(DraftContext("kv", "t", [1, 2, 3, 4], 4), TreeBudget(4, 2))
     assert model_drafter._states["kv"].kv.cache.k.dtype == torch.bfloat16
 
