@@ -150,6 +150,7 @@ class StepLoop:
             raise ValueError(f"max_tokens must be >= 1, got {s.max_tokens}")
         if req.drafter == "none":
             s.max_tree_tokens = 0                      # the planner sizes its trees to nothing
+        s.drafter = req.drafter
         room = self.worker.context_limit - len(req.prompt_ids) - len(req.output_ids)
         if room < 1:
             raise ValueError(f"prompt has {len(req.prompt_ids)} tokens; the model's context is "
@@ -446,6 +447,7 @@ class StepLoop:
                 self.policy.fairness.weights[msg[1]] = msg[2]
             elif msg[0] == "drop_tenant":
                 self.worker.drop_tenant(msg[1])
+                self.policy.drop_tenant(msg[1])
             elif msg[0] == "submit":
                 req = msg[1]
                 rid = req.request_id

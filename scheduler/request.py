@@ -140,6 +140,8 @@ class RequestStats:
     # quotas, fairness weights and metrics go by; a name can be removed and given to another
     # tenant, an id never is, so whatever is cached per tenant goes by `cache_tenant`.
     tenant_id: str | None = None
+    drafter: str | None = None             # its drafter's name (None: the deployment's default):
+                                           # the planner's prior for it is learned per drafter
 
     @property
     def cache_tenant(self) -> str:

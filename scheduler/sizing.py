@@ -6,10 +6,19 @@ Everything that decides how much to speculate lives here, with one model of each
   from its own steps. Every accepted token is a success; a step whose walk stopped before the
   end of its path is one failure (the geometric likelihood); counts decay (0.85 a step, ~7 steps
   of memory) so the estimate follows the text (prompt lookup is bursty: long copied runs, then
-  free text), and start from a prior of 3 : 1 (the n-gram drafter proposes only where its context
-  matched, itself evidence of copying). While a request drafts nothing there is no evidence, so
-  its counts relax towards the prior and it probes again after a while; a probe that accepts
-  nothing makes the next one wait twice as long. A step that proposed nothing is no evidence.
+  free text), and start from a prior worth 4 steps' evidence. While a request drafts nothing
+  there is no evidence, so its counts relax towards the prior and it probes again after a while;
+  a probe that accepts nothing makes the next one wait twice as long. A step that proposed
+  nothing is no evidence.
+- **the prior, learned** (`DrafterPrior`, `pool`): what the same tenant's earlier requests showed
+  of the same drafter, pooled over their steps (decayed per request-step, ~100 of memory): its α,
+  and its drafting time. A new request starts from it (`DrafterPrior.start`) instead of from
+  nothing: the prior α, and a drafting time the planner knows before the first probe. Until a
+  tenant's requests have drafted, the prior is 3 : 1 (the n-gram drafter proposes only where its
+  context matched, itself evidence of copying) and drafting is free. Why: with a fixed prior
+  every new request probed a draft model whose acceptance on this traffic the planner had
+  already measured, and under load (8 streams) those probes were what speculation cost over
+  plain decoding (README, "SPIRe drafts").
 - **drafting time** (`observe_draft_time`): seconds a request's drafter spends per tree level,
   a decayed average (~0 for n-gram and suffix drafters; a draft-model pass per level for a model
   drafter), so deep trees from a slow drafter are paid for (SPIRe's TM = τ ÷ ((k·t_draft +
@@ -57,8 +66,8 @@ from typing import Callable, Sequence
 
 from workers.contract import NO_SPECULATION, TreeBudget
 
-__all__ = ["StepCost", "AlphaEstimate", "SizingConfig", "expected_tau", "observe",
-           "observe_draft_time", "learn", "size_trees", "TreeSizer", "urgency"]
+__all__ = ["StepCost", "AlphaEstimate", "DrafterPrior", "SizingConfig", "expected_tau", "observe",
+           "observe_draft_time", "learn", "pool", "size_trees", "TreeSizer", "urgency"]
 
 StepCost = Callable[[int, int], float]   # (batch size, total tree tokens) -> seconds
 
@@ -66,8 +75,10 @@ StepCost = Callable[[int, int], float]   # (batch size, total tree tokens) -> se
 # 3 : 1 decoded faster than 2 : 1 (README, "Tree budgets").
 PRIOR_ACCEPTED = 3.0
 PRIOR_REJECTED = 1.0
+PRIOR_WEIGHT = PRIOR_ACCEPTED + PRIOR_REJECTED   # a request's prior counts as this many steps
 DECAY = 0.85          # weight kept by old evidence per step
 IDLE_RELAX = 0.95     # per step without drafts, evidence relaxes towards the prior by this factor
+POOL_DECAY = 0.99     # weight a tenant's pooled evidence keeps per request-step that drafted
 
 
 @dataclass(frozen=True)
@@ -77,16 +88,70 @@ class AlphaEstimate:
     rejected: float = 0.0
     misses: int = 0           # drafting steps in a row that accepted nothing
     draft_s: float = 0.0      # measured drafting seconds per tree level (0: none measured yet)
+    prior: float = PRIOR_ACCEPTED / PRIOR_WEIGHT   # the α it started from (`DrafterPrior`)
 
     @property
     def alpha(self) -> float:
-        """α̂, the prior included.
+        """α̂, the prior (worth PRIOR_WEIGHT steps) included.
 
         >>> AlphaEstimate().alpha, AlphaEstimate(accepted=3, rejected=1).alpha
         (0.75, 0.75)
+        >>> AlphaEstimate(prior=0.25).alpha, AlphaEstimate(accepted=4, rejected=0, prior=0.25).alpha
+        (0.25, 0.625)
         """
-        return (self.accepted + PRIOR_ACCEPTED) / (
-            self.accepted + self.rejected + PRIOR_ACCEPTED + PRIOR_REJECTED)
+        return (self.accepted + self.prior * PRIOR_WEIGHT) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+
+@dataclass(frozen=True)
+class DrafterPrior:
+    """A tenant's evidence about one drafter, pooled over its requests' steps (prior excluded):
+    where its new requests start (module docstring)."""
+    accepted: float = 0.0
+    rejected: float = 0.0
+    draft_s: float = 0.0      # drafting seconds per tree level (0: none measured yet)
+
+    @property
+    def alpha(self) -> float:
+        """The pooled α, the fixed prior included.
+
+        >>> DrafterPrior().alpha, DrafterPrior(accepted=37, rejected=59).alpha
+        (0.75, 0.4)
+        """
+        return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_WEIGHT)
+
+    def start(self) -> AlphaEstimate:
+        """A new request's estimate: no evidence of its own yet.
+
+        >>> DrafterPrior(accepted=37, rejected=59, draft_s=0.002).start().alpha
+        0.4
+        """
+        return AlphaEstimate(draft_s=self.draft_s, prior=self.alpha)
+
+
+def pool(prior: DrafterPrior, drafted: int, accepted: int, draft_s: float,
+         draft_depth: int) -> DrafterPrior:
+    """The pooled evidence after one request-step: counted as `observe` counts a request's (every
+    accepted token a success, a walk that stopped short one failure), and its drafting time
+    blended as `observe_draft_time` blends it. A step that drafted nothing is no evidence.
+
+    >>> p = pool(DrafterPrior(), 8, 3, 0.012, 3)
+    >>> p.accepted, p.rejected, round(p.draft_s, 4)
+    (3.0, 1.0, 0.004)
+    >>> pool(p, 0, 0, 0.0, 0) == p
+    True
+    """
+    if drafted <= 0:
+        return prior
+    failed = _failures(drafted, accepted)
+    timed = learn(AlphaEstimate(draft_s=prior.draft_s), 0, 0, draft_s, draft_depth).draft_s
+    return DrafterPrior(prior.accepted * POOL_DECAY + accepted, prior.rejected * POOL_DECAY + failed, timed)
+
+
+def _failures(drafted: int, accepted: int) -> float:
+    """A step's failures: a path that ended because the tree ended (all accepted) is none;
+    otherwise the target rejected the next draft, one. For a tree, `accepted == drafted` only
+    when it was a chain."""
+    return 0.0 if accepted == drafted else 1.0
 
 
 def observe(est: AlphaEstimate, drafted: int, accepted: int) -> AlphaEstimate:
@@ -109,9 +174,7 @@ def observe(est: AlphaEstimate, drafted: int, accepted: int) -> AlphaEstimate:
         # of a request whose text stays unpredictable grow exponentially rarer.
         relax = IDLE_RELAX ** (0.5 ** est.misses)
         return replace(est, accepted=est.accepted * relax, rejected=est.rejected * relax)
-    # NOTE: a path that ended because the tree ended (all accepted) is no failure; otherwise the
-    # target rejected the next draft. For a tree, `accepted == drafted` only when it was a chain.
-    failed = 0.0 if accepted == drafted else 1.0
+    failed = _failures(drafted, accepted)
     return replace(est, accepted=est.accepted * DECAY + accepted,
                    rejected=est.rejected * DECAY + failed,
                    misses=0 if accepted else est.misses + 1)

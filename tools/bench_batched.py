@@ -42,13 +42,18 @@ def mixed_prompts(rt: Runtime, n: int, workloads=WORKLOADS) -> list[tuple[str, l
 
 
 def serve_all(rt: Runtime, prompts, *, concurrency: int, max_tokens: int, drafter: str,
-              budget: TreeBudget, profile: StepCostModel | None) -> tuple[dict[str, list[int]], float, int, int]:
+              budget: TreeBudget, profile: StepCostModel | None,
+              priors: dict | None = None) -> tuple[dict[str, list[int]], float, int, int]:
     """Serve every prompt through a step loop of batch `concurrency`: (outputs, seconds, steps,
-    request-steps = Σ over requests of the steps each was in)."""
+    request-steps = Σ over requests of the steps each was in). `priors`: what an earlier pass's
+    planner learned of the drafter (`Policy.priors`), updated in place, as a gateway's planner
+    keeps it from one request to the next."""
     worker = BatchWorker(rt.verifier(max_tree_tokens=budget.max_nodes), default_drafter=drafter)
     policy = make_policy("fcfs", max_batch=concurrency, token_budget=concurrency * (1 + budget.max_nodes),
                          sizing=SizingConfig(max_tree_tokens=budget.max_nodes, max_depth=budget.max_depth),
                          step_cost=profile, aging_bound_s=None)
+    if priors is not None:
+        policy.priors = priors
     loop = StepLoop(policy, worker, max_resident=concurrency)
     worker.drafter(drafter)     # loaded before the clock: a draft model's load is not serving
     out: dict[str, list[int]] = {}
@@ -75,7 +80,9 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
                       workloads: tuple[str, ...] = WORKLOADS, rounds: int = 1) -> dict:
     """`rounds` > 1: plain and speculative serve the prompts that many times each, alternating
     which goes first, and the figures are the sums: on a machine whose speed drifts, one pass
-    of each measures the drift as much as speculation."""
+    of each measures the drift as much as speculation. One planner's learned priors serve every
+    round, as in a gateway that keeps serving: the first speculative pass probes the drafter
+    from nothing (`speedup_vs_plain_by_round` shows that pass apart)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     rt = load_runtime(model, dtype="float32", keep_hf=True)
@@ -98,11 +105,12 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
         hf_tokens += gen.shape[1] - len(ids)
     settings = {"plain": ("none", TreeBudget(0, 0)), "spec": (drafter, budget)}
     passes: dict[str, list[tuple]] = {"plain": [], "spec": []}     # serve_all's results, per pass
+    learned: dict[str, dict] = {"plain": {}, "spec": {}}           # each planner's priors
     for r in range(rounds):
         for kind in ("plain", "spec") if r % 2 == 0 else ("spec", "plain"):
             name, b = settings[kind]
             passes[kind].append(serve_all(rt, prompts, concurrency=concurrency, max_tokens=max_tokens,
-                                          drafter=name, budget=b, profile=cost))
+                                          drafter=name, budget=b, profile=cost, priors=learned[kind]))
     per_round = lambda kind, i: sum(p[i] for p in passes[kind]) / rounds   # noqa: E731  (a mean over passes)
     plain, plain_s, plain_steps = passes["plain"][0][0], per_round("plain", 1), int(per_round("plain", 2))
     spec, spec_s, spec_steps = passes["spec"][0][0], per_round("spec", 1), int(per_round("spec", 2))
@@ -122,6 +130,8 @@ def bench_concurrency(concurrency: int, *, model: str, max_tokens: int = 128, st
         "plain_speedup_vs_hf_greedy": round(plain_tokens / plain_s / hf_rate, 3),
         "speedup_vs_plain": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
         "tau_mean": round(spec_tokens / max(1, spec_request_steps), 3),
+        # round r's speculative tokens/s over its plain tokens/s (the same tokens when identical)
+        "speedup_vs_plain_by_round": [round(p[1] / s[1], 3) for p, s in zip(passes["plain"], passes["spec"])],
         "steps": spec_steps, "plain_steps": plain_steps,
         "identical": all(p[0] == plain for kind in passes for p in passes[kind]),
     }

@@ -47,7 +47,7 @@ from scheduler.policies.aging import AgingIndex
 from scheduler.kv_budget import growth_slots, kv_homes, kv_rooms, most_room, start_slots
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
-from scheduler.sizing import SizingConfig, StepCost, TreeSizer
+from scheduler.sizing import AlphaEstimate, DrafterPrior, SizingConfig, StepCost, TreeSizer, pool
 from scheduler.state import SchedulerState
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -168,6 +168,9 @@ class Policy:
         self.sizer = TreeSizer(c.step_cost, c.sizing)
         self._nominal_cost = c.token_budget / c.max_batch
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
+        # What each (tenant, drafter)'s requests have shown the planner (sizing.DrafterPrior): soft
+        # state, relearned after a restart; a rebuild keeps it, and a caller may carry it over.
+        self.priors: dict[tuple[str, str | None], DrafterPrior] = {}
         self._reset()
 
     # ---- what a policy defines ---------------------------------------------------------------
@@ -185,9 +188,19 @@ class Policy:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def add(self, state: SchedulerState, s: RequestStats) -> None:
-        """Admit a request into the state and the queues."""
+        """Admit a request into the state and the queues. A request with no evidence of its own
+        starts from what its tenant's earlier requests showed of its drafter."""
+        if s.n_steps == 0 and s.estimate == AlphaEstimate():
+            prior = self.priors.get((s.cache_tenant, s.drafter))
+            if prior is not None:
+                s.estimate = prior.start()
         state.requests[s.request_id] = s
         self._index(state, s)
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        """A tenant was removed: forget what its requests showed (`RequestStats.cache_tenant`)."""
+        for key in [k for k in self.priors if k[0] == tenant_id]:
+            del self.priors[key]
 
     def prefilling(self, request_id: str) -> None:
         """The loop admitted a request ahead of its turn with context left to prefill: steps
@@ -440,6 +453,10 @@ class Policy:
             if s is None:                       # cancelled while its step ran
                 continue
             s.record_step(rec, start, now)
+            if rec.drafted:
+                key = (s.cache_tenant, s.drafter)
+                self.priors[key] = pool(self.priors.get(key, DrafterPrior()), rec.drafted,
+                                         rec.accepted, rec.draft_s, rec.draft_depth)
             self._started.add(rec.request_id)
             account = (s.priority, s.tenant)
             vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)

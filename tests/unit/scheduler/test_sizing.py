@@ -10,6 +10,7 @@ import scheduler.sizing as sizing
 from scheduler.profile import StepCostModel
 from scheduler.sizing import (AlphaEstimate, urgency, SizingConfig, TreeSizer, expected_tau, observe,
                               observe_draft_time, size_trees)
+from scheduler.request import StepRecord
 from workers.contract import NO_SPECULATION, TreeBudget
 
 # step seconds over tree tokens at batch 1: a plain pass 40 ms, a tree of 1 node 1.6x, of 32
@@ -262,3 +263,79 @@ def test_a_cost_curve_flat_over_the_tree_sizes_gives_drafting_requests_no_tree()
     assert out[0] == NO_SPECULATION and out[1].max_nodes > 0
     assert TreeSizer(flat)([0.8, 0.8], 20, draft_s=[0.003, 0.0]) == out
     assert size_trees([0.8], 20, cost=flat, draft_s=[0.003]) == [NO_SPECULATION]
+
+
+def _drafting_steps(policy, state, rids, *, drafted, accepted, draft_s=0.004, steps=12):
+    """`steps` steps in which each of `rids` drafts a chain of `drafted`, `accepted` of it accepted."""
+    from scheduler.request import StepRecord
+    for k in range(steps):
+        policy.plan(state, 0.1 * k)
+        records = [StepRecord(rid, 1 + drafted, 1 + accepted, None, accepted + (accepted < drafted),
+                              drafted, accepted, draft_s * drafted, drafted) for rid in rids]
+        policy.update(state, records, 0.1 * k + 0.1, 0.1)
+
+
+def test_new_requests_start_from_what_their_tenant_showed_of_their_drafter():
+    """The prior is learned per (tenant, drafter): a new request of a tenant whose requests
+    accepted little from a draft model starts at that acceptance and knows its drafting time;
+    another tenant's request, or the same tenant's with another drafter, starts from 3 : 1 and
+    free drafting; a removed tenant's evidence is forgotten."""
+    from sched_helpers import stats
+    from scheduler.policies import make_policy
+    from scheduler.state import SchedulerState
+
+    policy, state = make_policy("fcfs", max_batch=4, aging_bound_s=None), SchedulerState()
+    for rid in ("a", "b"):
+        s = stats(rid, tenant="t", predicted=None)
+        s.drafter = "drafts/smol"
+        policy.add(state, s)
+    _drafting_steps(policy, state, ["a", "b"], drafted=4, accepted=1)   # α ≈ 1 ÷ 2
+    def newcomer(rid, tenant, drafter):
+        s = stats(rid, tenant=tenant, predicted=None)
+        s.drafter = drafter
+        policy.add(state, s)
+        return s.estimate
+    same = newcomer("c", "t", "drafts/smol")
+    assert same.alpha == pytest.approx(0.5, abs=0.05)
+    assert same.draft_s == pytest.approx(0.004)
+    assert same.accepted == same.rejected == 0            # no evidence of its own
+    assert newcomer("d", "u", "drafts/smol") == AlphaEstimate()
+    assert newcomer("e", "t", "ngram") == AlphaEstimate()
+    policy.drop_tenant("t")
+    assert newcomer("f", "t", "drafts/smol") == AlphaEstimate()
+
+
+def test_a_learned_prior_stops_the_probes_a_fixed_prior_makes_under_load():
+    """8 requests at once on the shipped batch profile: at the fixed prior (3 : 1, drafting
+    free until timed) every new request's first step drafts; once its tenant's requests showed
+    a draft model accepting about half at 2 ms a level, a new wave of 8 starts with no trees at
+    all, while a request alone, where verifying nodes costs little, still drafts from the same
+    prior."""
+    from sched_helpers import stats
+    from scheduler.policies import make_policy
+    from scheduler.state import SchedulerState
+
+    policy = make_policy("fcfs", max_batch=8, token_budget=8 * 5, aging_bound_s=None, step_cost=BATCH,
+                         sizing=SizingConfig(max_tree_tokens=4, max_depth=4))
+    state = SchedulerState()
+
+    def wave(prefix, n=8):
+        ids = [f"{prefix}{i}" for i in range(n)]
+        for rid in ids:
+            s = stats(rid, predicted=None)
+            s.drafter = "drafts/smol"
+            policy.add(state, s)
+        return ids, policy.plan(state, 0.0)
+
+    def finish(ids):
+        policy.update(state, [StepRecord(rid, 1, 1, "stop") for rid in ids], 2.0, 0.1)
+
+    ids, first = wave("a")
+    assert len(first.entries) == 8 and all(b.max_nodes > 0 for _, b in first.entries)
+    _drafting_steps(policy, state, ids, drafted=4, accepted=1, draft_s=0.002)
+    finish(ids)
+    ids, second = wave("b")
+    assert len(second.entries) == 8 and all(b.max_nodes == 0 for _, b in second.entries)
+    finish(ids)
+    _, alone = wave("c", 1)
+    assert alone.entries[0][1].max_nodes > 0

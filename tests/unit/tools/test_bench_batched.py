@@ -24,3 +24,22 @@ def test_speculative_and_plain_serving_give_identical_greedy_outputs(tiny_model)
                                          budget=TreeBudget(0, 0), profile=cost)
     assert len(spec) == len(prompts) and spec == plain
     assert request_steps >= spec_steps and spec_steps <= plain_steps
+
+
+def test_the_planners_learned_priors_carry_from_one_pass_to_the_next(tiny_model):
+    """`priors` is the planner's own learned state (Policy.priors): a pass that drafted leaves
+    what it saw of the drafter there, and the next pass's planner starts from it."""
+    from scheduler.sizing import DrafterPrior
+
+    rt = Runtime(tokenizer=None, forward=LlamaForward(tiny_model), hf_model=tiny_model,
+                 stop_token_ids=frozenset({2}))
+    motif = [5, 9, 13, 17]
+    prompts = [(f"p{i}", (motif * 10)[: 8 + 3 * i]) for i in range(4)]
+    priors: dict = {}
+    first, *_ = serve_all(rt, prompts, concurrency=2, max_tokens=16, drafter="ngram", budget=TreeBudget(8, 4),
+                          profile=StepCostModel.from_json(None), priors=priors)
+    (key, learned), = priors.items()
+    assert key == ("bench", None) and isinstance(learned, DrafterPrior) and learned.accepted > 0
+    again, *_ = serve_all(rt, prompts, concurrency=2, max_tokens=16, drafter="ngram", budget=TreeBudget(8, 4),
+                          profile=StepCostModel.from_json(None), priors=priors)
+    assert again == first and priors[key] != learned      # the same outputs; the evidence grew
