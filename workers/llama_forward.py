@@ -242,11 +242,7 @@ class LlamaForward:
             att = self._attention(li, q, plan)                                   # [T, Hq*D]
             h = self._norm(x, w["ln2"], w["wo"](att))                            # x += attention out
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
-        if self.n_layers - 1 in wanted:
-            taps.append(x + delta)
-        if logit_rows is None:
-            return None, None, _stacked(taps)
-        return (*self._logits(x, delta, logit_rows), _stacked(taps))
+        return self._tail(x, delta, logit_rows, taps, self.n_layers - 1 in wanted)
 
     def _stacked_taps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan, args: tuple,
                       logit_rows: torch.Tensor | None, tap_layers: tuple[int, ...]):
@@ -264,7 +260,13 @@ class LlamaForward:
             if not last:
                 x.add_(delta)                     # the next piece starts from the block's output
                 taps.append(x.clone())
-        if self.n_layers - 1 in wanted:
+        return self._tail(x, delta, logit_rows, taps, self.n_layers - 1 in wanted)
+
+    def _tail(self, x: torch.Tensor, delta: torch.Tensor, logit_rows: torch.Tensor | None,
+              taps: list[torch.Tensor] | None, tap_last: bool):
+        """What `_run` returns after the last block, x + delta its output: (logits, hidden) of
+        `logit_rows` (None, None without), and the taps, the last block's added if `tap_last`."""
+        if tap_last:
             taps.append(x + delta)
         if logit_rows is None:
             return None, None, _stacked(taps)
