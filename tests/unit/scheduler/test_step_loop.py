@@ -106,6 +106,23 @@ def test_speculation_switch_and_tenant_tree_cap_bound_every_budget():
     assert any(i.budget.max_nodes == 2 for i in seen if i.request_id == "capped")
 
 
+def test_a_new_request_starts_from_what_its_tenant_showed_of_its_drafter():
+    """The loop records each request's drafter, and the planner's learned prior goes by (tenant,
+    drafter): after a request whose drafts were mostly rejected, the same tenant's next request
+    with that drafter starts from a low α; another drafter's, or another tenant's, from 3 : 1."""
+    loop = make_loop(worker=FakeWorker(alpha=0.1))
+    loop.submit(request("first", drafter="d", max_tokens=60))
+    run_to_end(loop)
+    late = {rid: request(rid, tenant=t, drafter=d, max_tokens=5)
+            for rid, t, d in (("same", "t", "d"), ("other-drafter", "t", "e"), ("other-tenant", "u", "d"))}
+    for r in late.values():
+        loop.submit(r)
+    loop.step()                                                # the inbox is applied at a step
+    assert late["same"].stats.drafter == "d"
+    assert late["same"].stats.estimate.prior < 0.5
+    assert late["other-drafter"].stats.estimate.prior == late["other-tenant"].stats.estimate.prior == 0.75
+
+
 def test_cancellation_frees_the_kv_within_one_step():
     loop, sink = make_loop(max_batch=4), Collector()
     for i in range(3):
