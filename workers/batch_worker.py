@@ -211,7 +211,8 @@ class BatchWorker:
             for _, ctx, _ in group:
                 if ctx.taps is not None:        # handed over
                     self._resident[ctx.request_id].taps = []
-            share = (time.perf_counter() - t0) / len(group)
+            # per request, the tree's own drafting: one-off catch-up is no cost of its levels
+            share = max(0.0, time.perf_counter() - t0 - drafter.catch_up_s) / len(group)
             for (i, _, b), tree in zip(group, proposed):
                 # held to the budget here: a remote drafter's tree may have been prefetched
                 trees[i], shares[i] = truncate(tree, b.max_nodes, b.max_depth), share

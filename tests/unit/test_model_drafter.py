@@ -259,3 +259,32 @@ def test_model_drafters_follow_the_verifiers_device(tmp_path, tiny_model):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no CUDA GPU"):
             create_drafter(str(out), device="cuda")
+
+
+def test_a_prompts_catch_up_is_left_out_of_the_drafting_time_per_level(forward, other_model):
+    """The first tree of a request also feeds the draft its whole prompt; that one-off is
+    `catch_up_s`, and the worker reports the tree's drafting time without it (the planner sizes
+    trees by that time per level). A later step feeds only what the last step committed, no
+    one-off. A merge sums its parts' one-offs."""
+    from workers.batch_worker import BatchWorker
+    from workers.contract import WorkItem
+    from workers.drafters.merge import MergeDrafter
+    from workers.drafters.ngram import NgramDrafter
+
+    drafter = ModelDrafter(LlamaForward(other_model), DraftSpec(sink=2, window=64), name="m")
+    worker = BatchWorker(Verifier(forward, max_tree_tokens=8), drafters={"m": drafter})
+    prompt = [int(t) for t in torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(0))]
+    worker.prefill("r", prompt, prompt_len=len(prompt), sampling=SamplingParams(), max_new_tokens=16, drafter="m")
+    before = worker.draft_s
+    (first,) = worker.step([WorkItem("r", TreeBudget(2, 2))])
+    spent = worker.draft_s - before
+    assert drafter.catch_up_s > 0.5 * spent        # 300 prompt rows against 2 one-row levels
+    assert 0 < first.draft_s <= spent - drafter.catch_up_s + 1e-6
+    (second,) = worker.step([WorkItem("r", TreeBudget(2, 2))])
+    assert drafter.catch_up_s == 0.0 and second.draft_s > 0
+
+    merged = MergeDrafter([ModelDrafter(LlamaForward(other_model), DraftSpec(sink=2, window=64), name="m2"),
+                           NgramDrafter()])
+    ctx = DraftContext("q", "t", prompt, len(prompt))
+    merged.propose_batch([(ctx, TreeBudget(2, 2))])
+    assert merged.catch_up_s == merged.drafters[0].catch_up_s > 0

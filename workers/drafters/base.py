@@ -25,6 +25,13 @@ it reads tokens only, and no pass computes or sends more.
 
 ``batched`` says whether ``propose_batch`` drafts its requests together (one call's cost for the
 whole step: a draft model, a remote drafter) rather than one ``propose`` each (the default).
+
+``catch_up_s`` is the seconds the last ``propose``/``propose_batch`` call spent on one-off work:
+feeding a draft model committed tokens beyond what a step of steady drafting feeds (a prompt, or
+the text committed while the request did not draft). The worker leaves it out of the drafting
+time it reports per tree level (`StepResult.draft_s`): the planner sizes the next trees by that
+time, and a prompt's catch-up charged to the first tree's few levels made a cheap draft look
+several times dearer than it is (README, "SPIRe drafts"). 0 for drafters without such work.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class Drafter:
     name: str = "drafter"
     batched: bool = False          # propose_batch shares one call's work among its requests
     target_taps: TapSpec | None = None   # the target activations it reads (module docstring)
+    catch_up_s: float = 0.0        # one-off seconds of the last call (module docstring)
 
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
         raise NotImplementedError

@@ -121,7 +121,21 @@ class MergeDrafter(Drafter):
     def propose_merged(self, ctx: DraftContext, budget: TreeBudget) -> MergedTree:
         """The merged tree with its proposers (for per-drafter statistics). Every drafter sees every
         call, even one that may not speculate: it may keep per-request state (see SuffixDrafter)."""
-        return merge_proposals([(d.name, d.propose(ctx, budget)) for d in self.drafters], budget)
+        trees = []
+        self.catch_up_s = 0.0
+        for d in self.drafters:
+            trees.append((d.name, d.propose(ctx, budget)))
+            self.catch_up_s += d.catch_up_s
+        return merge_proposals(trees, budget)
+
+    def propose_batch(self, items):
+        """One `propose` per request, the parts' one-off seconds summed over them."""
+        out, one_off = [], 0.0
+        for ctx, budget in items:
+            out.append(self.propose(ctx, budget))
+            one_off += self.catch_up_s
+        self.catch_up_s = one_off
+        return out
 
     def propose(self, ctx: DraftContext, budget: TreeBudget) -> TokenTree:
         return self.propose_merged(ctx, budget).tree

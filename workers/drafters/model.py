@@ -33,6 +33,7 @@ request and pass.
 from __future__ import annotations
 
 import heapq
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,27 @@ from workers.drafters.base import Drafter
 from workers.llama_forward import LlamaForward, Segment
 from workers.tree import TokenTree
 
-__all__ = ["ModelDrafter", "is_model_dir"]
+__all__ = ["ModelDrafter", "is_model_dir", "one_off_catch_up"]
 
 PREFILL_CHUNK = 128        # prompt rows per pass: bounds the KV a windowed draft needs
 MAX_TREE_ROWS = 128        # draft KV rows a tree may hold while it grows (its expanded nodes)
+
+
+def one_off_catch_up(seconds: float, fed: Sequence[int], depths: Sequence[int]) -> float:
+    """The one-off part of a catch-up that took `seconds` to feed `fed` tokens per request: a step
+    of steady drafting feeds at most a tree's depth + 1 tokens (its accepted path and the bonus),
+    so rows beyond that (a prompt, an idle stretch) are one-off, pro rata.
+
+    >>> round(one_off_catch_up(0.2, [200, 3], [4, 4]), 3)    # a prompt of 200 beside a steady one
+    0.192
+    >>> one_off_catch_up(0.01, [2, 5], [4, 4])
+    0.0
+    """
+    total = sum(max(0, n) for n in fed)
+    if total == 0:
+        return 0.0
+    extra = sum(max(0, n - (d + 1)) for n, d in zip(fed, depths))
+    return seconds * extra / total
 
 
 def is_model_dir(name: str) -> bool:
@@ -143,7 +161,10 @@ class ModelDrafter(Drafter):
         if not live:
             return trees
         states = [self._sync(ctx) for _, ctx, _ in live]
+        fed = [len(ctx.tokens) - len(s.fed) for s, (_, ctx, _) in zip(states, live)]
+        t0 = time.perf_counter()
         root_logits = self._catch_up(states, [ctx.tokens for _, ctx, _ in live])       # [R, V]
+        self.catch_up_s = one_off_catch_up(time.perf_counter() - t0, fed, [b.max_depth for _, _, b in live])
         built = self._grow([ctx for _, ctx, _ in live], [b for _, _, b in live], states, root_logits)
         for (i, _, _), nodes in zip(live, built):
             trees[i] = _as_tree(nodes, self.sample)
