@@ -79,6 +79,10 @@ PRIOR_WEIGHT = PRIOR_ACCEPTED + PRIOR_REJECTED   # a request's prior counts as t
 DECAY = 0.85          # weight kept by old evidence per step
 IDLE_RELAX = 0.95     # per step without drafts, evidence relaxes towards the prior by this factor
 POOL_DECAY = 0.99     # weight a tenant's pooled evidence keeps per request-step that drafted
+# A learned prior never starts a request below an even chance: its own text may differ from its
+# tenant's past (a copy-heavy request after chat), and a request that never drafts never learns
+# otherwise. What keeps it from probing under load is the drafting time it starts knowing.
+PRIOR_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -120,12 +124,14 @@ class DrafterPrior:
         return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + self.rejected + PRIOR_WEIGHT)
 
     def start(self) -> AlphaEstimate:
-        """A new request's estimate: no evidence of its own yet.
+        """A new request's estimate: no evidence of its own yet; the pooled α, at least PRIOR_FLOOR.
 
         >>> DrafterPrior(accepted=37, rejected=59, draft_s=0.002).start().alpha
-        0.4
+        0.5
+        >>> DrafterPrior(accepted=77, rejected=19).start().alpha
+        0.8
         """
-        return AlphaEstimate(draft_s=self.draft_s, prior=self.alpha)
+        return AlphaEstimate(draft_s=self.draft_s, prior=max(self.alpha, PRIOR_FLOOR))
 
 
 def pool(prior: DrafterPrior, drafted: int, accepted: int, draft_s: float,

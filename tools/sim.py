@@ -301,10 +301,13 @@ def arrival_rate(settings: SimSettings, cost: StepCostModel) -> tuple[float, flo
 
 # ---- one policy -----------------------------------------------------------------------------
 def _config(settings: SimSettings, cost: StepCostModel) -> PolicyConfig:
+    # learn_priors off: each simulated request's tree sizes follow its own α draws only, so its
+    # time in steps is the same under every order of service (the common random numbers the
+    # policy comparisons and the waiting / time-in-steps split rest on)
     return PolicyConfig(max_batch=settings.max_batch, token_budget=settings.token_budget,
                         aging_bound_s=settings.aging_bound_s, step_cost=cost,
                         max_resident=settings.max_resident,
-                        prefill_chunk_tokens=settings.prefill_chunk_tokens)
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens, learn_priors=False)
 
 
 def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepCostModel):

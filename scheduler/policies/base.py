@@ -92,6 +92,9 @@ class PolicyConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
     sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
+    # New requests start from their (tenant, drafter)'s learned prior (sizing.DrafterPrior); off,
+    # every request starts from the fixed one, its sizing independent of what ran before it.
+    learn_priors: bool = True
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
     step_s_smoothing: float = 0.1          # weight of the newest step in the step-duration average
     max_resident: int | None = None        # requests that may hold KV at once (see `plan`)
@@ -190,7 +193,7 @@ class Policy:
     def add(self, state: SchedulerState, s: RequestStats) -> None:
         """Admit a request into the state and the queues. A request with no evidence of its own
         starts from what its tenant's earlier requests showed of its drafter."""
-        if s.n_steps == 0 and s.estimate == AlphaEstimate():
+        if self.config.learn_priors and s.n_steps == 0 and s.estimate == AlphaEstimate():
             prior = self.priors.get((s.cache_tenant, s.drafter))
             if prior is not None:
                 s.estimate = prior.start()
@@ -453,7 +456,7 @@ class Policy:
             if s is None:                       # cancelled while its step ran
                 continue
             s.record_step(rec, start, now)
-            if rec.drafted:
+            if rec.drafted and self.config.learn_priors:
                 key = (s.cache_tenant, s.drafter)
                 self.priors[key] = pool(self.priors.get(key, DrafterPrior()), rec.drafted,
                                          rec.accepted, rec.draft_s, rec.draft_depth)

@@ -12,6 +12,7 @@ from workers.fake_worker import FakeClock, FakeWorker, token_at
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats, Status
+from scheduler.sizing import PRIOR_FLOOR
 from scheduler.store import MemoryStore, open_store
 
 
@@ -109,7 +110,8 @@ def test_speculation_switch_and_tenant_tree_cap_bound_every_budget():
 def test_a_new_request_starts_from_what_its_tenant_showed_of_its_drafter():
     """The loop records each request's drafter, and the planner's learned prior goes by (tenant,
     drafter): after a request whose drafts were mostly rejected, the same tenant's next request
-    with that drafter starts from a low α; another drafter's, or another tenant's, from 3 : 1."""
+    with that drafter starts from a low α (at the floor); another drafter's, or another tenant's,
+    from 3 : 1."""
     loop = make_loop(worker=FakeWorker(alpha=0.1))
     loop.submit(request("first", drafter="d", max_tokens=60))
     run_to_end(loop)
@@ -119,7 +121,7 @@ def test_a_new_request_starts_from_what_its_tenant_showed_of_its_drafter():
         loop.submit(r)
     loop.step()                                                # the inbox is applied at a step
     assert late["same"].stats.drafter == "d"
-    assert late["same"].stats.estimate.prior < 0.5
+    assert late["same"].stats.estimate.prior == PRIOR_FLOOR
     assert late["other-drafter"].stats.estimate.prior == late["other-tenant"].stats.estimate.prior == 0.75
 
 
