@@ -149,7 +149,8 @@ def pool(prior: DrafterPrior, drafted: int, accepted: int, draft_s: float,
     if drafted <= 0:
         return prior
     failed = _failures(drafted, accepted)
-    timed = learn(AlphaEstimate(draft_s=prior.draft_s), 0, 0, draft_s, draft_depth).draft_s
+    timed = (observe_draft_time(AlphaEstimate(draft_s=prior.draft_s), draft_s, draft_depth).draft_s
+             if draft_s > 0 else prior.draft_s)                  # as `learn`: untimed steps keep it
     return DrafterPrior(prior.accepted * POOL_DECAY + accepted, prior.rejected * POOL_DECAY + failed, timed)
 
 

@@ -157,6 +157,7 @@ class ModelDrafter(Drafter):
 
     def propose_batch(self, items: Sequence[tuple[DraftContext, TreeBudget]]) -> list[TokenTree]:
         trees = [TokenTree.empty()] * len(items)
+        self.catch_up_s = 0.0          # a call that feeds nothing leaves no one-off behind
         live = [(i, ctx, b) for i, (ctx, b) in enumerate(items) if b.speculates and len(ctx.tokens) > 0]
         if not live:
             return trees
