@@ -21,6 +21,8 @@ per step, tokens/s over the measured prompts (wall time, prefills included). Wit
 measured multiplier (tokens/s ÷ plain tokens/s) beside SPIRe's predicted one, TM = τ ÷
 ((k·t_draft + t_verify) ÷ t_target) from the same run's per-step costs (tools/throughput.py);
 what the prediction leaves out (prefills, the loop's bookkeeping) is the gap between them.
+``--rounds R`` repeats every drafter's pass R times, alternating the order, and reports the sums
+with each round's multipliers (`bench_drafters`): one pass measures a noisy machine's drift too.
 
 ``self`` or ``self:SINK:WINDOW`` names MagicDec-style self-speculation, SPIRe's baseline: the
 target itself drafts, attending only to a sink and a sliding window (default 4 and 256).
@@ -65,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="size each request's tree from its acceptance, as served (default: the "
                         "whole budget every step)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes of every drafter, the order reversed every other round; the figures "
+                        "are the sums (bench_drafters)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--json", type=Path, help="write the report here")
 
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     encode = lambda pairs: [(w, encode_record(rt.tokenizer, r)) for w, r in pairs]   # noqa: E731
     report = bench_drafters(rt, drafters, encode(measured), encode(warm),
                             TreeBudget(args.tree_nodes, args.tree_depth), adaptive=args.adaptive,
-                            max_tokens=args.max_tokens, chain=args.chain)
+                            max_tokens=args.max_tokens, chain=args.chain, rounds=args.rounds)
     text = json.dumps(report, indent=1)
     if args.json:
         args.json.write_text(text + "\n", encoding="utf-8")
@@ -162,58 +167,105 @@ def costs(tau: float, tokens: int, steps: int, levels: int, draft_s: float, veri
     return out
 
 
+_COUNTERS = ("tokens", "steps", "drafted", "accepted", "levels", "draft_s", "verify_s", "wall_s")
+
+
+def _serve(rt: Any, name: str, measured: Sequence[tuple[str, list[int]]],
+           warm: Sequence[tuple[str, list[int]]], budget: TreeBudget, *, adaptive: bool, max_tokens: int,
+           chain: bool, cost: Any) -> tuple[dict[str, float], dict[str, list[int]], list[list[int]]]:
+    """One pass of one drafter, from a fresh engine and drafter (so a learning drafter has seen
+    the warm-up prompts only): its counters (`_COUNTERS`), [tokens, steps] per workload, outputs."""
+    engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), make_drafter(rt, name, chain),
+                    budget, adaptive=adaptive, step_cost=cost)
+
+    def generate(i: int, ids: list[int], tag: str):
+        req = GenerationRequest(f"{tag}{i}", tuple(ids), max_tokens, SamplingParams(), rt.stop_token_ids)
+        return engine.generate([req])[0]
+
+    for i, (_, ids) in enumerate(warm):
+        generate(i, ids, "w")
+    n = dict.fromkeys(_COUNTERS, 0.0)
+    per: dict[str, list[int]] = {}
+    outs = []
+    timings = engine.verifier.timings
+    draft0, verify0 = engine.worker.draft_s, timings.forward_s + timings.other_s
+    t0 = time.perf_counter()
+    for i, (workload, ids) in enumerate(measured):
+        res = generate(i, ids, "m")
+        outs.append(res.token_ids)
+        for k, v in (("tokens", len(res.token_ids)), ("steps", res.steps), ("drafted", res.drafted),
+                     ("accepted", res.accepted), ("levels", res.draft_levels)):
+            n[k] += v
+        acc = per.setdefault(workload, [0, 0])
+        acc[0] += len(res.token_ids)
+        acc[1] += res.steps
+    n["wall_s"] = time.perf_counter() - t0
+    n["draft_s"] = engine.worker.draft_s - draft0
+    n["verify_s"] = timings.forward_s + timings.other_s - verify0
+    return n, per, outs
+
+
 def bench_drafters(rt: Any, drafters: Sequence[str], measured: Sequence[tuple[str, list[int]]],
                    warm: Sequence[tuple[str, list[int]]], budget: TreeBudget, *, adaptive: bool = False,
-                   max_tokens: int = 96, chain: bool = False) -> dict:
-    """Run every drafter over the same prompts (see the module docstring); the report."""
+                   max_tokens: int = 96, chain: bool = False, rounds: int = 1) -> dict:
+    """Run every drafter over the same prompts (see the module docstring); the report.
+
+    `rounds` > 1: every drafter serves the prompts that many times, each pass from a fresh
+    engine, the drafters' order reversed every other round, and the figures are the sums. Why:
+    a pass here lasts seconds, and on a shared machine plain decoding's own speed moved by a
+    third between passes a minute apart, so one pass of each drafter measures the drift as much
+    as the drafter. `multiplier_by_round`: each round's tokens/s over plain decoding's in the
+    same round (the spread says how far to trust the sums)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     cost = StepCostModel.from_doc(rt.step_profile(1, budget.max_nodes)) if adaptive else None
-    results: dict[str, dict] = {}
+    sums = {name: dict.fromkeys(_COUNTERS, 0.0) for name in drafters}
+    per_workload: dict[str, dict[str, list[int]]] = {name: {} for name in drafters}
+    by_round: dict[str, list[float]] = {name: [] for name in drafters}
     outputs: dict[str, list[list[int]]] = {}
+    identical = True
+    for r in range(rounds):
+        rate: dict[str, float] = {}
+        for name in (drafters if r % 2 == 0 else list(reversed(drafters))):
+            n, per, outs = _serve(rt, name, measured, warm, budget, adaptive=adaptive,
+                                  max_tokens=max_tokens, chain=chain, cost=cost)
+            for k in _COUNTERS:
+                sums[name][k] += n[k]
+            for w, (t, s) in per.items():
+                acc = per_workload[name].setdefault(w, [0, 0])
+                acc[0] += t
+                acc[1] += s
+            rate[name] = n["tokens"] / n["wall_s"] if n["wall_s"] else 0.0
+            identical = identical and outputs.setdefault(name, outs) == outs   # every round the same
+            print(f"round {r + 1}: {name}: tau {n['tokens'] / max(n['steps'], 1):.3f} "
+                  f"{rate[name]:.2f} tokens/s ({n['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        if "none" in rate and rate["none"]:
+            for name in drafters:
+                by_round[name].append(round(rate[name] / rate["none"], 3))
+    results: dict[str, dict] = {}
     for name in drafters:
-        engine = Engine(rt.verifier(max_tree_tokens=max(64, budget.max_nodes)), make_drafter(rt, name, chain),
-                        budget, adaptive=adaptive, step_cost=cost)
-
-        def generate(i: int, ids: list[int], tag: str):
-            req = GenerationRequest(f"{tag}{i}", tuple(ids), max_tokens, SamplingParams(), rt.stop_token_ids)
-            return engine.generate([req])[0]
-
-        for i, (_, ids) in enumerate(warm):
-            generate(i, ids, "w")
-        per: dict[str, list[int]] = {}          # workload -> [tokens, steps, drafted, accepted]
-        outs = []
-        timings = engine.verifier.timings
-        draft0, verify0, levels = engine.worker.draft_s, timings.forward_s + timings.other_s, 0
-        t0 = time.perf_counter()
-        for i, (workload, ids) in enumerate(measured):
-            res = generate(i, ids, "m")
-            outs.append(res.token_ids)
-            levels += res.draft_levels
-            acc = per.setdefault(workload, [0, 0, 0, 0])
-            for j, v in enumerate((len(res.token_ids), res.steps, res.drafted, res.accepted)):
-                acc[j] += v
-        wall = time.perf_counter() - t0
-        draft_s = engine.worker.draft_s - draft0
-        verify_s = timings.forward_s + timings.other_s - verify0
-        tokens, steps, drafted, accepted = (sum(a[j] for a in per.values()) for j in range(4))
-        outputs[name] = outs
+        n = sums[name]
+        tokens, steps = int(n["tokens"]), int(n["steps"])
         results[name] = {
-            "tau": round(tokens / steps, 3), "alpha": round(accepted / drafted, 3) if drafted else 0.0,
-            "drafted_per_step": round(drafted / steps, 2), "tokens": tokens, "steps": steps,
-            "wall_s": round(wall, 2),
-            "tau_by_workload": {w: round(a[0] / a[1], 3) for w, a in per.items()},
+            "tau": round(tokens / steps, 3), "alpha": round(n["accepted"] / n["drafted"], 3) if n["drafted"] else 0.0,
+            "drafted_per_step": round(n["drafted"] / steps, 2), "tokens": tokens, "steps": steps,
+            "wall_s": round(n["wall_s"], 2),
+            "tau_by_workload": {w: round(a[0] / a[1], 3) for w, a in per_workload[name].items()},
         }
-        results[name].update(costs(tokens / steps, tokens, steps, levels, draft_s, verify_s, wall,
-                                   results.get("none") if name != "none" else None))
+        results[name].update(costs(tokens / steps, tokens, steps, int(n["levels"]), n["draft_s"], n["verify_s"],
+                                   n["wall_s"], results.get("none") if name != "none" else None))
+        if rounds > 1 and by_round[name]:
+            results[name]["multiplier_by_round"] = by_round[name]
         r = results[name]
         print(f"{name}: tau {r['tau']} alpha {r['alpha']} draft {r['draft_ms_per_level']} ms/level "
               f"({r.get('draft_vs_target', '-')} of a target step) {r['tokens_per_s']} tokens/s, "
               f"x{r.get('multiplier_measured', '-')} measured, x{r.get('multiplier_predicted', '-')} "
-              f"predicted ({wall:.0f} s)", file=sys.stderr, flush=True)
+              f"predicted ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     reference = outputs[drafters[0]]
     return {
         "prompts": len(measured), "warmup_prompts": len(warm), "max_tokens": max_tokens,
         "tree_budget": {"max_nodes": budget.max_nodes, "max_depth": budget.max_depth},
-        "adaptive": adaptive, "chain": chain, "drafters": results,
+        "adaptive": adaptive, "chain": chain, "rounds": rounds, "drafters": results,
         **merge_ratios({d: r["tau"] for d, r in results.items()}),
-        "identical": all(outputs[d] == reference for d in drafters),
+        "identical": identical and all(outputs[d] == reference for d in drafters),
     }

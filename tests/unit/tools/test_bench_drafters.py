@@ -68,3 +68,25 @@ def test_costs_multipliers_and_self_speculation_on_the_tiny_model(tiny_model):
     assert d["alpha"] == 1.0 and d["tau"] > 3.0 and chained["identical"]     # the target's own chain
     with pytest.raises(ValueError):
         bench_drafters(rt, ["self:2"], measured, [], TreeBudget(4, 4), max_tokens=4)
+
+
+def test_rounds_sum_every_pass_and_report_each_rounds_multiplier(tiny_model):
+    """Two rounds: every drafter serves the prompts twice from a fresh engine (the same output
+    both times), the figures are the sums, and each round has its own multiplier."""
+    rt = Runtime(tokenizer=None, forward=LlamaForward(tiny_model), hf_model=None,
+                 stop_token_ids=frozenset({2}))
+    ps = [p for p in prompts(8) if len(p) > 4]
+    measured = [("x", p) for p in ps[:2]]
+    once = bench_drafters(rt, ["none", "suffix"], measured, [("x", ps[3])], TreeBudget(4, 4), max_tokens=10)
+    twice = bench_drafters(rt, ["none", "suffix"], measured, [("x", ps[3])], TreeBudget(4, 4), max_tokens=10,
+                           rounds=2)
+    assert twice["rounds"] == 2 and twice["identical"] is True
+    for name in ("none", "suffix"):
+        # a fresh suffix cache each pass: the second round does not copy the first round's outputs
+        assert twice["drafters"][name]["tokens"] == 2 * once["drafters"][name]["tokens"]
+        assert twice["drafters"][name]["steps"] == 2 * once["drafters"][name]["steps"]
+        assert len(twice["drafters"][name]["multiplier_by_round"]) == 2
+    assert twice["drafters"]["none"]["multiplier_by_round"] == [1.0, 1.0]
+    assert "multiplier_by_round" not in once["drafters"]["suffix"]
+    with pytest.raises(ValueError, match="rounds"):
+        bench_drafters(rt, ["none"], measured, [], TreeBudget(4, 4), rounds=0)
