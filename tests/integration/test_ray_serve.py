@@ -175,6 +175,14 @@ def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, em
     prompt = "red green blue " * 8                   # repetitive: the n-gram drafter proposes
     expected = answers(embedded_url, str(model_dir))
     assert answers(url, str(model_dir)) == expected
+    # A tenant new to the planner: its first request starts with no pooled evidence about the
+    # drafter (scheduler/sizing.py DrafterPrior), so the planner probes it and the draft worker
+    # is asked, whatever t1's earlier requests taught the planner of this drafter's cost.
+    with httpx.Client(base_url=url, timeout=60) as h:
+        fresh = h.post("/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"},
+                       json={"name": "drafty"}).json()["api_key"]
+    openai.OpenAI(base_url=url + "/v1", api_key=fresh, max_retries=0, timeout=120).completions.create(
+        model=str(model_dir), prompt=prompt, max_tokens=24, temperature=0)
     assert draft.proposed.remote().result() > before        # the trees came from the draft worker
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if "#draft#" in a["name"])
