@@ -78,8 +78,8 @@ def embedded_url(model_dir, redis_url):
         delete_prefix(redis_url, prefix)
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+def client(url: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def answers(url: str, model: str) -> list[str]:
@@ -181,8 +181,7 @@ def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, em
     with httpx.Client(base_url=url, timeout=60) as h:
         fresh = h.post("/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"},
                        json={"name": "drafty"}).json()["api_key"]
-    openai.OpenAI(base_url=url + "/v1", api_key=fresh, max_retries=0, timeout=120).completions.create(
-        model=str(model_dir), prompt=prompt, max_tokens=24, temperature=0)
+    client(url, fresh).completions.create(model=str(model_dir), prompt=prompt, max_tokens=24, temperature=0)
     assert draft.proposed.remote().result() > before        # the trees came from the draft worker
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if "#draft#" in a["name"])
