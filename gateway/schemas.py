@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Sequence, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo,
                       field_validator)
 
-from gateway import errors, tools
+from gateway import errors, tool_calls
 from gateway.service import (MAX_STOP_CHARS, MAX_STOPS, GenerateInput, GenerateOutput,
                              TokenLogprobs)
 from gateway.tenancy.records import Tenant
@@ -66,7 +66,7 @@ class _Sampling(BaseModel):
     user: Annotated[str, Field(max_length=256)] | None = None
     speculation: SpeculationOptions | None = None
     # applied at every tree node from its own path, so speculation stays lossless under them
-    # (workers/processors.py); ranges checked by the service
+    # (workers/speculation/processors.py); ranges checked by the service
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: Annotated[dict[str, Any], Field(max_length=4096)] | None = None
@@ -162,7 +162,7 @@ Name = Annotated[str, Field(max_length=256)]
 
 def constraint_of(response_format: dict | None) -> str | None:
     """`SamplingParams.constraint` for OpenAI's response_format: None for text (or none given),
-    else the JSON string workers/grammar.py compiles. Keys keep their order: a schema's property
+    else the JSON string workers/speculation/grammar.py compiles. Keys keep their order: a schema's property
     order is the order the output writes them in.
 
     >>> constraint_of({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}})
@@ -321,12 +321,12 @@ class ChatRequest(_Sampling):
             tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
             constraint=constraint_of(self.response_format))
 
-    def tool_parser(self) -> tools.ToolStreamParser | None:
-        """What reads the output for calls (gateway/tools.py), or None: plain content."""
-        mode = tools.call_mode(self._tools(), self._tool_choice())
+    def tool_parser(self) -> tool_calls.ToolStreamParser | None:
+        """What reads the output for calls (gateway/tool_calls.py), or None: plain content."""
+        mode = tool_calls.call_mode(self._tools(), self._tool_choice())
         if mode is None:
             return None
-        return tools.ToolStreamParser(self._tools(), mode,
+        return tool_calls.ToolStreamParser(self._tools(), mode,
                                       parallel=self.parallel_tool_calls is not False)
 
     def _tools(self) -> tuple[dict, ...] | None:
@@ -396,7 +396,7 @@ def completion_chunk(rid: str, model: str, created: int, text: str,
 
 
 def chat_body(outs: Sequence[GenerateOutput], model: str, created: int,
-              parsers: Sequence[tools.ToolStreamParser | None] = ()) -> dict[str, Any]:
+              parsers: Sequence[tool_calls.ToolStreamParser | None] = ()) -> dict[str, Any]:
     """With `parsers` (one a choice, for a request with tools), each output is read for calls."""
     choices = []
     for i, out in enumerate(outs):
@@ -416,7 +416,7 @@ def chat_body(outs: Sequence[GenerateOutput], model: str, created: int,
             "choices": choices, "usage": usage(outs), "specgate": spec_stats(outs)}
 
 
-def finish_reason(reason: str, parser: tools.ToolStreamParser | None) -> str:
+def finish_reason(reason: str, parser: tool_calls.ToolStreamParser | None) -> str:
     """"tool_calls" for a generation that ended on its own with calls in it (one cut short by
     max_tokens stays "length", as OpenAI reports it)."""
     return "tool_calls" if parser is not None and parser.calls and reason == "stop" else reason

@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, Protocol, Sequence
 
-from gateway import errors, tools
+from gateway import errors, tool_calls
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.grants import GrantKeeper
@@ -79,7 +79,7 @@ class GenerateInput:
     max_tree_tokens: int | None = None  # per-request cap, bounded by the tenant's
     user: str | None = None
     prompt_ids: tuple[int, ...] | None = None   # completions given token ids instead of text
-    tools: tuple[dict, ...] | None = None       # chat: OpenAI function tools (gateway/tools.py)
+    tools: tuple[dict, ...] | None = None       # chat: OpenAI function tools (gateway/tool_calls.py)
     tool_choice: str | dict | None = None       # "none", "auto", "required" or a named function
     parallel_tool_calls: bool | None = None
     presence_penalty: float = 0.0
@@ -176,7 +176,7 @@ class GenerationService:
         True (and not raise) for `ready()`; `request_id(kind)` names requests ("cmpl", "chatcmpl");
         `length_oracle`: measurement only, every known prompt's true length as its prediction
         (scheduler/length_oracle.py); `grammars`: the tokenizer's compiled constraints
-        (workers.grammar.Grammars), the worker's own when it runs in this process, so each schema
+        (workers.speculation.grammar.Grammars), the worker's own when it runs in this process, so each schema
         compiles once; None: built from the tokenizer at the first constrained request."""
         if not models:
             raise ValueError("a service needs at least one model id")
@@ -197,8 +197,8 @@ class GenerationService:
         self._tenants_seen: dict[str, str] = {}
         self.vocab_size = len(tokenizer)
         self.max_token_chars = max_token_chars(tokenizer)
-        # whether the chat template writes tools itself, else gateway/tools.py's fallback format
-        self.template_tools = tools.template_renders_tools(tokenizer)
+        # whether the chat template writes tools itself, else gateway/tool_calls.py's fallback format
+        self.template_tools = tool_calls.template_renders_tools(tokenizer)
         self.started_s = int(time.time())      # the models' "created" time
         # detached requests (`open_detached`): their draining tasks, and who hears they ended
         self._detached: set[asyncio.Task] = set()
@@ -341,8 +341,8 @@ class GenerationService:
         if not tenant.allows_model(inp.model):
             raise errors.forbidden_model(inp.model)
         try:
-            tools.check_request(inp.tools, inp.tool_choice, inp.parallel_tool_calls)
-        except tools.ToolError as exc:
+            tool_calls.check_request(inp.tools, inp.tool_choice, inp.parallel_tool_calls)
+        except tool_calls.ToolError as exc:
             raise errors.invalid(str(exc), exc.param) from None
         sampling = _sampling(inp, self.vocab_size)
         self._check_constraint(sampling.constraint)
@@ -392,7 +392,7 @@ class GenerationService:
         refuses is a 400 naming response_format, never an error inside the step loop."""
         if constraint is None:
             return
-        from workers.grammar import ConstraintError, Grammars
+        from workers.speculation.grammar import ConstraintError, Grammars
 
         if self._grammars is None:
             try:
@@ -446,7 +446,7 @@ class GenerationService:
                     raise errors.invalid(f"token id {t!r} is outside the vocabulary "
                                          f"(0 … {self.vocab_size - 1})", f"prompt.{i}")
             return ids, "prompt", "cmpl"
-        if field == "messages" and isinstance(inp.messages, list) and tools.uses_tools(
+        if field == "messages" and isinstance(inp.messages, list) and tool_calls.uses_tools(
                 inp.messages, inp.tools):
             ids = self._encode_with_tools(inp)
         else:
@@ -460,7 +460,7 @@ class GenerationService:
 
     def _encode_with_tools(self, inp: GenerateInput) -> list[int]:
         try:
-            text = tools.render_chat(self.tokenizer, inp.messages, inp.tools, inp.tool_choice,
+            text = tool_calls.render_chat(self.tokenizer, inp.messages, inp.tools, inp.tool_choice,
                                      inp.parallel_tool_calls, native=self.template_tools)
         except Exception:                       # the template refused these messages (jinja)
             log.info("chat template refused a conversation with tools", exc_info=True)
@@ -822,7 +822,7 @@ def _sampling(inp: GenerateInput, vocab: int) -> SamplingParams:
                           frequency_penalty=float(inp.frequency_penalty),
                           logit_bias=_logit_bias(inp.logit_bias, vocab), logprobs=lp,
                           # a forced tool call's schema, else the response_format's
-                          constraint=tools.forced_constraint(inp.tools, inp.tool_choice) or inp.constraint)
+                          constraint=tool_calls.forced_constraint(inp.tools, inp.tool_choice) or inp.constraint)
 
 
 def _logit_bias(bias: Any, vocab: int) -> tuple[tuple[int, float], ...]:

@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.tenancy.records import configured_digest
 
-DEFAULT_MODEL = "smollm2-135m"      # = workers.loader.DEFAULT_MODEL (not imported: no torch here)
+DEFAULT_MODEL = "smollm2-135m"      # = workers.model.loader.DEFAULT_MODEL (not imported: no torch here)
 
 
 class Settings(BaseSettings):
@@ -28,10 +28,10 @@ class Settings(BaseSettings):
     model: str = DEFAULT_MODEL                 # built-in name, HF directory or .gguf file
     served_model_name: str | None = None       # the id clients send; default: `model`
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # where the engine runs (workers/device.py): auto = CUDA when torch sees a GPU, else the CPU
+    # where the engine runs (workers/model/device.py): auto = CUDA when torch sees a GPU, else the CPU
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     # how the requests torch attends for (no CPU kernel: a GPU) share a call
-    # (workers/batched_attention.py); auto: one call per request until a GPU run decides
+    # (workers/model/batched_attention.py); auto: one call per request until a GPU run decides
     attention: Literal["auto", "loop", "padded", "flex"] = "auto"
     tenants_file: Path | None = None
     redis_url: str | None = None               # scheduler state, tenants and rate limits

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from scheduler.sizing import AlphaEstimate, SizingConfig, StepCost, learn, size_trees
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import ContextLengthError, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.stopping import cut
-from workers.verifier import Verifier
+from workers.speculation.verifier import Verifier
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """How many KV slots a request holds or will hold: the one model the planner admits, defers and
 preempts by (scheduler/policies/base.py `_fit_kv`), matching how the verifier allocates
-(workers/verifier.py): a request starts with room for its context, one block of output (less if
+(workers/speculation/verifier.py): a request starts with room for its context, one block of output (less if
 fewer tokens are wanted) and one tree; when a step's tree would not fit, its KV grows by a block
 or by half of what it holds, whichever is more.
 

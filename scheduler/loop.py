@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 class Worker(Protocol):
-    """What the loop drives: `workers.batch_worker.BatchWorker`, or a fake with the same calls.
+    """What the loop drives: `workers.speculation.batch_worker.BatchWorker`, or a fake with the same calls.
     `step` drafts each item's tree within the budget it is given (the plan sizes them)."""
     context_limit: int
 

@@ -25,7 +25,7 @@ A profile may also hold a `"prefill"` curve, prompt tokens → seconds of one re
 one, extends the batch-1 curve. Other keys (`device`, `date`, `note`, a curve's `nodes`, …) are
 descriptive and ignored here.
 
-A profile may hold a `"chunk"` entry too (chunked prefill: `workers.profiling.measure_chunks`):
+A profile may hold a `"chunk"` entry too (chunked prefill: `workers.speculation.profiling.measure_chunks`):
 what a prefill chunk of k context tokens, after o tokens of its prompt already computed, adds to
 a step, measured as (o, k, seconds) points and fitted (`fit_chunk_cost`; a `row_s` and `key_s`
 in the entry are taken as the fit) as `row_s · k + key_s · k · (o + (k − 1) / 2)` (its rows' linears, then attention
@@ -97,7 +97,7 @@ def fit_chunk_cost(points: Sequence[Sequence[float]]) -> tuple[float, float]:
 
 def _chunk_fit(chunk: dict) -> tuple[float, float]:
     """A profile's chunk entry → (row_s, key_s): its fit where it holds one, else fitted now
-    from its measured points (what `workers.profiling.measure_chunks` writes)."""
+    from its measured points (what `workers.speculation.profiling.measure_chunks` writes)."""
     if "row_s" in chunk and "key_s" in chunk:
         return float(chunk["row_s"]), float(chunk["key_s"])
     return fit_chunk_cost(chunk["points"])

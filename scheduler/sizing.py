@@ -24,7 +24,7 @@ Everything that decides how much to speculate lives here, with one model of each
   drafter), so deep trees from a slow drafter are paid for (SPIRe's TM = τ ÷ ((k·t_draft +
   t_verify) ÷ t_target)).
 - **step cost**: `StepCost(batch, tree tokens) -> seconds`, the profile measured once at
-  start-up (workers/profiling.py, read by scheduler/profile.py).
+  start-up (workers/speculation/profiling.py, read by scheduler/profile.py).
 - **the sizing rule** (`size_trees`, and `TreeSizer`, its fast form for the planner): the chain
   model of speculative decoding. A chain of d draft tokens each accepted with probability α
   commits on average

@@ -25,7 +25,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     "$py" - <<'EOF'
 import shutil
 from pathlib import Path
-from workers.loader import resolve_model
+from workers.model.loader import resolve_model
 src = resolve_model(progress=False)
 for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
     if (src / name).exists():

@@ -28,11 +28,11 @@ echo "installing specgate"
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
 # A dependency the locks miss, or a torch (say a GPU build) whose requirements disagree with them.
 .venv/bin/python -m pip check
-# The CPU kernels (workers/small_gemm.py) compile on first use (~40 s); build them now, not on the
+# The CPU kernels (workers/model/small_gemm.py) compile on first use (~40 s); build them now, not on the
 # first request. Where they cannot run, the engine uses torch's own paths and says why here.
 .venv/bin/python -c "
 import torch
-from workers import small_gemm
+from workers.model import small_gemm
 ok = small_gemm.available(torch.float32)
 print('CPU kernels:', 'built' if ok else 'not used (' + str(small_gemm.unavailable_reason) + ')')
 "

@@ -29,7 +29,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("serve",), "gateway.cli.serve",
             "serve the OpenAI-compatible REST (and gRPC) API, one process"),
     Command(("generate",), "tools.generate", "generate completions for a JSONL file of prompts"),
-    Command(("model", "path"), "workers.loader",
+    Command(("model", "path"), "workers.model.loader",
             "print the cached model directory (fetching it if needed)",
             add="add_model_path_arguments", run="model_path_cli"),
     Command(("bench", "engine"), "tools.bench_engine", "specgate vs transformers on one workload"),
@@ -128,7 +128,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
-    from workers.loader import ModelLoadError
+    from workers.model.loader import ModelLoadError
     try:
         cmd = COMMANDS[args.command_index]
         return int(getattr(_module(cmd), cmd.run)(args) or 0)

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
-from workers.tree import TokenTree, truncate
+from workers.speculation.tree import TokenTree, truncate
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens: int, eos: int | list[int] | None = None) -> list[int]:
@@ -82,7 +82,7 @@ def tiny_model_dir(path, seed: int = 0):
     import shutil
 
     from tests.conftest import tiny_llama
-    from workers.loader import resolve_model
+    from workers.model.loader import resolve_model
 
     source = resolve_model(progress=False)
     path = Path(path)
@@ -188,7 +188,7 @@ class DeviceAudit(TorchFunctionMode):
 def device_generic(model, **options):
     """The lean forward as a GPU runs it, here on the CPU: plain linears, and torch's norms, rope
     and attention (no CPU kernels: `small_gemm.available` is false off the CPU)."""
-    from workers.llama_forward import LlamaForward
+    from workers.model.llama_forward import LlamaForward
 
     lf = LlamaForward(model, gemm="plain", **options)
     lf.fused = lf.fused_attention = False

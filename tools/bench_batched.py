@@ -26,7 +26,7 @@ from scheduler.profile import StepCostModel
 from scheduler.sizing import SizingConfig
 from scheduler.request import Request, RequestStats
 from workers.contract import SamplingParams
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import TreeBudget
 from workers.runtime import Runtime, encode_record, load_runtime
 

@@ -41,14 +41,14 @@ from typing import Any, Sequence
 from loadtest.workload import WORKLOADS, load_workload
 from workers.contract import SamplingParams
 from workers.contract import TreeBudget
-from workers.draft_model import DraftSpec
+from workers.drafters.neural.draft_model import DraftSpec
 from workers.drafters.base import Drafter
 from workers.drafters.model import ModelDrafter, is_model_dir
 from workers.drafters.registry import MERGE_PREFIX, create_drafter
 from tools.throughput import spire_multiplier
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
-from workers.loader import DEFAULT_MODEL
+from workers.model.loader import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

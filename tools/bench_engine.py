@@ -23,10 +23,10 @@ from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
-from workers.loader import DEFAULT_MODEL
+from workers.model.loader import DEFAULT_MODEL
 from tools.near_tie import classify
 from workers.runtime import DEFAULT_PREFIX_CACHE_MB, encode_record, load_runtime
-from workers.verifier import StepTimings
+from workers.speculation.verifier import StepTimings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

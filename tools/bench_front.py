@@ -132,7 +132,7 @@ def tokenized_bound(model: str | None) -> int:
     from transformers import AutoConfig
 
     from gateway.text import max_token_chars
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from workers.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     name = model or DEFAULT_MODEL
     context = AutoConfig.from_pretrained(resolve_model(name, progress=False)).max_position_embeddings

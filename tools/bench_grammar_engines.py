@@ -1,5 +1,5 @@
 """`specgate bench grammar-engines`: per-token cost of the grammar engines specgate could use
-(xgrammar, llguidance) on the default model's tokenizer: what picked workers/grammar.py's engine.
+(xgrammar, llguidance) on the default model's tokenizer: what picked workers/speculation/grammar.py's engine.
 
 For a few JSON schemas, a valid instance is tokenized and replayed through each engine's matcher
 as decoding would: per token, fill the next-token bitmask, then accept the token. Speculation adds
@@ -128,7 +128,7 @@ def _replay(matcher, ops, ids: list[int], repeats: int) -> dict[str, float]:
 
 
 def bench_grammar_engines(*, model: str | None = None, repeats: int = 20) -> dict[str, Any]:
-    from workers.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from workers.model.loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     path = resolve_model(model or DEFAULT_MODEL, progress=False)
     tokenizer = load_tokenizer(str(path), progress=False)

@@ -62,7 +62,7 @@ TRAIN_SHARE = 2 / 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from workers.loader import DEFAULT_MODEL
+    from workers.model.loader import DEFAULT_MODEL
 
     p.add_argument("--data", type=Path, default=DATA_PATH, help="the prompt set (tools/length_data.py)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the model whose answers the set holds")
@@ -138,7 +138,7 @@ def checkpoint_features(forward, prompt_ids: Sequence[int], answer_ids: Sequence
     Returns (the checkpoints kept, features [K, H])."""
     import torch
 
-    from workers.llama_forward import Segment
+    from workers.model.llama_forward import Segment
 
     cs = [c for c in checkpoints if c < len(answer_ids)]
     rows = [len(prompt_ids) - 1 + c for c in cs]

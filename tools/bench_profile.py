@@ -1,7 +1,7 @@
 """`specgate bench profile`: measure the step-cost profile the scheduler and the simulator read
 (scheduler/profile.py) on the real verifier, by batch size and tree tokens, and write it to a file.
 
-The measurement itself is `workers.profiling.measure_profile` (the grid, the medians, the monotone
+The measurement itself is `workers.speculation.profiling.measure_profile` (the grid, the medians, the monotone
 curves). Here the requests are re-prefilled before each tree size, so the context stays near
 `prompt_len` (a step commits at least one token). A prefill curve (prompt tokens → seconds of one
 request's `Verifier.prefill`, a pass of its own) is measured too: the simulator charges a new or
@@ -13,7 +13,7 @@ beside the top-level curves (which stay those at `prompt_len`); the step-cost mo
 between contexts. Off by default: each context costs as much as the default grid.
 
 The `"chunk"` entry (`--chunk-tokens`, `--chunk-offsets`; '' to skip) is what a prefill chunk adds
-to a step, by its size and how deep into its prompt it starts (`workers.profiling.measure_chunks`).
+to a step, by its size and how deep into its prompt it starts (`workers.speculation.profiling.measure_chunks`).
 
 Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
 is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.profile import fit_chunk_cost
-from workers.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
+from workers.speculation.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
                                DEFAULT_NODES, DEFAULT_PREFILL, describe_device, measure_chunks,
                                measure_profile, profile_document)
 
@@ -96,7 +96,7 @@ def _load_verifier(model: str, dtype: str, max_tree_tokens: int, device: str = "
 
 
 def run(args) -> int:
-    from workers.loader import DEFAULT_MODEL
+    from workers.model.loader import DEFAULT_MODEL
 
     if args.threads:
         import torch

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from workers.loader import DEFAULT_MODEL
+from workers.model.loader import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-resume-bench-0000"

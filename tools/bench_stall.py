@@ -65,7 +65,7 @@ def long_prompt(model: str | None, tokens: int) -> str:
     copy its way through the answer, and the prefix cache has never seen it)."""
     import numpy as np
 
-    from workers.loader import DEFAULT_MODEL, load_tokenizer
+    from workers.model.loader import DEFAULT_MODEL, load_tokenizer
 
     tok = load_tokenizer(model or DEFAULT_MODEL, progress=False)
     rng = np.random.default_rng(0)

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.loader import DEFAULT_MODEL
+from workers.model.loader import DEFAULT_MODEL
 
 SCHEMAS = Path(__file__).parent / "data" / "structured_schemas.jsonl"
 DRAFTERS = ("plain", "grammar", "ngram", "merged")

@@ -14,7 +14,7 @@ A run, all under one wall-clock budget (``--minutes``):
    keeps its top-``TOP_K`` log-probabilities at every position.
 3. Training: AdamW on the draft's blocks and final norm (the embedding and unembedding, shared with
    the target, stay frozen unless ``--train-embeddings``), with the draft's own sparse attention
-   mask (`workers.draft_model.sparse_mask`), so it learns to see what it will see when drafting.
+   mask (`workers.drafters.neural.draft_model.sparse_mask`), so it learns to see what it will see when drafting.
    Loss per position, with p the target's top-k distribution (renormalised) and q the draft's:
 
        cross-entropy(p, q) + λ · (1 − Σ_k min(p_k, q_k))
@@ -28,7 +28,7 @@ every ``--checkpoint-every`` seconds and at the end; a later run resumes from it
 ``--fresh``. The trained weights are written back into the draft directory at the end, and
 ``specgate_draft.json`` counts the optimiser steps.
 
-``--device`` (workers/device.py; ``auto`` takes CUDA when torch sees a GPU): the target that
+``--device`` (workers/model/device.py; ``auto`` takes CUDA when torch sees a GPU): the target that
 generates the text, the draft, its optimiser and every batch run there; cached samples and
 checkpoints are kept on the host, so a run can resume on another device. Timings synchronise
 the device before reading the clock, so ``trained_minutes`` and ``step_s`` are the work's own.
@@ -48,8 +48,8 @@ from typing import Sequence
 
 import torch
 
-from workers.device import resolve_device, synchronize
-from workers.draft_model import DraftSpec, read_spec, sparse_mask, write_spec
+from workers.model.device import resolve_device, synchronize
+from workers.drafters.neural.draft_model import DraftSpec, read_spec, sparse_mask, write_spec
 
 __all__ = ["TOP_K", "training_prompts", "distill_loss", "alpha", "distill", "add_arguments", "run"]
 
@@ -165,7 +165,7 @@ def _generate(runtime, records: Sequence[dict], max_new: int, *, deadline: float
     from workers.contract import NO_SPECULATION
     from workers.drafters.registry import create_drafter
     from scheduler.generation import Engine, GenerationRequest
-    from workers.llama_forward import Segment
+    from workers.model.llama_forward import Segment
     from workers.runtime import encode_record
 
     engine = Engine(runtime.verifier(), create_drafter("none"), NO_SPECULATION, adaptive=False)
@@ -401,7 +401,7 @@ def _bar(total_s: float, enabled: bool, desc: str = "distill"):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from workers.loader import DEFAULT_MODEL
+    from workers.model.loader import DEFAULT_MODEL
 
     p.add_argument("--target", default=DEFAULT_MODEL)
     p.add_argument("--draft", required=True, type=Path, help="the draft directory (`specgate draft build`)")

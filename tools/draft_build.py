@@ -5,7 +5,7 @@ its final norm and its unembedding, so it speaks the target's tokenizer and star
 already map into the target's output space. It is written as a plain Hugging Face model directory
 (so `ModelDrafter.load`, transformers and `specgate distill` all read it) plus
 ``specgate_draft.json`` with its static sparse attention: an attention sink of ``sink`` tokens and
-a sliding window of ``window`` tokens, which keep its KV constant-size (`workers.draft_model`).
+a sliding window of ``window`` tokens, which keep its KV constant-size (`workers.drafters.neural.draft_model`).
 
 Untrained, such a draft almost never agrees with the target (FINDINGS.md); `specgate distill` is
 what makes it useful.
@@ -17,7 +17,7 @@ first three the lowest loss (README.md, "Drafters, draft models and workloads").
 already read token embeddings; the last ones expect the deep residual stream. So the default is
 the first three; `--layers last2` builds SPIRe's choice.
 
-``--device`` (workers/device.py; ``auto`` takes CUDA when torch sees a GPU): where the target is
+``--device`` (workers/model/device.py; ``auto`` takes CUDA when torch sees a GPU): where the target is
 loaded and the draft assembled, so a large target never needs its whole weight in host memory;
 the draft directory written is the same on any device.
 """
@@ -34,10 +34,10 @@ from typing import Sequence
 import torch
 from safetensors.torch import load_file
 
-from workers.device import resolve_device, synchronize
-from workers.draft_memory import default_memory_layers
-from workers.draft_model import DRAFT_DTYPES, DraftSpec, write_spec
-from workers.loader import DEFAULT_MODEL, load_target, resolve_model
+from workers.model.device import resolve_device, synchronize
+from workers.drafters.neural.draft_memory import default_memory_layers
+from workers.drafters.neural.draft_model import DRAFT_DTYPES, DraftSpec, write_spec
+from workers.model.loader import DEFAULT_MODEL, load_target, resolve_model
 
 __all__ = ["parse_layers", "prune", "build_draft", "add_arguments", "run"]
 
@@ -95,8 +95,8 @@ def build_draft(target_name: str, out: str | Path, *, layers: str = "first3", si
                 dtype: str = "float32", progress: bool = True) -> Path:
     """Prune, write the draft directory (weights, config, tokenizer, spec); returns its path.
     `memory`: give the draft SPIRe's feedback memory over the target's activations
-    (workers/draft_memory.py), read from `default_memory_layers` of the target. `device`: where
-    the target is loaded and the draft assembled (workers/device.py). `dtype`: what it drafts in
+    (workers/drafters/neural/draft_memory.py), read from `default_memory_layers` of the target. `device`: where
+    the target is loaded and the draft assembled (workers/model/device.py). `dtype`: what it drafts in
     (`DraftSpec.dtype`; its weights are kept in float32 for training)."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -8,7 +8,7 @@ sequences `specgate draft train` / `specgate distill` generated (the target's ow
 writes the ``--tokens`` most frequent ids (plus the stop tokens) beside the draft; it reports
 the share of held-out target replies (the evaluation set's chat continuations) the head covers,
 the figure to choose ``--tokens`` by
-(workers/cheap_head.py). Drafting then computes only those rows of the unembedding; the target
+(workers/drafters/neural/cheap_head.py). Drafting then computes only those rows of the unembedding; the target
 still verifies every token, so output is unchanged. ``--tokens 0`` removes the cheap head.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from workers.cheap_head import HEAD_FILE, count_tokens, frequent_tokens, write_head
+from workers.drafters.neural.cheap_head import HEAD_FILE, count_tokens, frequent_tokens, write_head
 
 __all__ = ["corpus", "build_head", "add_arguments", "run"]
 

@@ -12,7 +12,7 @@ from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter, drafter_names, is_drafter_name
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
-from workers.loader import DEFAULT_MODEL
+from workers.model.loader import DEFAULT_MODEL
 from workers.runtime import encode_record, load_runtime
 
 # The ceiling; each step sizes each request's tree below it from its acceptance and the cost curve.

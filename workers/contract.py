@@ -32,12 +32,12 @@ class SamplingParams:
     ``seed`` seeds the request's own RNG, so one request's output does not depend on its batch.
 
     What changes the target's logits before sampling (OpenAI's parameters), applied at every tree
-    node from that node's own path (workers/processors.py), so speculation stays lossless:
+    node from that node's own path (workers/speculation/processors.py), so speculation stays lossless:
     ``presence_penalty`` / ``frequency_penalty`` (subtracted once / per occurrence of a token in
     the output so far), ``logit_bias`` ((token id, bias) pairs, added), and ``constraint``, a JSON
     string the output must follow: ``{"type": "json_object"}`` or ``{"type": "json_schema",
     "schema": {...}}`` (a response_format, or a forced tool call: gateway/tools.py), enforced by a
-    grammar (workers/grammar.py).
+    grammar (workers/speculation/grammar.py).
 
     ``logprobs``: None = off; k = report, for every committed token, its log-probability and the
     k most likely tokens at its position (`StepResult.logprobs`), read from the verification
@@ -74,7 +74,7 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether anything changes the target's logits before sampling (workers/processors.py)."""
+        """Whether anything changes the target's logits before sampling (workers/speculation/processors.py)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.constraint)
 
     @property
@@ -113,7 +113,7 @@ class TapSpec:
 
     Tap 0 is the token embedding, tap j the output of the target's block ``layers[j - 1]``.
     A draft with sink ``sink`` and window ``window`` only ever reads memories at positions below
-    ``sink`` or within ``window`` of the newest one (workers/draft_model.py), so the verifier
+    ``sink`` or within ``window`` of the newest one (workers/drafters/neural/draft_model.py), so the verifier
     keeps only those rows: what crosses to the drafter stays bounded in the context's length.
     """
     layers: tuple[int, ...]
@@ -138,7 +138,7 @@ class TargetTaps:
     """The target's activations at some committed positions, as plain bytes (no torch here).
 
     ``data`` holds float32 values laid out [len(positions), taps, hidden], row-major, in the
-    order of ``positions`` (workers/target_taps.py packs and reads it). Positions are absolute
+    order of ``positions`` (workers/speculation/target_taps.py packs and reads it). Positions are absolute
     (0 = the prompt's first token) and need not be contiguous (the sink, then the window).
     """
     positions: tuple[int, ...]

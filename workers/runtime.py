@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.device import resolve_device, resolve_dtype
-from workers.llama_forward import LlamaForward
-from workers.loader import DEFAULT_MODEL, load_target
-from workers.prefix_cache import DEFAULT_TENANT_SHARE, PrefixCache
-from workers.processors import ProcessorFactory, sampling_processors
-from workers.profiling import startup_profile
-from workers.verifier import Verifier
+from workers.model.device import resolve_device, resolve_dtype
+from workers.model.llama_forward import LlamaForward
+from workers.model.loader import DEFAULT_MODEL, load_target
+from workers.model.prefix_cache import DEFAULT_TENANT_SHARE, PrefixCache
+from workers.speculation.processors import ProcessorFactory, sampling_processors
+from workers.speculation.profiling import startup_profile
+from workers.speculation.verifier import Verifier
 
 # Per verifier: SmolLM2-135M's fp32 KV is 46 KiB a token, so 256 MiB holds ~5,700 prompt tokens.
 DEFAULT_PREFIX_CACHE_MB = 256.0
@@ -27,11 +27,11 @@ class Runtime:
 
     @property
     def grammars(self) -> Any:
-        """The tokenizer's compiled constraints (workers.grammar.Grammars), one per process:
+        """The tokenizer's compiled constraints (workers.speculation.grammar.Grammars), one per process:
         what the verifier's rules, the grammar drafter and the gateway's check share. Imported
         on first use: the grammar engine takes a while to import."""
         if self._grammars is None:
-            from workers.grammar import Grammars
+            from workers.speculation.grammar import Grammars
 
             self._grammars = Grammars.from_tokenizer(self.tokenizer, self.forward.vocab_size,
                                                      self.stop_token_ids)
@@ -39,14 +39,14 @@ class Runtime:
 
     def processors(self) -> ProcessorFactory:
         """Each request's logit rules: penalties and logit_bias, and its grammar when it has a
-        constraint (workers/grammar.py, loaded at the first constrained request)."""
+        constraint (workers/speculation/grammar.py, loaded at the first constrained request)."""
         vocab = self.forward.vocab_size
         plain = sampling_processors(vocab)
 
         def build(sampling, output):
             if not sampling.constraint:
                 return plain(sampling, output)
-            from workers.grammar import grammar_processors
+            from workers.speculation.grammar import grammar_processors
 
             return grammar_processors(self.grammars, vocab)(sampling, output)
         return build
@@ -73,7 +73,7 @@ class Runtime:
                         processors=self.processors())
 
     def step_profile(self, max_batch: int = 1, max_tree_tokens: int = 31) -> dict[str, Any]:
-        """This machine's step-cost profile (`workers.profiling.startup_profile`), measured once
+        """This machine's step-cost profile (`workers.speculation.profiling.startup_profile`), measured once
         per shape asked for: what tree sizing reads (`scheduler.profile.StepCostModel.from_doc`)."""
         key = (max_batch, max_tree_tokens)
         if key not in self._profiles:
@@ -83,9 +83,9 @@ class Runtime:
 
 def load_runtime(model: str = DEFAULT_MODEL, *, dtype: str = "float32", device: str = "auto",
                  attention: str | None = None, keep_hf: bool = False, progress: bool = True) -> Runtime:
-    """`device`: where the target, its KV and every step's tensors live (workers/device.py:
+    """`device`: where the target, its KV and every step's tensors live (workers/model/device.py:
     'auto' takes CUDA when torch sees a GPU); `attention`: how the requests torch attends for
-    share a call (workers/batched_attention.py; None: SPECGATE_ATTENTION, else auto)."""
+    share a call (workers/model/batched_attention.py; None: SPECGATE_ATTENTION, else auto)."""
     hf_model, tokenizer = load_target(model, dtype=resolve_dtype(dtype), device=resolve_device(device),
                                       progress=progress)
     return Runtime(tokenizer, LlamaForward(hf_model, attention=attention), hf_model if keep_hf else None,

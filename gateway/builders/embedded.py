@@ -251,7 +251,7 @@ def default_kv_cache_mb(device: Any = None) -> float:
     default. On a GPU, its free memory; on the CPU, Linux's MemAvailable (free memory plus what
     caches would give back), else free pages."""
     if device is not None and getattr(device, "type", "cpu") == "cuda":
-        from workers.device import free_bytes
+        from workers.model.device import free_bytes
 
         return free_bytes(device) / 2 / 2**20
     try:
@@ -300,7 +300,7 @@ def planner_step_cost(settings: Settings, rt: Any, measured: dict | None = None)
 def batch_worker(settings: Settings, rt: Any, drafters: dict | None = None) -> Any:
     """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray,
     where `drafters` are the draft workers' remote drafters by name)."""
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
 
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(rt.forward.device)
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),

@@ -309,7 +309,7 @@ async def sse_events(streams: Sequence[EventStream], *,
     `chunk(index, piece)` per piece of text (or of logprobs), each choice's `final(index,
     output)` chunk (finish_reason, specgate stats), `usage(outputs)` once every choice has
     ended, when asked for, then `data: [DONE]`. `chunk` and `final` may give a list of events
-    (or none: a tool call's text is held until it is whole, gateway/tools.py). Once the 200 has
+    (or none: a tool call's text is held until it is whole, gateway/tool_calls.py). Once the 200 has
     gone out an error can only be an event: a failed generation or an unexpected exception ends
     the stream with an OpenAI error object. The streams are closed however this ends; a client
     that disconnects cancels every choice that way (a detached one runs on: gateway/service.py).

@@ -214,7 +214,7 @@ class SchedulerServer:
         from gateway.builders.embedded import (build_embedded, freeze_heap, planner_step_cost,
                                               replica_kv_budget)
         from gateway.ray_serve.verifier_pool import VerifierPool
-        from workers.loader import load_tokenizer, resolve_model
+        from workers.model.loader import load_tokenizer, resolve_model
 
         s = Settings(**settings)
         info = await verifier.describe.remote()
@@ -393,7 +393,7 @@ class IngressServer:
 
     def _tokenizer(self) -> Any:
         if self._tok is None:
-            from workers.loader import load_tokenizer, resolve_model
+            from workers.model.loader import load_tokenizer, resolve_model
 
             self._tok = load_tokenizer(str(resolve_model(self.settings.model, progress=False)),
                                        progress=False)

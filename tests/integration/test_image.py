@@ -80,7 +80,7 @@ def test_pins_user_and_command_agree_with_the_project():
     assert "-r requirements.lock" in installs and "-r requirements.lock" in setup
     assert "--no-deps --no-build-isolation ." in installs
 
-    from workers.loader import BUILTIN_MODELS
+    from workers.model.loader import BUILTIN_MODELS
     assert a["PREFETCH_MODEL"] in BUILTIN_MODELS
 
     (user,) = values("USER")
@@ -130,7 +130,7 @@ def test_a_wheel_built_from_the_copied_context_carries_code_data_and_the_command
     names = set(zipfile.ZipFile(wheel).namelist())
     for needed in ("gateway/ray_serve/deployments.py", "gateway/grpc_api/proto/specgate_pb2_grpc.py",
                    "scheduler/profiles/default.json", "loadtest/workloads/chat.jsonl",
-                   "workers/llama_forward.py"):
+                   "workers/model/llama_forward.py"):
         assert needed in names, needed
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "specgate = specgate.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
@@ -140,7 +140,7 @@ def test_a_wheel_built_from_the_copied_context_carries_code_data_and_the_command
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="needs root and setpriv (util-linux) to run a command as another uid")
 def test_the_image_user_runs_from_a_read_only_prefetched_cache(tmp_path):
-    from workers.loader import DEFAULT_MODEL, resolve_model
+    from workers.model.loader import DEFAULT_MODEL, resolve_model
 
     uid = 1000
     built = resolve_model(DEFAULT_MODEL, progress=False)       # what the build step prefetched

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from workers import loader
-from workers.loader import BUILTIN_MODELS, DEFAULT_MODEL, load_target, resolve_model
+from workers.model import loader
+from workers.model.loader import BUILTIN_MODELS, DEFAULT_MODEL, load_target, resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
-from gateway import schemas, tools
+from gateway import schemas, tool_calls
 from gateway.text import IncrementalDetokenizer
 from gateway.settings import Settings
 from tests.helpers import hf_greedy, openai_client_on
@@ -42,7 +42,7 @@ def served(real_runtime):
 
 def test_smollm2s_template_renders_no_tools_so_the_fallback_serves(real_runtime, served):
     emb, _ = served
-    assert tools.template_renders_tools(real_runtime.tokenizer) is False
+    assert tool_calls.template_renders_tools(real_runtime.tokenizer) is False
     assert emb.service.template_tools is False
 
 
@@ -53,12 +53,12 @@ def test_calls_written_through_the_real_template_parse_back_token_by_token(real_
     second = {"id": "call_def", "type": "function",
               "function": {"name": "get_weather", "arguments": json.dumps({"city": "Café Zürich"})}}
     chat = ASK + [{"role": "assistant", "content": "Let me look.", "tool_calls": [CALL, second]}]
-    text = tools.render_chat(tok, chat, [WEATHER], "auto", None, native=False)
+    text = tool_calls.render_chat(tok, chat, [WEATHER], "auto", None, native=False)
     head = "<|im_start|>assistant\n"
     turn = text.split(head)[-2].split("<|im_end|>")[0]       # the last is the generation prompt
     ids = tok(turn, add_special_tokens=False)["input_ids"]
     detok = IncrementalDetokenizer(tok)
-    parser = tools.ToolStreamParser([WEATHER], "auto")
+    parser = tool_calls.ToolStreamParser([WEATHER], "auto")
     for i in ids:
         parser.push(detok.push([i]))
     parser.push(detok.flush())
@@ -73,11 +73,11 @@ def expected(real_runtime, messages, tool_choice="auto"):
     the prompt the tools module renders, read by the same parser."""
     rt = real_runtime
     shown = [schemas.ToolDef.model_validate(WEATHER).model_dump(exclude_none=True)]  # as served
-    text = tools.render_chat(rt.tokenizer, messages, shown, tool_choice, None, native=False)
+    text = tool_calls.render_chat(rt.tokenizer, messages, shown, tool_choice, None, native=False)
     ids = rt.tokenizer(text, add_special_tokens=False)["input_ids"]
     ref = hf_greedy(rt.hf_model, ids, MAX_NEW, eos=sorted(rt.stop_token_ids))
     out = rt.tokenizer.decode(ref, skip_special_tokens=True)
-    content, calls = tools.parse_output(out, [WEATHER], tools.call_mode([WEATHER], tool_choice))
+    content, calls = tool_calls.parse_output(out, [WEATHER], tool_calls.call_mode([WEATHER], tool_choice))
     reason = "stop" if ref and ref[-1] in rt.stop_token_ids else "length"
     reason = "tool_calls" if calls and reason == "stop" else reason
     return ids, content, [(c.name, c.arguments) for c in calls], reason
@@ -131,8 +131,8 @@ NATIVE = (
 def test_a_template_that_renders_tools_gets_them_and_the_calls_natively(real_runtime):
     tok = copy.deepcopy(real_runtime.tokenizer)
     tok.chat_template = NATIVE
-    assert tools.template_renders_tools(tok) is True
-    text = tools.render_chat(tok, FOLLOW_UP, [WEATHER], "auto", None, native=True)
+    assert tool_calls.template_renders_tools(tok) is True
+    text = tool_calls.render_chat(tok, FOLLOW_UP, [WEATHER], "auto", None, native=True)
     assert "TOOLS: get_weather" in text
     assert 'CALL get_weather {"city": "Paris"}' in text      # arguments as an object
     assert "<|im_start|>tool\n18C and sunny" in text

@@ -5,10 +5,10 @@ import doctest
 import numpy as np
 import pytest
 
-import workers.acceptance as acceptance
-from workers.acceptance import Acceptance, accept_greedy, accept_sampling, warp
+import workers.speculation.acceptance as acceptance
+from workers.speculation.acceptance import Acceptance, accept_greedy, accept_sampling, warp
 from workers.contract import SamplingParams
-from workers.tree import TokenTree
+from workers.speculation.tree import TokenTree
 
 V = 100
 

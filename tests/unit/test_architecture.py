@@ -112,8 +112,8 @@ def test_the_rules_catch_what_they_forbid():
     assert "workers.contract" in GRAPH["scheduler.loop"]
     assert "scheduler.sizing" in GRAPH["scheduler.policies.base"]
     assert "gateway.builders.embedded" in GRAPH["gateway.cli.serve"]
-    planted = {**GRAPH, "workers.tree": GRAPH["workers.tree"] | {"scheduler.sizing"}}
-    assert upward(planted) == ["workers.tree -> scheduler.sizing"]
+    planted = {**GRAPH, "workers.speculation.tree": GRAPH["workers.speculation.tree"] | {"scheduler.sizing"}}
+    assert upward(planted) == ["workers.speculation.tree -> scheduler.sizing"]
     circle = {**GRAPH, "scheduler.request": GRAPH["scheduler.request"] | {"scheduler.loop"}}
     assert any({"scheduler.loop", "scheduler.request"} <= set(c) for c in cycles(circle))
 

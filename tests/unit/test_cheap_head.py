@@ -9,14 +9,14 @@ from scheduler.generation import Engine, GenerationRequest
 from tests.conftest import tiny_llama
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
-from workers.cheap_head import CheapHead, count_tokens, frequent_tokens, read_head
+from workers.drafters.neural.cheap_head import CheapHead, count_tokens, frequent_tokens, read_head
 from workers.contract import SamplingParams, TreeBudget
-from workers.draft_model import DraftSpec
+from workers.drafters.neural.draft_model import DraftSpec
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.model import ModelDrafter
 from workers.drafters.ngram import NgramDrafter
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 

@@ -8,10 +8,10 @@ import torch
 
 from tests.helpers import hf_greedy
 from workers.contract import SamplingParams
-from workers.llama_forward import LlamaForward
-from workers.prefix_cache import PrefixCache
-from workers.tree import TokenTree
-from workers.verifier import Verifier, VerifyItem
+from workers.model.llama_forward import LlamaForward
+from workers.model.prefix_cache import PrefixCache
+from workers.speculation.tree import TokenTree
+from workers.speculation.verifier import Verifier, VerifyItem
 
 EOS = 2
 GREEDY = SamplingParams()
@@ -167,7 +167,7 @@ def test_blocks_computed_mid_prefill_are_in_the_prefix_cache_before_the_prompt_c
 def test_the_ngram_drafter_indexes_a_chunked_prompt_as_its_chunks_complete(tiny_model, forward):
     """So its first proposal does not index the whole prompt inside one step (~70 ms for 4,000
     tokens); the output stays plain greedy."""
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
     from workers.contract import NO_SPECULATION, TreeBudget, WorkItem
 
     p = prompt(300, 14)

@@ -31,11 +31,11 @@ import torch
 from tests.conftest import spread_weights
 from tests.helpers import OracleDrafter, hf_greedy
 from scheduler.generation import Engine, GenerationRequest
-from workers import small_gemm
+from workers.model import small_gemm
 from workers.contract import SamplingParams, TreeBudget
 from workers.drafters.base import NoneDrafter
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256)

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import workers.cpu_linear as cl
-from workers.cpu_linear import Linear, pick_backend
+import workers.model.cpu_linear as cl
+from workers.model.cpu_linear import Linear, pick_backend
 
 CPU = torch.device("cpu")
 USABLE = cl._usable_backends(CPU, torch.float32)

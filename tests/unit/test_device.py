@@ -1,4 +1,4 @@
-"""The engine's device and dtype settings (workers/device.py), on the CPU this suite runs on: the
+"""The engine's device and dtype settings (workers/model/device.py), on the CPU this suite runs on: the
 choices resolve as documented, a GPU asked for where there is none is a clear error, and the
 float16 path runs losslessly (speculation changes nothing) through the same code a GPU runs."""
 from __future__ import annotations
@@ -15,10 +15,10 @@ from gateway.settings import Settings
 from scheduler.generation import Engine, GenerationRequest
 from tests.helpers import OracleDrafter, hf_greedy
 from workers.contract import SamplingParams, TreeBudget
-from workers.device import elapsed, resolve_device, resolve_dtype
+from workers.model.device import elapsed, resolve_device, resolve_dtype
 from workers.drafters.base import NoneDrafter
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 
 def test_auto_is_the_cpu_where_torch_sees_no_gpu():
@@ -80,7 +80,7 @@ def test_float16_decodes_the_same_with_and_without_speculation(tiny_model):
 @pytest.mark.parametrize("attention", ["loop", "padded", "flex"])
 @pytest.mark.parametrize("arch", ["smollm2", "qwen2-mixed"])
 def test_the_device_generic_path_decodes_as_the_cpu_kernel_path(arch, attention):
-    """What a GPU runs (no CPU kernels; each attention option of workers/batched_attention.py),
+    """What a GPU runs (no CPU kernels; each attention option of workers/model/batched_attention.py),
     greedy over batched trees of several requests with speculation on, token for token as the
     CPU-kernel path and as transformers: a Llama with grouped heads, and a Qwen2 whose windowed
     layers bind (its masks differ by layer)."""
@@ -115,7 +115,7 @@ def test_what_a_step_builds_past_the_verifiers_host_inputs_names_the_device(tiny
     reqs = [GenerationRequest(f"r{i}", tuple(p), 16, SamplingParams(), frozenset({2})) for i, p in enumerate(prompts)]
     truth = {r.request_id: out.token_ids for r, out in zip(reqs, Engine(
         Verifier(LlamaForward(tiny_model), max_tree_tokens=16), NoneDrafter(), TreeBudget(0, 0)).generate(reqs))}
-    with DeviceAudit("workers/llama_forward.py", "workers/batched_attention.py", "workers/kv_cache.py") as audit:
+    with DeviceAudit("workers/model/llama_forward.py", "workers/model/batched_attention.py", "workers/model/kv_cache.py") as audit:
         out = Engine(Verifier(forward, max_tree_tokens=16), OracleDrafter(truth, 128, "mixed"),
                      TreeBudget(12, 6), adaptive=False).generate(reqs)
     assert {o.request_id: o.token_ids for o in out} == truth and sum(o.accepted for o in out) > 0

@@ -18,14 +18,14 @@ from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from tools.draft_build import prune
 from workers.contract import DraftContext, SamplingParams, TapSpec, TreeBudget
-from workers.draft_memory import GATE_OFF, MemoryDraft, default_memory_layers, memory_masks
-from workers.draft_model import DraftSpec, SparseKV, sparse_mask
+from workers.drafters.neural.draft_memory import GATE_OFF, MemoryDraft, default_memory_layers, memory_masks
+from workers.drafters.neural.draft_model import DraftSpec, SparseKV, sparse_mask
 from workers.drafters.memory import MemoryDrafter
 from workers.drafters.model import MAX_TREE_ROWS, PREFILL_CHUNK
-from workers.llama_forward import LlamaForward, Segment
-from workers.memory_forward import MemoryForward
-from workers.target_taps import gather, pack, unpack
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward, Segment
+from workers.drafters.neural.memory_forward import MemoryForward
+from workers.speculation.target_taps import gather, pack, unpack
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 MEMORY_LAYERS = (1, 3)
@@ -179,8 +179,8 @@ def test_verifier_taps_are_the_targets_activations(target):
     assert pos == list(range(len(prompt) - 1))               # every context token; not the root
     ref = target_taps(target, torch.tensor([prompt]))[0]
     torch.testing.assert_close(values, ref[: len(prompt) - 1], atol=1e-4, rtol=1e-4)
-    from workers.verifier import VerifyItem
-    from workers.tree import TokenTree
+    from workers.speculation.verifier import VerifyItem
+    from workers.speculation.tree import TokenTree
     (res,) = verifier.verify([VerifyItem("r", TokenTree.empty())])
     pos, values = unpack(res.taps)
     assert pos == [len(prompt) - 1]                          # the root this step read
@@ -226,7 +226,7 @@ def test_a_request_given_no_drafts_keeps_its_taps_in_bounded_chunks(target):
     """The worker keeps a step's taps as they came until the drafter drafts (no re-packing of
     the whole window every step), gathers them once there are TAP_CHUNKS, and hands the drafter
     exactly the rows it can read."""
-    from workers.batch_worker import TAP_CHUNKS, BatchWorker
+    from workers.speculation.batch_worker import TAP_CHUNKS, BatchWorker
     from workers.contract import WorkItem
 
     worker = BatchWorker(Verifier(LlamaForward(target), max_tree_tokens=16), default_drafter="memory")
@@ -295,7 +295,7 @@ def test_draft_kv_and_taps_are_constant_in_context_length(target, sink, window):
         drafter.propose(DraftContext("r", "t", prompt, n, taps=done.taps), TreeBudget(8, 4))
         held[n] = (drafter.kv_length("r"), drafter.taps_held("r"), drafter._states["r"].kv.cache.capacity)
     assert held[1024] == held[4096]
-    # KV: sink + window and the room for one pass (workers/draft_model.py SparseKV); taps: sink + window
+    # KV: sink + window and the room for one pass (workers/drafters/neural/draft_model.py SparseKV); taps: sink + window
     assert held[1024][0] <= held[1024][2] == sink + window + PREFILL_CHUNK + MAX_TREE_ROWS
     assert held[1024][1] <= sink + window
 
@@ -303,7 +303,7 @@ def test_draft_kv_and_taps_are_constant_in_context_length(target, sink, window):
 def test_the_worker_hands_each_steps_taps_to_the_drafter(target):
     """Prefill's taps reach the drafter with its first proposal, each step's with the next; the
     results that go up to the scheduler carry none."""
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
     from workers.contract import WorkItem
 
     drafter = _drafter()
@@ -324,7 +324,7 @@ def test_the_worker_hands_each_steps_taps_to_the_drafter(target):
 
 def test_a_drafter_names_taps_without_loading_it(tmp_path):
     """What a verifier whose drafters run elsewhere (Ray mode) reads to return the taps."""
-    from workers.draft_model import write_spec
+    from workers.drafters.neural.draft_model import write_spec
     from workers.drafters.registry import taps_of
 
     (tmp_path / "m").mkdir()
@@ -340,7 +340,7 @@ def test_a_drafter_names_taps_without_loading_it(tmp_path):
 
 def test_taps_round_trip_and_refuse_a_wrong_size():
     from workers.contract import TargetTaps
-    from workers.target_taps import committed_taps
+    from workers.speculation.target_taps import committed_taps
 
     vals = torch.randn(4, 3, 5)
     pos, back = unpack(pack([7, 8, 9, 10], vals))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import workers.acceptance as acceptance
+import workers.speculation.acceptance as acceptance
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts  # half repeat a motif: the request's own text matches
 from tests.unit.test_sampling_distribution import EXACT_FIRST, EXACT_PAIR, P, ROOT, TRIALS, V, _no_residual, check
-from workers.acceptance import accept_sampling
+from workers.speculation.acceptance import accept_sampling
 from workers.contract import SamplingParams
 from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.merge import MergeDrafter
@@ -24,8 +24,8 @@ from workers.drafters.ngram import NgramDrafter
 from workers.drafters.registry import create_drafter
 from workers.drafters.suffix import SuffixDrafter
 from scheduler.generation import Engine, GenerationRequest
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 MAX_NEW = 32

@@ -10,8 +10,8 @@ from workers.drafters.base import NoneDrafter
 from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
 from scheduler.generation import Engine, GenerationRequest
-from workers.llama_forward import LlamaForward
-from workers.verifier import ContextLengthError, Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import ContextLengthError, Verifier
 
 EOS = 2
 MAX_NEW = 40
@@ -93,7 +93,7 @@ def test_sampled_requests_get_the_same_output_alone_or_in_a_mixed_batch(forward)
 
 
 def test_a_seeded_sampled_request_says_the_same_with_any_drafts_or_none(forward, references):
-    """Seeded requests use the coupled rule (workers/acceptance.py `accept_coupled`): their text
+    """Seeded requests use the coupled rule (workers/speculation/acceptance.py `accept_coupled`): their text
     is a function of the seed alone, so speculation, its drafter and the tree budget change how
     fast it comes, not what it says (a restarted gateway continues the same text)."""
     ps = prompts(4, seed=5)
@@ -191,7 +191,7 @@ def test_kv_grows_in_blocks_and_greedy_output_is_unchanged(forward, references, 
 
 
 def test_grown_kv_keeps_the_committed_slots():
-    from workers.kv_cache import KVCache
+    from workers.model.kv_cache import KVCache
     import torch
 
     c = KVCache(2, 1, 4, 5)
@@ -217,8 +217,8 @@ def test_requests_in_step_grow_their_kv_one_a_step_ahead_of_need(forward):
         ver.prefill(f"s{i}", p, SamplingParams(), max_new_tokens=400)
     alone = Verifier(forward, max_tree_tokens=16, kv_block=32)
     alone.prefill("a", p, SamplingParams(), max_new_tokens=400)
-    from workers.tree import TokenTree
-    from workers.verifier import VerifyItem
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import VerifyItem
     outs: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
     solo, grown = [], []
     for _ in range(150):
@@ -238,8 +238,8 @@ def test_kv_never_grows_past_what_a_request_can_still_use(forward, max_new):
     fits that, no step grows its KV (a grow copies the whole context: deep in a long prompt, the
     step that completed it stalled every stream). Chunked, then decoding to its limit, with the
     largest trees; the output is the whole-prefill one."""
-    from workers.tree import TokenTree
-    from workers.verifier import VerifyItem
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import VerifyItem
 
     rng = np.random.default_rng(7)
     p = rng.integers(3, 128, size=60).tolist()

@@ -1,4 +1,4 @@
-"""Structured outputs (workers/grammar.py, workers/drafters/grammar.py): the grammar's mask at every
+"""Structured outputs (workers/speculation/grammar.py, workers/drafters/grammar.py): the grammar's mask at every
 tree row from that row's own path, pruning, the forced-token drafter, and greedy constrained output
 token-identical to plain constrained decoding whatever the drafts, on a tiny random Llama that
 speaks the default model's tokenizer."""
@@ -14,13 +14,13 @@ import xgrammar as xgr
 
 from scheduler.generation import Engine, GenerationRequest
 from tests.helpers import OracleDrafter, tiny_model_dir
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import DraftContext, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.registry import create_drafter
-from workers.grammar import ConstraintError, GrammarRule, Grammars, parse_constraint
-from workers.tree import TokenTree
+from workers.speculation.grammar import ConstraintError, GrammarRule, Grammars, parse_constraint
+from workers.speculation.tree import TokenTree
 
 MAX_NEW = 80
 # Bounded schemas: a random model writes any string or number the grammar allows, so lengths are

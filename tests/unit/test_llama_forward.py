@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from workers.cpu_linear import _usable_backends
-from workers import llama_forward, small_gemm
-from workers.kv_cache import KVCache
-from workers.llama_forward import LlamaForward, Segment, _chunkable
-from workers.tree import TokenTree, ancestor_mask, depths
-from workers.verifier import _tree_mask
+from workers.model.cpu_linear import _usable_backends
+from workers.model import llama_forward, small_gemm
+from workers.model.kv_cache import KVCache
+from workers.model.llama_forward import LlamaForward, Segment, _chunkable
+from workers.speculation.tree import TokenTree, ancestor_mask, depths
+from workers.speculation.verifier import _tree_mask
 
 ATOL = 1e-4
 
@@ -24,7 +24,7 @@ def gemm(request) -> str:
 @pytest.fixture(params=["kernel", "torch", "padded", "flex"])
 def attention(request) -> str:
     """Every attention path: the CPU kernel (where this machine has it), and torch's, one call per
-    request or the requests batched (workers/batched_attention.py: a GPU's options)."""
+    request or the requests batched (workers/model/batched_attention.py: a GPU's options)."""
     if request.param == "kernel" and not small_gemm.available(torch.float32):
         pytest.skip(f"no CPU kernels here: {small_gemm.unavailable_reason}")
     return request.param
@@ -248,8 +248,8 @@ def test_batched_attention_equals_one_call_per_request_in_a_mixed_pass(tiny_mode
     draft-like segment whose past mask hides old slots: the batched segments' logits and KV equal
     one SDPA call per request."""
     from tests.helpers import device_generic
-    from workers.batched_attention import BATCH_MAX_ROWS
-    from workers.verifier import _step_mask
+    from workers.model.batched_attention import BATCH_MAX_ROWS
+    from workers.speculation.verifier import _step_mask
 
     g = torch.Generator().manual_seed(11)
     rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()   # noqa: E731
@@ -300,7 +300,7 @@ def test_batched_attention_equals_one_call_per_request_in_a_mixed_pass(tiny_mode
 
 
 def test_the_attention_setting_is_checked_and_read_from_the_environment(tiny_model, monkeypatch):
-    from workers.batched_attention import resolve_attention
+    from workers.model.batched_attention import resolve_attention
 
     assert resolve_attention(None, torch.device("cpu")) == "loop"
     monkeypatch.setenv("SPECGATE_ATTENTION", "padded")

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers import loader
-from workers.loader import (
+from workers.model import loader
+from workers.model.loader import (
     BUILTIN_MODELS,
     DEFAULT_MODEL,
     ModelLoadError,

@@ -1,4 +1,4 @@
-"""logprobs from the verification pass (workers/verifier.py `committed_logprobs`): every committed
+"""logprobs from the verification pass (workers/speculation/verifier.py `committed_logprobs`): every committed
 token's log-probability and its position's top-k equal log_softmax of transformers' logits at that
 position, whatever the tree (none, right and wrong branches), greedy or sampled, and under
 penalties (read from the raw logits, before any rule changes them)."""
@@ -9,9 +9,9 @@ import torch
 
 from tests.helpers import OracleDrafter
 from workers.contract import DraftContext, SamplingParams, TreeBudget
-from workers.llama_forward import LlamaForward
-from workers.tree import TokenTree
-from workers.verifier import Verifier, VerifyItem
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.tree import TokenTree
+from workers.speculation.verifier import Verifier, VerifyItem
 
 PROMPT = [5, 17, 33, 9, 41, 17, 33, 9, 12]
 MAX_NEW = 24

@@ -13,7 +13,7 @@ from workers.drafters.merge import MergeDrafter, MergedTree, merge_proposals
 from workers.drafters.ngram import NgramDrafter
 from workers.drafters.registry import Registry, create_drafter, drafter_names, is_drafter_name
 from workers.drafters.suffix import SuffixDrafter
-from workers.tree import TokenTree, depths, truncate
+from workers.speculation.tree import TokenTree, depths, truncate
 
 
 class Fixed(Drafter):
@@ -137,7 +137,7 @@ def test_draft_probs_travel_with_their_node():
     m = merge_proposals([("model", sampled), ("ngram", one_hot)], TreeBudget(8, 8))
     assert m.tree.tokens == (1, 2, 3)
     assert m.tree.draft_probs[0] is q1 and m.tree.draft_probs[1] is q2 and m.tree.draft_probs[2] is None
-    # The first proposer's q wins on a shared node (workers.tree.merge's rule).
+    # The first proposer's q wins on a shared node (workers.speculation.tree.merge's rule).
     m = merge_proposals([("ngram", one_hot), ("model", TokenTree((1,), (-1,), (q3,)))], TreeBudget(8, 8))
     assert m.tree.draft_probs is None and m.proposers[0] == ("ngram", "model")
     # Deterministic drafters only: the tree stays plain.

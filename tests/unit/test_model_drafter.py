@@ -17,15 +17,15 @@ from tests.conftest import tiny_llama
 from tests.helpers import DeviceAudit, device_generic, hf_greedy
 from tests.unit.test_engine import prompts
 from tests.unit.test_sampling_distribution import g_test_pvalue
-from workers.acceptance import accept_sampling, warp
+from workers.speculation.acceptance import accept_sampling, warp
 from workers.contract import SamplingParams
-from workers.draft_model import DraftSpec, sparse_mask
+from workers.drafters.neural.draft_model import DraftSpec, sparse_mask
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.model import MAX_TREE_ROWS, PREFILL_CHUNK, ModelDrafter
 from scheduler.generation import Engine, GenerationRequest
-from workers.llama_forward import LlamaForward
-from workers.tree import depths
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.tree import depths
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 MAX_NEW = 32
@@ -203,8 +203,8 @@ def test_carrying_q_is_what_makes_sampled_drafts_pay(sampling_setup):
 
 # --- device: what the drafter builds lives where its forward runs ---------------------------------
 
-DRAFT_CODE = ("workers/drafters/model.py", "workers/draft_model.py", "workers/llama_forward.py",
-              "workers/batched_attention.py")
+DRAFT_CODE = ("workers/drafters/model.py", "workers/drafters/neural/draft_model.py", "workers/model/llama_forward.py",
+              "workers/model/batched_attention.py")
 
 
 @pytest.mark.parametrize("options,attention", [({"mode": "dynamic"}, "loop"),
@@ -243,7 +243,7 @@ def test_model_drafters_follow_the_verifiers_device(tmp_path, tiny_model):
     drafter loaded on its own takes 'auto'; a GPU asked for where there is none is refused."""
     from tests.helpers import tiny_model_dir
     from tools.draft_build import build_draft
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
     from workers.drafters.registry import create_drafter
 
     target = tiny_model_dir(tmp_path / "target")
@@ -266,7 +266,7 @@ def test_a_prompts_catch_up_is_left_out_of_the_drafting_time_per_level(forward, 
     `catch_up_s`, and the worker reports the tree's drafting time without it (the planner sizes
     trees by that time per level). A later step feeds only what the last step committed, no
     one-off. A merge sums its parts' one-offs."""
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
     from workers.contract import WorkItem
     from workers.drafters.merge import MergeDrafter
     from workers.drafters.ngram import NgramDrafter

@@ -1,4 +1,4 @@
-"""Support or refuse, per feature (workers/model_support.py): a checkpoint whose config or weights
+"""Support or refuse, per feature (workers/model/model_support.py): a checkpoint whose config or weights
 ask for what the lean forward does not compute is refused at load with the feature named; what it
 computes (biases on every projection, per-layer sliding windows) decodes token-identical to
 transformers' greedy. The conformance matrix (test_conformance.py) covers each family; here,
@@ -11,12 +11,12 @@ import torch
 from tests.conftest import spread_weights, tiny_llama
 from tests.helpers import OracleDrafter, hf_greedy
 from scheduler.generation import Engine, GenerationRequest
-from workers import llama_forward
+from workers.model import llama_forward
 from workers.contract import SamplingParams, TreeBudget
 from workers.drafters.base import NoneDrafter
-from workers.llama_forward import LlamaForward
-from workers.model_support import layer_windows, unsupported
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.model.model_support import layer_windows, unsupported
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 

@@ -8,7 +8,7 @@ from workers.drafters.base import Drafter, NoneDrafter
 from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.ngram import NgramDrafter, _RequestIndex
 from workers.drafters.registry import Registry, create_drafter, drafter_names, register_drafter
-from workers.tree import TokenTree, depths
+from workers.speculation.tree import TokenTree, depths
 
 
 def ctx(tokens, request_id="r1", prompt_len=None):

@@ -11,10 +11,10 @@ from workers.contract import SamplingParams
 from workers.drafters.registry import create_drafter
 from workers.contract import TreeBudget
 from scheduler.generation import Engine, GenerationRequest
-from workers.kv_cache import KVCache
-from workers.llama_forward import LlamaForward
-from workers.prefix_cache import PrefixCache
-from workers.verifier import Verifier
+from workers.model.kv_cache import KVCache
+from workers.model.llama_forward import LlamaForward
+from workers.model.prefix_cache import PrefixCache
+from workers.speculation.verifier import Verifier
 
 B = 4
 

@@ -1,4 +1,4 @@
-"""Logit rules at every tree row (workers/processors.py): penalties and logit_bias keep speculation
+"""Logit rules at every tree row (workers/speculation/processors.py): penalties and logit_bias keep speculation
 lossless, each row judged from its own path, and a re-admitted request's rules start from its
 committed output."""
 from __future__ import annotations
@@ -14,10 +14,10 @@ from tests.helpers import OracleDrafter
 from workers.contract import SamplingParams, TreeBudget
 from workers.drafters.base import NoneDrafter
 from workers.drafters.registry import create_drafter
-from workers.llama_forward import LlamaForward
-from workers.processors import LogitBias, Penalties
-from workers.tree import TokenTree
-from workers.verifier import Verifier, VerifyItem
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.processors import LogitBias, Penalties
+from workers.speculation.tree import TokenTree
+from workers.speculation.verifier import Verifier, VerifyItem
 
 EOS = 2
 MAX_NEW = 30

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from scipy.stats import power_divergence
 
-import workers.acceptance as acceptance
-from workers.acceptance import accept_sampling, warp
+import workers.speculation.acceptance as acceptance
+from workers.speculation.acceptance import accept_sampling, warp
 from workers.contract import SamplingParams
-from workers.tree import TokenTree
+from workers.speculation.tree import TokenTree
 
 V = 6
 ROOT = 2

@@ -1,4 +1,4 @@
-"""The few-row kernel (workers/small_gemm.py) against F.linear: any row count, ragged panels, odd
+"""The few-row kernel (workers/model/small_gemm.py) against F.linear: any row count, ragged panels, odd
 inner sizes, bias, float32 and bf16; and the packed layouts themselves."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import small_gemm
+from workers.model import small_gemm
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(dt)]
 pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}")
@@ -66,7 +66,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_load():
     stale = Path(_get_build_directory(small_gemm._NAME, verbose=False)) / "lock"
     stale.touch()
     try:
-        run = subprocess.run([sys.executable, "-c", "import torch; from workers import small_gemm; "
+        run = subprocess.run([sys.executable, "-c", "import torch; from workers.model import small_gemm; "
                               "print(small_gemm.available(torch.float32), small_gemm.unavailable_reason)"],
                              cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                              timeout=300)
@@ -129,7 +129,7 @@ def test_rms_norm_with_and_without_the_residual_add(dtype, rows, hidden):
 
 
 def test_switched_off_it_says_why_and_the_engine_keeps_torchs_paths(monkeypatch):
-    from workers.cpu_linear import pick_backend
+    from workers.model.cpu_linear import pick_backend
     monkeypatch.setenv("SPECGATE_SMALL_GEMM", "0")
     small_gemm._module.cache_clear()
     try:

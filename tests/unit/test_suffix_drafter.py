@@ -11,7 +11,7 @@ from workers.drafters.base import Drafter
 from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.registry import create_drafter, drafter_names
 from workers.drafters.suffix import SuffixDrafter, _Stream
-from workers.tree import TokenTree, depths
+from workers.speculation.tree import TokenTree, depths
 
 BIG = TreeBudget(32, 32)
 _IDS = itertools.count()

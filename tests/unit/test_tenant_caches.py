@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import DraftContext, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.suffix import SuffixDrafter
-from workers.llama_forward import LlamaForward
-from workers.prefix_cache import PrefixCache
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.model.prefix_cache import PrefixCache
+from workers.speculation.verifier import Verifier
 
 BUDGET = TreeBudget(4, 4)
 

@@ -5,8 +5,8 @@ import doctest
 import numpy as np
 import pytest
 
-import workers.tree
-from workers.tree import TokenTree, ancestor_mask, children, depths, leaf_paths, merge, truncate
+import workers.speculation.tree
+from workers.speculation.tree import TokenTree, ancestor_mask, children, depths, leaf_paths, merge, truncate
 
 # root ─┬─ 0:10 ─┬─ 1:11 ── 3:13
 #       │        └─ 2:12
@@ -38,7 +38,7 @@ def token_paths(tree: TokenTree) -> set[tuple[int, ...]]:
 
 
 def test_doctests():
-    assert doctest.testmod(workers.tree).failed == 0
+    assert doctest.testmod(workers.speculation.tree).failed == 0
 
 
 # --- construction -------------------------------------------------------------------------------

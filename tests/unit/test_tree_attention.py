@@ -1,4 +1,4 @@
-"""The step's attention kernels (workers/csrc/attention.cpp) against torch's ops: rope + KV write
+"""The step's attention kernels (workers/model/csrc/attention.cpp) against torch's ops: rope + KV write
 for several requests at once, and tree attention with tree masks, past masks, grouped heads, row
 counts across the 16-row tasks, every head dim it is built for, float32 and bf16 outputs."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers import small_gemm
+from workers.model import small_gemm
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(dt)]
 pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}")

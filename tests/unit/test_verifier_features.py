@@ -7,9 +7,9 @@ import torch
 
 from tests.helpers import hf_greedy
 from workers.contract import SamplingParams
-from workers.llama_forward import LlamaForward
-from workers.tree import TokenTree
-from workers.verifier import Verifier, VerifyItem
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.tree import TokenTree
+from workers.speculation.verifier import Verifier, VerifyItem
 
 
 def hf_hidden(model, ids: list[int]) -> torch.Tensor:
@@ -73,7 +73,7 @@ def test_prefill_reports_the_prompts_features_and_keeps_the_kv_right(tiny_model)
 
 
 def test_prefill_features_with_the_whole_context_from_the_prefix_cache(tiny_model):
-    from workers.prefix_cache import PrefixCache
+    from workers.model.prefix_cache import PrefixCache
 
     lf = LlamaForward(tiny_model)
     cache = PrefixCache.for_bytes(2**24, lf.n_layers, lf.n_kv_heads, lf.head_dim, lf.kv_dtype)

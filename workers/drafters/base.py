@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from workers.contract import DraftContext, TapSpec, TreeBudget
-from workers.tree import TokenTree
+from workers.speculation.tree import TokenTree
 
 __all__ = ["Drafter", "NoneDrafter"]
 

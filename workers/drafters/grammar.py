@@ -24,8 +24,8 @@ import xgrammar as xgr
 
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
-from workers.grammar import Grammars, advance
-from workers.tree import TokenTree
+from workers.speculation.grammar import Grammars, advance
+from workers.speculation.tree import TokenTree
 
 __all__ = ["GrammarDrafter"]
 

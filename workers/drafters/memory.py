@@ -1,8 +1,8 @@
 """The feedback-memory drafter: a `ModelDrafter` whose draft also reads the target's activations.
 
-It grows trees exactly as `ModelDrafter` does, with `workers.memory_forward.MemoryForward` as its
+It grows trees exactly as `ModelDrafter` does, with `workers.drafters.neural.memory_forward.MemoryForward` as its
 forward; what it adds is keeping each request's target taps (`DraftContext.taps`: what the
-verifier computed at committed positions, workers/target_taps.py) and handing them to every pass
+verifier computed at committed positions, workers/speculation/target_taps.py) and handing them to every pass
 over committed tokens, so the draft's memory at those positions is the target's. A root's taps
 arrive with the step after it was drafted from: its cached memory (the draft's own until then)
 is replaced in place. Taps the draft can no longer read (outside its sink + window) are dropped,
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from workers.cheap_head import CheapHead, read_head
+from workers.drafters.neural.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TapSpec
-from workers.draft_memory import MemoryDraft
-from workers.draft_model import DraftSpec, read_spec
+from workers.drafters.neural.draft_memory import MemoryDraft
+from workers.drafters.neural.draft_model import DraftSpec, read_spec
 from workers.drafters.model import ModelDrafter, _State
-from workers.llama_forward import Segment
-from workers.memory_forward import MemoryForward
-from workers.target_taps import unpack
+from workers.model.llama_forward import Segment
+from workers.drafters.neural.memory_forward import MemoryForward
+from workers.speculation.target_taps import unpack
 
 __all__ = ["MemoryDrafter", "load_draft"]
 
@@ -38,7 +38,7 @@ class MemoryDrafter(ModelDrafter):
         """As `ModelDrafter.load`."""
         from transformers import AutoModelForCausalLM
 
-        from workers.device import resolve_device
+        from workers.model.device import resolve_device
 
         spec = read_spec(path)
         dtype = dtype or spec.torch_dtype

@@ -2,7 +2,7 @@
 
 ``MergeDrafter([ngram, suffix])`` (registry name ``merge:ngram+suffix``) asks every drafter for a tree
 under the whole budget, then keeps a fair share of each drafter's best nodes and merges them with
-``workers.tree.merge``: a continuation several drafters propose is stored once.
+``workers.speculation.tree.merge``: a continuation several drafters propose is stored once.
 
 Budget rule: the drafters take turns, round-robin in the order named, each adding its next node in
 its own best-first order, until ``max_nodes`` distinct nodes are kept. A node another drafter already
@@ -14,7 +14,7 @@ Draft probabilities: a node keeps the ``draft_probs`` entry (q) of the first dra
 whose kept nodes hold it (``merge``'s rule); ``None`` = one-hot, what deterministic drafters such as
 ngram and suffix give. NOTE: merging a sampled drafter with another one makes multi-step speculative
 sampling inexact unless their draws are independent with disjoint supports (see
-``workers.acceptance.accept_sampling``); merged deterministic drafters are exact.
+``workers.speculation.acceptance.accept_sampling``); merged deterministic drafters are exact.
 
 Worked example, budget 3 nodes: ngram proposes root → a → b → c, suffix proposes root → a → d and
 root → e. Turns: ngram a (new), suffix a (shared, free), ngram b (new), suffix d (new): 3 nodes, so
@@ -29,7 +29,7 @@ from typing import Sequence
 from workers.drafters.base import Drafter
 
 from workers.contract import DraftContext, TreeBudget
-from workers.tree import TokenTree, merge, truncate
+from workers.speculation.tree import TokenTree, merge, truncate
 
 __all__ = ["MergedTree", "MergeDrafter", "merge_proposals"]
 

@@ -1,6 +1,6 @@
 """Model drafter: a small causal LM proposes the tree, keeping its own KV per request.
 
-Any model directory whose tokenizer is the target's works (`workers.draft_model`); one built by
+Any model directory whose tokenizer is the target's works (`workers.drafters.neural.draft_model`); one built by
 `specgate draft build` attends sink + window, so its KV stays constant-size.
 
 Per request the drafter keeps the draft's KV of every committed token except the root, as the
@@ -42,13 +42,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workers.cheap_head import CheapHead, read_head
+from workers.drafters.neural.cheap_head import CheapHead, read_head
 from workers.contract import DraftContext, TreeBudget
-from workers.device import resolve_device
-from workers.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
+from workers.model.device import resolve_device
+from workers.drafters.neural.draft_model import DraftSpec, SparseKV, read_spec, sparse_mask
 from workers.drafters.base import Drafter
-from workers.llama_forward import LlamaForward, Segment
-from workers.tree import TokenTree
+from workers.model.llama_forward import LlamaForward, Segment
+from workers.speculation.tree import TokenTree
 
 __all__ = ["ModelDrafter", "is_model_dir", "one_off_catch_up"]
 
@@ -126,7 +126,7 @@ class ModelDrafter(Drafter):
              device: str | torch.device = "auto", **options) -> "ModelDrafter":
         """A drafter from a model directory (its specgate_draft.json, if any, sets the attention
         and the dtype it drafts in; `dtype` overrides that). `device`: where its weights, KV and
-        step tensors live (workers/device.py; 'auto' takes CUDA when torch sees a GPU, so a
+        step tensors live (workers/model/device.py; 'auto' takes CUDA when torch sees a GPU, so a
         draft replica with no GPU runs on its CPUs)."""
         from transformers import AutoModelForCausalLM
 
@@ -138,7 +138,7 @@ class ModelDrafter(Drafter):
         # positions), so the forward applies no window of the model's own
         forward = LlamaForward(model, windowed=False)
         kept = read_head(path)
-        if kept is not None:                    # a cheap head (workers/cheap_head.py)
+        if kept is not None:                    # a cheap head (workers/drafters/neural/cheap_head.py)
             forward.lm_head = CheapHead(model.lm_head.weight, kept, forward.gemm)
         return cls(forward, spec, **options)
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
-from workers.tree import TokenTree
+from workers.speculation.tree import TokenTree
 
 __all__ = ["NgramDrafter"]
 

@@ -23,7 +23,7 @@ import torch
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter
 from workers.contract import TapSpec
-from workers.draft_model import read_spec
+from workers.drafters.neural.draft_model import read_spec
 from workers.drafters.memory import load_draft
 from workers.drafters.model import is_model_dir
 from workers.drafters.ngram import NgramDrafter
@@ -48,7 +48,7 @@ def _grammar(grammars=None, **options) -> Drafter:
     # Imported here: the grammar engine takes a second to import, and only constrained requests
     # need it. It drafts from the tokenizer's compiled grammars, which the runtime owns.
     if grammars is None:
-        raise ValueError("the grammar drafter needs the tokenizer's grammars (workers.grammar.Grammars); "
+        raise ValueError("the grammar drafter needs the tokenizer's grammars (workers.speculation.grammar.Grammars); "
                          "BatchWorker adds it to constrained requests' drafters by itself")
     from workers.drafters.grammar import GrammarDrafter
 
@@ -82,7 +82,7 @@ class Registry:
 
     def create(self, name: str, *, device: str | torch.device | None = None, **options: object) -> Drafter:
         """`device`: where a drafter that runs a model keeps its weights, KV and tensors (a model
-        directory, alone or in a merge; None: 'auto', workers/device.py); a `BatchWorker` passes its
+        directory, alone or in a merge; None: 'auto', workers/model/device.py); a `BatchWorker` passes its
         verifier's. Drafters that run no model take no device."""
         factory = self._factories.get(name)
         if factory is not None:

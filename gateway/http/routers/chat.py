@@ -1,6 +1,6 @@
 """POST /v1/chat/completions: messages in (through the model's chat template), an assistant
 message out, streamed as `chat.completion.chunk` deltas or not. With tools, the output is read
-for calls (gateway/tools.py): `message.tool_calls`, streamed as tool-call deltas.
+for calls (gateway/tool_calls.py): `message.tool_calls`, streamed as tool-call deltas.
 
 GET /v1/chat/completions/{id}/stream (specgate extension): a stream resumed after the
 `Last-Event-ID` its client sends (or `?after=`), read from the request's record

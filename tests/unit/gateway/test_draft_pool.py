@@ -11,12 +11,12 @@ from gateway.ray_serve.releases import Evicted
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from workers.contract import SamplingParams
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import WorkItem
 from workers.contract import DraftContext, TreeBudget
-from workers.llama_forward import LlamaForward
-from workers.tree import TokenTree
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.tree import TokenTree
+from workers.speculation.verifier import Verifier
 
 
 class _Response:

@@ -10,7 +10,7 @@ import pytest
 from gateway.responses.events import EventLog, text_of
 from gateway.responses.objects import Header, Outcome
 from scheduler.request import Status
-from workers.loader import load_tokenizer, resolve_model
+from workers.model.loader import load_tokenizer, resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ TEXTS = ("héllo 👋🏽 世界 naïve — ok 🤖🤖 ∑ x² done",
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from workers.loader import resolve_model
+    from workers.model.loader import resolve_model
     return AutoTokenizer.from_pretrained(resolve_model(progress=False))
 
 

@@ -101,7 +101,7 @@ def test_through_the_tiny_models_app_a_recreated_tenant_hits_nothing_of_the_old_
     gets no hit for the very same prompt."""
     from gateway.text import ToyTokenizer
     from tests.conftest import tiny_llama
-    from workers.llama_forward import LlamaForward
+    from workers.model.llama_forward import LlamaForward
     from workers.runtime import Runtime
 
     model = tiny_llama(vocab=1000)

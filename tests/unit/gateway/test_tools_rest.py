@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from gateway import tools
+from gateway import tool_calls
 from gateway.builders.embedded import build_embedded
 from gateway.http.server import background_server
 from gateway.settings import Settings
@@ -82,7 +82,7 @@ def say(worker: ScriptedWorker, text: str) -> None:
 
 
 def tagged(name: str, args: dict) -> str:
-    return f"{tools.TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{tools.TOOL_CLOSE}"
+    return f"{tool_calls.TOOL_OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{tool_calls.TOOL_CLOSE}"
 
 
 def prompt_of(worker: ScriptedWorker, rid: str) -> str:
@@ -185,7 +185,7 @@ def test_a_forced_call_sends_its_schema_to_the_engine(client, server, choice):
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"tz": "UTC"})
     assert r.choices[0].finish_reason == "tool_calls"
     sent = worker.sampling[r.id].constraint
-    assert sent == tools.forced_constraint([WEATHER, TIME], choice)
+    assert sent == tool_calls.forced_constraint([WEATHER, TIME], choice)
     assert json.loads(sent)["type"] == "json_schema"
 
 

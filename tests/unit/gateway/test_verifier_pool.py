@@ -16,12 +16,12 @@ from gateway.ray_serve.routing import rank_replicas
 from gateway.ray_serve.releases import Evicted, apply_releases
 from gateway.ray_serve.verifier_pool import CACHE_REPORT_TTL_S, VerifierPool
 from workers.contract import SamplingParams
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.contract import WorkItem
 from workers.contract import TreeBudget
-from workers.llama_forward import LlamaForward
-from workers.prefix_cache import PrefixCache
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.model.prefix_cache import PrefixCache
+from workers.speculation.verifier import Verifier
 
 
 @pytest.mark.parametrize("replicas, pinned, loads, assigned, expected", [

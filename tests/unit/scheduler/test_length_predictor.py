@@ -85,9 +85,9 @@ def test_it_learns_lengths_from_a_real_models_hidden_states(tiny_model):
     """Features from a (tiny, random) target's own hidden states, through the verifier: prompts of
     two kinds whose answers differ in length are told apart on held-out prompts."""
     from workers.contract import SamplingParams
-    from workers.llama_forward import LlamaForward
-    from workers.tree import TokenTree
-    from workers.verifier import Verifier, VerifyItem
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import Verifier, VerifyItem
 
     rng = np.random.default_rng(3)
     v = Verifier(LlamaForward(tiny_model), max_tree_tokens=4, features=True)

@@ -12,10 +12,10 @@ from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats
 from tests.helpers import OracleDrafter, hf_greedy
 from workers.contract import SamplingParams
-from workers.batch_worker import BatchWorker
+from workers.speculation.batch_worker import BatchWorker
 from workers.drafters.registry import create_drafter
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 EOS = 2
 VOCAB = 128
@@ -107,7 +107,7 @@ def test_greedy_with_chunked_prefill_is_plain_greedy(forward, references, policy
                                                      max_resident, chunk):
     """Chunks of every size, beside trees, through preemption (las) and eviction (max_resident
     at a batch), with prefix-cache hits (the odd prompts repeat a motif): plain greedy."""
-    from workers.prefix_cache import PrefixCache
+    from workers.model.prefix_cache import PrefixCache
 
     truth = {f"r{i}": ref for i, ref in enumerate(references)}
     drafters = {"oracle": OracleDrafter(truth, VOCAB, "mixed", seed=max_batch),
@@ -132,7 +132,7 @@ def test_seeded_sampling_is_the_same_with_chunked_prefill(forward):
 def test_greedy_under_a_tight_kv_budget_is_plain_greedy(forward, references, policy, chunk):
     """A budget of about two requests' KV: starts wait, growing requests are preempted and
     re-prefilled (KV blocks of 8, so caches grow often), and the output is plain greedy."""
-    from workers.prefix_cache import PrefixCache
+    from workers.model.prefix_cache import PrefixCache
 
     truth = {f"r{i}": ref for i, ref in enumerate(references)}
     drafters = {"oracle": OracleDrafter(truth, VOCAB, "mixed", seed=2)}

@@ -178,7 +178,7 @@ class _SlowPerfectDrafter:
         import time
 
         from workers.drafters.base import Drafter
-        from workers.tree import TokenTree
+        from workers.speculation.tree import TokenTree
 
         outer = self
 
@@ -199,8 +199,8 @@ def test_drafting_time_counts_against_speculation_end_to_end(tiny_model, delay, 
     one keeps drafting."""
     from scheduler.generation import Engine, GenerationRequest
     from tests.helpers import hf_greedy
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.verifier import Verifier
 
     prompt = (5, 9, 13, 17)
     truth = hf_greedy(tiny_model, list(prompt), 40)
@@ -216,12 +216,12 @@ def test_drafting_time_counts_against_speculation_end_to_end(tiny_model, delay, 
 def test_the_worker_drafts_the_budget_it_is_handed_whatever_was_accepted(tiny_model):
     """Sizing is the planner's alone: a worker handed 4 nodes a step drafts 4 nodes every step,
     even when none is ever accepted (before, it shrank trees on its own evidence)."""
-    from workers.batch_worker import BatchWorker
+    from workers.speculation.batch_worker import BatchWorker
     from workers.contract import SamplingParams, WorkItem
     from workers.drafters.base import Drafter
-    from workers.llama_forward import LlamaForward
-    from workers.tree import TokenTree
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import Verifier
 
     class Wrong(Drafter):
         name = "wrong"

@@ -6,7 +6,7 @@ import numpy as np
 from tools.bench_batched import serve_all
 from scheduler.profile import StepCostModel
 from workers.contract import TreeBudget
-from workers.llama_forward import LlamaForward
+from workers.model.llama_forward import LlamaForward
 from workers.runtime import Runtime
 
 

@@ -6,7 +6,7 @@ import pytest
 from tools.bench_drafters import bench_drafters, merge_ratios, split_prompts
 from tests.unit.test_engine import prompts
 from workers.contract import TreeBudget
-from workers.llama_forward import LlamaForward
+from workers.model.llama_forward import LlamaForward
 from workers.runtime import Runtime
 
 

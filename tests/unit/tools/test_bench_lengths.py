@@ -17,9 +17,9 @@ from tools.length_data import DATA_PATH, KINDS, build_prompts, load_length_set
 def test_checkpoint_features_are_the_verifiers_features(tiny_model):
     from tests.helpers import hf_greedy
     from workers.contract import SamplingParams
-    from workers.llama_forward import LlamaForward
-    from workers.tree import TokenTree
-    from workers.verifier import Verifier, VerifyItem
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import Verifier, VerifyItem
 
     prompt = [5, 9, 13, 17, 21, 3]
     answer = hf_greedy(tiny_model, prompt, 10)
@@ -83,7 +83,7 @@ def test_baseline_is_each_tenants_log_mean_of_those_still_running():
 
 
 def test_bench_runs_end_to_end_on_a_tiny_model(tiny_model):
-    from workers.llama_forward import LlamaForward
+    from workers.model.llama_forward import LlamaForward
 
     rng = np.random.default_rng(0)
     recs = []
@@ -144,7 +144,7 @@ def test_saved_weights_leave_out_what_the_load_tests_send(tiny_model, tmp_path):
 
     from loadtest.workload import load_workload
     from scheduler.length_predictor import PredictorWeights
-    from workers.llama_forward import LlamaForward
+    from workers.model.llama_forward import LlamaForward
 
     rng = np.random.default_rng(1)
     sent = load_workload("chat")[0]["id"]                 # an id the load tests send

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from tools import bench_profile
-from workers import profiling
+from workers.speculation import profiling
 from scheduler.profile import StepCostModel
-from workers.llama_forward import LlamaForward
-from workers.verifier import Verifier
+from workers.model.llama_forward import LlamaForward
+from workers.speculation.verifier import Verifier
 
 
 @pytest.fixture(scope="module")

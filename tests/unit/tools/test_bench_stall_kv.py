@@ -27,9 +27,9 @@ def test_rss_is_read_from_proc():
 
 def test_the_builder_turns_the_kv_pool_into_the_planners_slots(tiny_model):
     from gateway.builders.embedded import kv_budget as budget_of
-    from workers.batch_worker import BatchWorker
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
+    from workers.speculation.batch_worker import BatchWorker
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.verifier import Verifier
 
     f = LlamaForward(tiny_model)
     v = Verifier(f, max_tree_tokens=64, kv_pool_bytes=10 * 2**20)
@@ -45,9 +45,9 @@ def test_the_prefix_cache_yields_its_blocks_to_the_requests_kv(tiny_model):
     import numpy as np
 
     from workers.contract import SamplingParams
-    from workers.llama_forward import LlamaForward
-    from workers.prefix_cache import PrefixCache
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.model.prefix_cache import PrefixCache
+    from workers.speculation.verifier import Verifier
 
     f = LlamaForward(tiny_model)
     per = 2 * f.n_layers * f.n_kv_heads * f.head_dim * 4

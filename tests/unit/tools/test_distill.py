@@ -12,8 +12,8 @@ from loadtest.workload import load_workload
 from tests.helpers import tiny_model_dir
 from tools.distill import distill_loss, training_prompts
 from tools.draft_build import build_draft
-from workers.device import resolve_device
-from workers.draft_model import read_spec
+from workers.model.device import resolve_device
+from workers.drafters.neural.draft_model import read_spec
 
 
 def _topk(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ import torch
 from tests.conftest import tiny_llama
 from tests.helpers import tiny_model_dir
 from tools.draft_build import build_draft, parse_layers, prune
-from workers.draft_model import SPEC_FILE, read_spec
+from workers.drafters.neural.draft_model import SPEC_FILE, read_spec
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.model import ModelDrafter
 from workers.drafters.registry import create_drafter, is_drafter_name
@@ -73,8 +73,8 @@ def assert_greedy_with(target, drafter) -> None:
     from tests.unit.test_engine import prompts
     from workers.contract import SamplingParams
     from scheduler.generation import Engine, GenerationRequest
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.verifier import Verifier
 
     reqs = [GenerationRequest(f"r{i}", tuple(p), 24, SamplingParams(), frozenset({2}))
             for i, p in enumerate(prompts(4))]
@@ -114,7 +114,7 @@ def test_a_bfloat16_draft_drafts_in_bfloat16_and_output_stays_greedy(tmp_path, m
     assert_greedy_with(AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), drafter)
     model_drafter.propose(DraftContext("kv", "t", [1, 2, 3, 4], 4), TreeBudget(4, 2))
     # its KV: bfloat16, except a plain draft on a CPU without the bf16 attention kernel, where
-    # the lean forward keeps float32 KV on purpose (workers/llama_forward.py says why)
+    # the lean forward keeps float32 KV on purpose (workers/model/llama_forward.py says why)
     fwd = model_drafter.forward
     kept = torch.float32 if not memory and fwd.device.type == "cpu" and not fwd.fused_attention else torch.bfloat16
     assert model_drafter._states["kv"].kv.cache.k.dtype == kept

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tools.gpu_check import run, table
-from workers.loader import resolve_model
+from workers.model.loader import resolve_model
 
 
 @pytest.fixture(scope="module")

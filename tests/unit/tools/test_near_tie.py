@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from workers.llama_forward import LlamaForward
+from workers.model.llama_forward import LlamaForward
 from tools.near_tie import NEAR_TIE_LOGITS, classify, first_divergence, logit_gap
 
 

@@ -96,8 +96,8 @@ def test_calibrating_on_earlier_steps_of_the_measured_prompts(tmp_path):
 def test_the_lead_in_continues_each_prompt_with_the_targets_own_tokens(tiny_model):
     from tools.plan_measure import PlanBench, run_configuration
     from tools.throughput import TreeShape
-    from workers.llama_forward import LlamaForward
-    from workers.verifier import Verifier
+    from workers.model.llama_forward import LlamaForward
+    from workers.speculation.verifier import Verifier
 
     verifier = Verifier(LlamaForward(tiny_model), max_tree_tokens=16)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]

@@ -14,8 +14,8 @@ from tests.helpers import tiny_model_dir
 from tools.distill import training_prompts
 from tools.draft_build import build_draft
 from tools.spire_loss import mixed_loss
-from workers.draft_model import read_spec
-from workers.draft_memory import GATE_KEY, GATE_OFF, MIX_KEY
+from workers.drafters.neural.draft_model import read_spec
+from workers.drafters.neural.draft_memory import GATE_KEY, GATE_OFF, MIX_KEY
 
 
 def test_mixed_loss_against_a_hand_computation():

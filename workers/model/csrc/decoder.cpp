@@ -1,7 +1,7 @@
 // A whole tree step's decoder layers in one call: the same kernels the Python loop calls one by
 // one (RMSNorm + residual add, few-row linears, rope + KV write, tree attention, SwiGLU), without
 // its ~10 Python calls a layer (~25 us a layer on these CPUs, ~1 ms a SmolLM2 step). And the
-// greedy argmax of a step's logits rows. See workers/small_gemm.py for when these run.
+// greedy argmax of a step's logits rows. See workers/model/small_gemm.py for when these run.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "kernels.h"
@@ -11,7 +11,7 @@
 
 namespace {
 
-// One layer's weights as workers/llama_forward.py holds them: norms in the model's dtype, the
+// One layer's weights as workers/model/llama_forward.py holds them: norms in the model's dtype, the
 // linears packed for the few-row kernel (small_gemm.pack), each linear's bias float32 or empty,
 // and Qwen3's per-head q/k norm weights [D] in the model's dtype or empty.
 struct LayerWeights {

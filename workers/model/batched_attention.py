@@ -1,6 +1,6 @@
 """Tree attention for every request of a step in one call: the device-generic path's options.
 
-Why: without the CPU kernel (workers/csrc/attention.cpp, which takes every request in one call),
+Why: without the CPU kernel (workers/model/csrc/attention.cpp, which takes every request in one call),
 the lean forward attends one request at a time (`LlamaForward._attend`): per layer, one SDPA
 call per request. On a GPU each call is a launch plus Python, whatever its size, so a batch of B
 small trees costs B launches a layer. The options, chosen by `SPECGATE_ATTENTION` (or
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.kv_cache import KVCache
+from workers.model.kv_cache import KVCache
 
 ATTENTION_CHOICES = ("auto", "loop", "padded", "flex")
 BATCH_MAX_ROWS = 320     # tree-sized segments (a 256-node tree, its root and a chunk) are batched

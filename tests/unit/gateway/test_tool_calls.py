@@ -1,4 +1,4 @@
-"""gateway/tools.py as pure functions: request checks, the forced-call schema (checked with
+"""gateway/tool_calls.py as pure functions: request checks, the forced-call schema (checked with
 jsonschema against calls that must pass and must fail), the fallback prompt rendering, output
 parsing, and streamed deltas that assemble (as the official client's accumulator does) to exactly
 the non-streamed answer however the text is split."""
@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from openai.lib.streaming._deltas import accumulate_delta
 
-from gateway import tools
+from gateway import tool_calls
 from gateway.text import ToyTokenizer
 
 WEATHER = {"type": "function", "function": {
@@ -40,16 +40,16 @@ def ids():
     ([WEATHER, TIME, WEATHER], None, None, "tools.2.function.name"),
 ])
 def test_check_request_refuses(tools_, choice, parallel, param):
-    with pytest.raises(tools.ToolError) as e:
-        tools.check_request(tools_, choice, parallel)
+    with pytest.raises(tool_calls.ToolError) as e:
+        tool_calls.check_request(tools_, choice, parallel)
     assert e.value.param == param
 
 
 @pytest.mark.parametrize("choice", [None, "none", "auto", "required",
                                     {"type": "function", "function": {"name": "get_time"}}])
 def test_check_request_accepts(choice):
-    tools.check_request(TOOLS, choice, False)
-    tools.check_request(None, None, None)
+    tool_calls.check_request(TOOLS, choice, False)
+    tool_calls.check_request(None, None, None)
 
 
 @pytest.mark.parametrize("tools_, choice, mode", [
@@ -58,18 +58,18 @@ def test_check_request_accepts(choice):
     (TOOLS, {"type": "function", "function": {"name": "get_time"}}, "forced"),
 ])
 def test_call_mode(tools_, choice, mode):
-    assert tools.call_mode(tools_, choice) == mode
+    assert tool_calls.call_mode(tools_, choice) == mode
 
 
 # ---- the forced-call constraint ------------------------------------------------------------------------
 def test_no_constraint_unless_a_call_is_forced():
     for choice in (None, "auto", "none"):
-        assert tools.forced_constraint(TOOLS, choice) is None
-    assert tools.forced_constraint(None, None) is None
+        assert tool_calls.forced_constraint(TOOLS, choice) is None
+    assert tool_calls.forced_constraint(None, None) is None
 
 
 def test_named_function_schema_admits_only_that_function_with_valid_arguments():
-    c = json.loads(tools.forced_constraint(TOOLS, {"type": "function",
+    c = json.loads(tool_calls.forced_constraint(TOOLS, {"type": "function",
                                                    "function": {"name": "get_weather"}}))
     assert c["type"] == "json_schema"
     check = jsonschema.Draft202012Validator(c["schema"])
@@ -84,7 +84,7 @@ def test_named_function_schema_admits_only_that_function_with_valid_arguments():
 
 
 def test_required_schema_admits_any_declared_function_with_its_own_arguments():
-    check = jsonschema.Draft202012Validator(tools.forced_schema(TOOLS, "required"))
+    check = jsonschema.Draft202012Validator(tool_calls.forced_schema(TOOLS, "required"))
     assert check.is_valid({"name": "get_weather", "arguments": {"city": "Oslo"}})
     assert check.is_valid({"name": "get_time", "arguments": {"tz": "UTC"}})
     assert not check.is_valid({"name": "get_time", "arguments": {"city": "Oslo"}})
@@ -93,7 +93,7 @@ def test_required_schema_admits_any_declared_function_with_its_own_arguments():
 
 def test_a_function_without_parameters_takes_an_object():
     bare = [{"type": "function", "function": {"name": "ping"}}]
-    check = jsonschema.Draft202012Validator(tools.forced_schema(bare, "required"))
+    check = jsonschema.Draft202012Validator(tool_calls.forced_schema(bare, "required"))
     assert check.is_valid({"name": "ping", "arguments": {}})
     assert not check.is_valid({"name": "ping", "arguments": "x"})
 
@@ -114,17 +114,17 @@ CONVERSATION = [
 
 
 def test_a_stand_in_template_without_tools_gets_the_fallback():
-    assert tools.template_renders_tools(TOY) is False
+    assert tool_calls.template_renders_tools(TOY) is False
 
 
 def test_fallback_puts_tools_in_the_system_message_and_writes_back_calls_and_results():
-    text = tools.render_chat(TOY, CONVERSATION, TOOLS, "auto", None, native=False)
+    text = tool_calls.render_chat(TOY, CONVERSATION, TOOLS, "auto", None, native=False)
     lines = text.split("\n")
     assert lines[0] == "system: Be brief."                  # the client's system text comes first
     assert json.dumps(WEATHER) in lines and json.dumps(TIME) in lines
     assert text.count("system: ") == 1 and "<tool_call></tool_call>" in text
-    turn = lines[lines.index("assistant: " + tools.TOOL_OPEN):]        # the assistant's turn
-    calls = [json.loads(turn[i + 1]) for i, ln in enumerate(turn) if ln.endswith(tools.TOOL_OPEN)]
+    turn = lines[lines.index("assistant: " + tool_calls.TOOL_OPEN):]        # the assistant's turn
+    calls = [json.loads(turn[i + 1]) for i, ln in enumerate(turn) if ln.endswith(tool_calls.TOOL_OPEN)]
     assert {"name": "get_weather", "arguments": {"city": "Oslo"}} in calls
     assert {"name": "get_time", "arguments": {"tz": "Asia/Tokyo"}} in calls
     # both results in one user turn, in order, after the assistant's calls
@@ -135,24 +135,24 @@ def test_fallback_puts_tools_in_the_system_message_and_writes_back_calls_and_res
 
 def test_fallback_without_a_system_message_adds_one_and_none_leaves_tools_out():
     chat = [{"role": "user", "content": "hi"}]
-    text = tools.render_chat(TOY, chat, TOOLS, None, None, native=False)
+    text = tool_calls.render_chat(TOY, chat, TOOLS, None, None, native=False)
     assert text.startswith("system: # Tools") and "get_time" in text
-    assert tools.render_chat(TOY, chat, TOOLS, "none", None, native=False) == "user: hi\nassistant:"
+    assert tool_calls.render_chat(TOY, chat, TOOLS, "none", None, native=False) == "user: hi\nassistant:"
 
 
 def test_fallback_states_the_choice():
     chat = [{"role": "user", "content": "hi"}]
-    named = tools.render_chat(TOY, chat, TOOLS, {"type": "function",
+    named = tool_calls.render_chat(TOY, chat, TOOLS, {"type": "function",
                                                  "function": {"name": "get_time"}}, None, native=False)
     assert "You must call the function 'get_time'" in named and "<tool_call></tool_call>" not in named
-    one = tools.render_chat(TOY, chat, TOOLS, "auto", False, native=False)
+    one = tool_calls.render_chat(TOY, chat, TOOLS, "auto", False, native=False)
     assert "at most one function" in one
-    assert "at most one function" not in tools.render_chat(TOY, chat, TOOLS, "auto", True, native=False)
+    assert "at most one function" not in tool_calls.render_chat(TOY, chat, TOOLS, "auto", True, native=False)
 
 
 # ---- the output ---------------------------------------------------------------------------------------------
 def call(name, args):
-    return f'{tools.TOOL_OPEN}\n{json.dumps({"name": name, "arguments": args})}\n{tools.TOOL_CLOSE}'
+    return f'{tool_calls.TOOL_OPEN}\n{json.dumps({"name": name, "arguments": args})}\n{tool_calls.TOOL_CLOSE}'
 
 
 W = call("get_weather", {"city": "Oslo"})
@@ -184,7 +184,7 @@ OUTPUTS = [                           # (output, mode, parallel, content, [(name
 
 @pytest.mark.parametrize("text, mode, parallel, content, calls", OUTPUTS)
 def test_parse_output(text, mode, parallel, content, calls):
-    got_content, got = tools.parse_output(text, TOOLS, mode, parallel=parallel, new_id=ids())
+    got_content, got = tool_calls.parse_output(text, TOOLS, mode, parallel=parallel, new_id=ids())
     assert got_content == content
     assert [(c.name, c.arguments) for c in got] == calls
     assert [c.id for c in got] == [f"call_{i}" for i in range(len(calls))]
@@ -207,7 +207,7 @@ def test_streamed_deltas_assemble_to_the_whole_answer_however_split(text, mode, 
                                                                           k)), len(text)])]
         for k in (1, 3, 7) if len(text) > k]
     for pieces in splits:
-        p = tools.ToolStreamParser(TOOLS, mode, parallel=parallel, new_id=ids())
+        p = tool_calls.ToolStreamParser(TOOLS, mode, parallel=parallel, new_id=ids())
         deltas = [d for piece in pieces for d in p.push(piece)] + p.finish()
         msg = assemble(deltas)
         assert (msg["content"] or None) == (content or None), pieces
@@ -221,8 +221,8 @@ def test_streamed_deltas_assemble_to_the_whole_answer_however_split(text, mode, 
 
 
 def test_call_ids_are_random_and_openai_shaped():
-    a = tools.parse_output(W, TOOLS, "auto")[1][0].id
-    b = tools.parse_output(W, TOOLS, "auto")[1][0].id
+    a = tool_calls.parse_output(W, TOOLS, "auto")[1][0].id
+    b = tool_calls.parse_output(W, TOOLS, "auto")[1][0].id
     assert a != b and a.startswith("call_") and len(a) > 10
 
 

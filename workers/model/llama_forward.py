@@ -8,7 +8,7 @@ linear layers run once over all rows, attention runs per request against that re
 preallocated KV (`KVCache`), and logits are computed only for the rows acceptance needs.
 
 The weights are taken from a transformers `LlamaForCausalLM`-shaped model (Llama, SmolLM, Mistral,
-Qwen2, Qwen3, Phi-3: what of their configs is computed and what is refused is workers/model_support.py);
+Qwen2, Qwen3, Phi-3: what of their configs is computed and what is refused is workers/model/model_support.py);
 transformers stays the reference in the exactness tests (tests/unit/test_conformance.py).
 
 Sliding-window attention: a layer with a window hides from a row at position p every key at
@@ -19,7 +19,7 @@ some row is that far along. The KV keeps every slot, including those no query ca
 exact, and no more memory than a model without a window, since the planner's KV budget bounds
 every request's cache anyway; trimming the cache to the window would save memory for long
 contexts, at the cost of slots that no longer equal positions. A draft model's cache does not
-keep slots at their positions (workers/draft_model.py packs it to sink + window), so a draft
+keep slots at their positions (workers/drafters/neural/draft_model.py packs it to sink + window), so a draft
 builds its forward with `windowed=False` and its own `past` masks say what each row sees.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from workers import batched_attention, small_gemm
-from workers.cpu_linear import Linear, pick_backend
-from workers.kv_cache import KVCache
-from workers.model_support import layer_windows, unsupported
+from workers.model import batched_attention, small_gemm
+from workers.model.cpu_linear import Linear, pick_backend
+from workers.model.kv_cache import KVCache
+from workers.model.model_support import layer_windows, unsupported
 
 
 @dataclass
@@ -51,11 +51,11 @@ class Segment:
 class LlamaForward:
     def __init__(self, hf_model, *, gemm: str | None = None, windowed: bool = True,
                  attention: str | None = None):
-        """`gemm`: the linears' weight layout, one of workers.cpu_linear.BACKENDS; None: the fastest
+        """`gemm`: the linears' weight layout, one of workers.model.cpu_linear.BACKENDS; None: the fastest
         known for this machine, device and dtype (`pick_backend`). `windowed`: apply the model's
         sliding windows (False: the caller's masks alone say what a row sees, for a cache whose
         slots are not positions: a draft's). `attention`: how the segments torch attends for
-        are batched, loop, padded or flex (workers/batched_attention.py; None: SPECGATE_ATTENTION,
+        are batched, loop, padded or flex (workers/model/batched_attention.py; None: SPECGATE_ATTENTION,
         else auto)."""
         cfg = hf_model.config
         if getattr(cfg, "model_type", "") not in SUPPORTED_MODEL_TYPES:
@@ -80,11 +80,11 @@ class LlamaForward:
         self.device = inner.embed_tokens.weight.device
         self.gemm = pick_backend(self.device, self.dtype, gemm)
         self.attention = batched_attention.resolve_attention(attention, self.device)
-        # The fused CPU ops (workers/small_gemm.py) where they run: RMSNorm with the residual add
+        # The fused CPU ops (workers/model/small_gemm.py) where they run: RMSNorm with the residual add
         # and SwiGLU
         self.fused = small_gemm.available(self.dtype, self.device)
         # The fused CPU kernels also do the step's rope + KV write and its attention
-        # (workers/csrc/attention.cpp), for the head sizes that kernel is built for.
+        # (workers/model/csrc/attention.cpp), for the head sizes that kernel is built for.
         self.fused_attention = self.fused and self.head_dim in small_gemm.ATTENTION_HEAD_DIMS
         # KV in the weights' dtype, except bf16 weights on CPU without that kernel: torch's bf16
         # flash attention there is slow for few query rows (the whole forward ran markedly faster
@@ -191,7 +191,7 @@ class LlamaForward:
                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """`forward_hidden`, also returning every row's taps [T, 1 + len(tap_layers), H]: the
         token embedding, then the output of each block in `tap_layers` (the residual stream after
-        it), what a feedback-memory draft reads (workers/target_taps.py). The same pass: on the
+        it), what a feedback-memory draft reads (workers/speculation/target_taps.py). The same pass: on the
         decoder stack, in pieces that end at the tapped blocks, where the stack serves the step."""
         if any(not 0 <= li < self.n_layers for li in tap_layers) or list(tap_layers) != sorted(set(tap_layers)):
             raise ValueError(f"tap layers {tuple(tap_layers)}: increasing block indices of the "

@@ -26,7 +26,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from workers.contract import SamplingParams
-from workers.tree import TokenTree, row_paths
+from workers.speculation.tree import TokenTree, row_paths
 
 
 class NodeProcessor(Protocol):
@@ -87,7 +87,7 @@ class LogitBias:
 def sampling_processors(vocab: int) -> ProcessorFactory:
     """The factory for the rules `SamplingParams` itself carries (penalties, logit_bias) over a
     vocabulary of `vocab` tokens. A grammar's rule needs the tokenizer too, so its factory wraps
-    this one where the tokenizer is known (workers/grammar.py)."""
+    this one where the tokenizer is known (workers/speculation/grammar.py)."""
     def build(sampling: SamplingParams, output: Sequence[int]) -> list[NodeProcessor]:
         rules: list[NodeProcessor] = []
         if sampling.logit_bias:

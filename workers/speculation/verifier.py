@@ -37,14 +37,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from workers.acceptance import Acceptance, accept_coupled, accept_greedy, accept_sampling, warp
+from workers.speculation.acceptance import Acceptance, accept_coupled, accept_greedy, accept_sampling, warp
 
 from workers.contract import ContextLengthError, Prefilled, SamplingParams, StepResult, TapSpec, TokenLogprob
-from workers.llama_forward import LlamaForward, Segment
-from workers.processors import NodeProcessor, ProcessorFactory, sampling_processors
-from workers.tree import TokenTree, ancestor_mask, depths, truncate
-from workers.prefix_cache import PrefixCache
-from workers.target_taps import committed_taps
+from workers.model.llama_forward import LlamaForward, Segment
+from workers.speculation.processors import NodeProcessor, ProcessorFactory, sampling_processors
+from workers.speculation.tree import TokenTree, ancestor_mask, depths, truncate
+from workers.model.prefix_cache import PrefixCache
+from workers.speculation.target_taps import committed_taps
 
 
 _EMPTY = TokenTree.empty()
@@ -73,7 +73,7 @@ class _Slot:
     pending: list[int] = field(default_factory=list)   # context tokens without KV yet
     # what the prefix cache stores once the context is complete: (tenant, context, chain)
     to_store: tuple | None = None
-    # rules that change the target's logits at every tree row (workers/processors.py)
+    # rules that change the target's logits at every tree row (workers/speculation/processors.py)
     processors: list[NodeProcessor] = field(default_factory=list)
 
 
@@ -105,9 +105,9 @@ class Verifier:
         `kv_pool_bytes`: the KV memory requests and the prefix cache share; the prefix cache
         gives up blocks whenever the requests' KV needs them (the planner keeps the requests'
         KV within this pool: scheduler/kv_budget.py); `processors`: builds each request's
-        logit rules (workers/processors.py; default: penalties and logit_bias); `taps`: the
+        logit rules (workers/speculation/processors.py; default: penalties and logit_bias); `taps`: the
         target activations a feedback-memory draft reads, returned for every committed row
-        (`StepResult.taps`, `Prefilled.taps`; workers/target_taps.py)."""
+        (`StepResult.taps`, `Prefilled.taps`; workers/speculation/target_taps.py)."""
         if kv_block < 1:
             raise ValueError(f"kv_block must be >= 1, got {kv_block}")
         self.kv_block = kv_block
@@ -405,7 +405,7 @@ class Verifier:
         n = 1 + len(tree)
         rows = logits[lo: lo + n]                                                   # [n, V]
         if slot.processors:
-            # every row judged from its own path (workers/processors.py), in float32 so a
+            # every row judged from its own path (workers/speculation/processors.py), in float32 so a
             # bias or penalty is not rounded away in a bf16 logit
             rows = rows.to(torch.float32, copy=True)
             for rule in slot.processors:

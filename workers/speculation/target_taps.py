@@ -1,6 +1,6 @@
 """The target's activations for a feedback-memory draft: from a verification pass to the drafter.
 
-A draft with feedback memory (workers/draft_memory.py) reads, at every committed position, the
+A draft with feedback memory (workers/drafters/neural/draft_memory.py) reads, at every committed position, the
 target's token embedding and the outputs of a few of its blocks (`TapSpec`). The verifier computes
 them anyway in the pass that commits the position; these helpers pick the rows that pass
 committed and the draft can still read (`TapSpec.keeps`), and turn them into the plain

@@ -7,7 +7,7 @@ and on a GPU verifier replica.
 
 GPU work is asynchronous: a timer read right after a launch measures the launch, not the work.
 `elapsed` synchronises the device before each reading, so the step-cost profile the planner
-sizes trees from (workers/profiling.py) is the work's own cost on either device.
+sizes trees from (workers/speculation/profiling.py) is the work's own cost on either device.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Acceptance rules: which drafted tokens a step commits. Pure; randomness comes in as an RNG.
 
 Words (DESIGN.md): the target verifies every node of the token tree in one pass and gives one
-output per **row** (row 0 = the root, row i + 1 = node i; see ``workers.tree``). Walking down from
+output per **row** (row 0 = the root, row i + 1 = node i; see ``workers.speculation.tree``). Walking down from
 the root, a node whose token the rule agrees with is **accepted**; the walk stops at a row where no
 child is accepted, and the target adds one **bonus** token there. A step therefore commits
 τ = accepted + 1 ≥ 1 tokens, and the committed text is distributed exactly as if the target had
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from workers.contract import SamplingParams
-from workers.tree import TokenTree, children
+from workers.speculation.tree import TokenTree, children
 
 __all__ = ["Acceptance", "warp", "accept_greedy", "accept_sampling", "accept_coupled"]
 

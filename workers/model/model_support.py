@@ -1,6 +1,6 @@
 """What of a transformers checkpoint the lean forward computes, and what makes it refuse one.
 
-The lean forward (workers/llama_forward.py) implements the Llama-family block: RMSNorm, rotary
+The lean forward (workers/model/llama_forward.py) implements the Llama-family block: RMSNorm, rotary
 attention with grouped KV heads (the rope scalings whose frequencies depend on the position
 alone: it reuses the model's own rotary module), biases on any of the q/k/v/o projections and on the MLP's, Qwen3's per-head q/k
 RMSNorm, a SiLU-gated MLP, and sliding-window attention per layer (`layer_windows`). A checkpoint

@@ -8,7 +8,7 @@ earlier position t:
 a learned softmax mix (`mix`, [blocks, taps]) of that position's taps. At a committed position
 the taps are the **target's** (its token embedding and the outputs of the blocks in
 `DraftSpec.memory_layers`: the verifier computed them in the pass that committed the position,
-workers/target_taps.py); at a position the target has not read yet (the root, the tree's nodes)
+workers/speculation/target_taps.py); at a position the target has not read yet (the root, the tree's nodes)
 they are the draft's own (its embedding and each of its blocks' outputs), so the draft needs as
 many memory layers as it has blocks. The memory enters attention through the block's own input
 norm and key/value projections (rotated at position t), so it adds no weights but `mix` and one
@@ -19,21 +19,21 @@ without memory), so training opens it as far as it pays.
 
 What a row at position q sees of the memory: positions t < q only (a position's memory exists
 once every block has run on it), under the draft's sink + window rule
-(`workers.draft_model.sparse_mask`), so the memory is as bounded as the KV.
+(`workers.drafters.neural.draft_model.sparse_mask`), so the memory is as bounded as the KV.
 
 Training (`train_logits`) mirrors drafting exactly with SPIRe's cheap k-step scheme: for every
 k-th prefix (block start j = q − q mod k) the positions before j read the target's taps and the
 positions j..q−1 the draft's own, as when drafting k tokens from a root at j. Pass s (0..k−1) of
 the k passes over the whole sequence computes the rows with q mod k == s; the draft's own taps of
 the earlier rows of each block come from the earlier passes. With k = 1 every row reads the
-target's memory only: one parallel pass. Inference lives in workers/memory_forward.py.
+target's memory only: one parallel pass. Inference lives in workers/drafters/neural/memory_forward.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from workers.draft_model import DraftSpec, sparse_mask
+from workers.drafters.neural.draft_model import DraftSpec, sparse_mask
 
 __all__ = ["MemoryDraft", "memory_masks", "default_memory_layers", "MIX_KEY", "GATE_KEY", "GATE_OFF"]
 

@@ -3,9 +3,9 @@
 // 256-byte row of a panel loads once per 24 fused multiply-adds (the row's value broadcast from
 // memory); in float32 the blocks take turns over chunks of the panel, so one streams each chunk
 // from memory and the others find it in L1 (run_panels).
-// See workers/small_gemm.py for the layouts and why.
+// See workers/model/small_gemm.py for the layouts and why.
 //
-// Compiled with AVX-512F/BW/VL (+BF16 for the bf16 kernel); workers/small_gemm.py loads it only
+// Compiled with AVX-512F/BW/VL (+BF16 for the bf16 kernel); workers/model/small_gemm.py loads it only
 // on CPUs that have them.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -245,7 +245,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
                            y.data_ptr<float>());
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
-    if (packed.dim() == 6) {   // the AMX layout (`pack` in workers/small_gemm.py, where AMX runs)
+    if (packed.dim() == 6) {   // the AMX layout (`pack` in workers/model/small_gemm.py, where AMX runs)
       TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32 && packed.size(2) == 4 && packed.size(3) == 16 &&
                   packed.size(4) == 16 && packed.size(5) == 2, "packed AMX layout");
       amx_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,

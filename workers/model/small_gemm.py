@@ -4,7 +4,7 @@ streamed once a call, and fused versions of the small ops between the linears.
 A tree step multiplies 1-32 rows by every weight of the model. The GEMM libraries torch calls are
 built for many rows: on the 2-core Intel Xeon (AVX-512, AMX) MKL runs 16 rows at a fraction of
 the GFLOPS it reaches on big matrices, and reads the weights of one row at about what the memory
-gives; MKL's packed copies (workers/cpu_linear.py `mkl`) help but need one per row count.
+gives; MKL's packed copies (workers/model/cpu_linear.py `mkl`) help but need one per row count.
 
 Here (csrc/small_gemm.cpp) the weight [N, K] is packed in panels of 64 output features, each
 panel K x 64 contiguous (float32 `[P, K, 64]`; bf16 `[P, K/2, 64, 2]`, pairs of k side by side
@@ -17,7 +17,7 @@ rows x 32 k x 16 outputs, so up to 16 rows cost one pass over the weights at the
 float32 accumulates in float32 in k order (not MKL's order: results agree to rounding); bf16
 accumulates in float32 and rounds once, as F.linear does. A lone block of 2-6 float32 rows
 prefetches its panel a few k rows ahead (the hardware prefetcher alone left it waiting on memory).
-When it is used: workers/cpu_linear.py (`small`). Tried and dropped: one pass for up to 16 rows
+When it is used: workers/model/cpu_linear.py (`small`). Tried and dropped: one pass for up to 16 rows
 over 16-wide panels (one accumulator per row): slower at every row count, since a single
 accumulator chain per row is bound by the multiply-add latency.
 
@@ -30,7 +30,7 @@ it replaces:
   layer and two strided writes a request);
 - `tree_attention` (csrc/attention.cpp): every request's attention over its own KV in one call,
   tasks of one kv head and 16 query rows split between the threads; short prefills too (up to
-  768 keys over a float32 KV, 256 over bf16: workers/llama_forward.py), marked causal: a block
+  768 keys over a float32 KV, 256 over bf16: workers/model/llama_forward.py), marked causal: a block
   of rows reads keys only up to its own last row. torch: a flash-attention call a request, each
   with its own fixed cost. The whole forward is faster with it than with torch's rope and
   attention, at 1 row and at 16, in fp32 and bf16;
@@ -180,7 +180,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def max_rows(packed: torch.Tensor) -> int:
-    """Up to how many rows this packed weight's kernel beats torch's path (workers/cpu_linear.py
+    """Up to how many rows this packed weight's kernel beats torch's path (workers/model/cpu_linear.py
     has the measurements): float32 64; bf16 with AMX 32; bf16 dot products 6 (one block)."""
     if packed.dtype == torch.float32:
         return 64

@@ -2,7 +2,7 @@
 // KV write of every request's new rows in one call, and their attention over their own KV in one
 // more. torch's path is ~15 ops a layer and one flash-attention call per request, each ~5-80 us of
 // dispatch on these CPUs, more than the arithmetic of a tree's rows; batched steps pay it per
-// request. See workers/small_gemm.py for when these run and the measured figures.
+// request. See workers/model/small_gemm.py for when these run and the measured figures.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "kernels.h"
@@ -318,7 +318,7 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 }
 
 // q [T, nq, D] float32 (rope_store's output), D 32, 64, 96, 128 or 256 (HEAD_DIMS in
-// workers/small_gemm.py); segment i's rows starts[i]..+rows[i]
+// workers/model/small_gemm.py); segment i's rows starts[i]..+rows[i]
 // attend to slots [0, lengths[i] + rows[i]) of its layer-`layer` KV (their own KV written there
 // already), with masks[i] [rows, rows] among the new rows and pasts[i] [rows, lengths[i]] over the
 // cached slots (empty: all visible), both additive float32. Returns [T, nq D] in `dtype`; rows of

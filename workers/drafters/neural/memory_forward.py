@@ -1,11 +1,11 @@
 """Drafting with a feedback-memory draft: its forward over packed rows and per-request caches.
 
-The same packed-rows interface as `workers.llama_forward.LlamaForward` (`forward(ids, positions,
+The same packed-rows interface as `workers.model.llama_forward.LlamaForward` (`forward(ids, positions,
 segments, logit_rows)`, `new_cache`), so `workers.drafters.model.ModelDrafter` grows trees with
 it unchanged. Each cache holds, per block, the tokens' keys and values in heads [0, Hkv) and the
 memory's in heads [Hkv, 2·Hkv) of the same slot (`KVCache` with twice the KV heads): memory and
 tokens share slots and positions, so `SparseKV` packs both to sink + window at once and a row's
-`past` mask serves both. The math is `MemoryDraft`'s (workers/draft_memory.py).
+`past` mask serves both. The math is `MemoryDraft`'s (workers/drafters/neural/draft_memory.py).
 
 Which memory a slot holds: the target's taps where the caller gives them (`taps`, `known`: the
 prompt and every committed token the verifier has read), else the draft's own, written after
@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.cpu_linear import Linear, pick_backend
-from workers.draft_memory import MemoryDraft, _rope
-from workers.kv_cache import KVCache
-from workers.llama_forward import Segment, _fused, _fused_bias
+from workers.model.cpu_linear import Linear, pick_backend
+from workers.drafters.neural.draft_memory import MemoryDraft, _rope
+from workers.model.kv_cache import KVCache
+from workers.model.llama_forward import Segment, _fused, _fused_bias
 
 __all__ = ["MemoryForward"]
 
 
 class MemoryForward:
     def __init__(self, draft: MemoryDraft, gemm: str | None = None):
-        """`gemm`: the linears' layout (workers/cpu_linear.py; None: this machine's fastest).
+        """`gemm`: the linears' layout (workers/model/cpu_linear.py; None: this machine's fastest).
         The blocks' linears are packed once as the lean forward packs the target's (q/k/v and
         gate/up fused): drafting is the few-row case those layouts are for. The draft must not
         be trained further after this (the packed copies would not follow)."""
@@ -45,7 +45,7 @@ class MemoryForward:
             self.lm_head = Linear(draft.hf.lm_head.weight.detach(), None, self.gemm)
         self.eps = draft.hf.config.rms_norm_eps
         self.silu = getattr(draft.hf.config, "hidden_act", "silu") == "silu"
-        self.head = None        # a CheapHead (workers/cheap_head.py) in place of the full one
+        self.head = None        # a CheapHead (workers/drafters/neural/cheap_head.py) in place of the full one
 
     def new_cache(self, capacity: int) -> KVCache:
         """Tokens' KV in heads [0, Hkv), the memory's in [Hkv, 2·Hkv) (module docstring)."""
@@ -184,7 +184,7 @@ class MemoryForward:
 
 
 def _pack(layer, gemm: str) -> dict:
-    """One block's weights in the lean forward's packed layouts (workers/llama_forward.py)."""
+    """One block's weights in the lean forward's packed layouts (workers/model/llama_forward.py)."""
     att, mlp = layer.self_attn, layer.mlp
     w = {"ln1": layer.input_layernorm.weight.detach(), "eps1": layer.input_layernorm.variance_epsilon,
          "ln2": layer.post_attention_layernorm.weight.detach(),

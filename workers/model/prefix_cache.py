@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from workers.kv_cache import KVCache
+from workers.model.kv_cache import KVCache
 
 DEFAULT_BLOCK = 32
 DEFAULT_TENANT_SHARE = 0.5   # of the capacity, the most one tenant's blocks may take
@@ -98,7 +98,7 @@ class PrefixCache:
 
     def shrink_to(self, nbytes: int) -> None:
         """Drop least recently used blocks until at most `nbytes` are held: the cache shares its
-        pool with the requests' KV and yields first (workers/verifier.py `kv_pool_bytes`)."""
+        pool with the requests' KV and yields first (workers/speculation/verifier.py `kv_pool_bytes`)."""
         per = self.block_bytes
         if per is None:
             return

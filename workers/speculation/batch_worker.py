@@ -20,9 +20,9 @@ from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult
 from workers.drafters.base import Drafter
 from workers.drafters.merge import MergeDrafter
 from workers.drafters.registry import create_drafter
-from workers.target_taps import gather
-from workers.tree import TokenTree, depths, truncate
-from workers.verifier import Verifier, VerifyItem
+from workers.speculation.target_taps import gather
+from workers.speculation.tree import TokenTree, depths, truncate
+from workers.speculation.verifier import Verifier, VerifyItem
 
 _EMPTY = TokenTree.empty()
 TAP_CHUNKS = 64     # a request's pending tap chunks before they are gathered (and bounded) in one

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from workers.cpu_linear import Linear
+from workers.model.cpu_linear import Linear
 
 __all__ = ["HEAD_FILE", "count_tokens", "frequent_tokens", "CheapHead", "read_head", "write_head"]
 

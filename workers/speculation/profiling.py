@@ -45,7 +45,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Sequence
 
-from workers.device import elapsed
+from workers.model.device import elapsed
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_NODES = (0, 1, 3, 7, 15)
@@ -70,7 +70,7 @@ def _monotone(ys: Sequence[float]) -> list[float]:
 
 
 def _median_s(fn, repeats: int, device: Any = "cpu") -> float:
-    """The median of `repeats` timings of `fn` on `device` (synchronised: workers/device.py)."""
+    """The median of `repeats` timings of `fn` on `device` (synchronised: workers/model/device.py)."""
     fn()                                                # warm-up
     return statistics.median(elapsed(fn, device) for _ in range(repeats))
 
@@ -87,15 +87,15 @@ def measure_profile(verifier, *, batches: Sequence[int] = DEFAULT_BATCHES,
                     repeats: int = 5, prefill_tokens: Sequence[int] = DEFAULT_PREFILL,
                     contexts: Sequence[int] = (), seed: int = 0,
                     interleaved: bool = False) -> dict[str, Any]:
-    """Time `verifier` (a `workers.verifier.Verifier`) over the grid; returns the profile's
+    """Time `verifier` (a `workers.speculation.verifier.Verifier`) over the grid; returns the profile's
     `curves` (and `prefill`, and `contexts` when other contexts are asked for) in the format
     `StepCostModel.from_json` reads. `interleaved=True` prefills every batch once and times the
     grid in rounds, one step of each (batch, nodes) point a round: faster (contexts drift up by
     the tokens the steps commit), and a slow spell of a noisy machine costs each point one sample,
     which the median drops, instead of every sample of one point."""
     from workers.contract import SamplingParams
-    from workers.tree import TokenTree
-    from workers.verifier import VerifyItem
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import VerifyItem
 
     if min(batches) < 1 or min(nodes) < 0 or prompt_len < 2 or repeats < 1:
         raise ValueError("need batches ≥ 1, nodes ≥ 0, prompt_len ≥ 2, repeats ≥ 1")
@@ -197,7 +197,7 @@ def startup_profile(runtime, max_batch: int, max_tree_tokens: int = 31) -> dict[
     doc = profile_document(measured, model="serving", dtype=str(verifier.target.dtype).replace("torch.", ""),
                            device=describe_device(verifier.target), prompt_len=prompt_len,
                            repeats=STARTUP_REPEATS)
-    doc["source"] = "measured at start-up (workers/profiling.py startup_profile)"
+    doc["source"] = "measured at start-up (workers/speculation/profiling.py startup_profile)"
     return doc
 
 
@@ -211,8 +211,8 @@ def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKE
     model fits (module docstring). Offsets that leave no room in the model's context are
     skipped."""
     from workers.contract import SamplingParams
-    from workers.tree import TokenTree
-    from workers.verifier import VerifyItem
+    from workers.speculation.tree import TokenTree
+    from workers.speculation.verifier import VerifyItem
 
     if batch < 1 or nodes < 0 or repeats < 1 or not chunk_tokens or min(chunk_tokens) < 1:
         raise ValueError("need batch ≥ 1, nodes ≥ 0, repeats ≥ 1 and chunks ≥ 1 token")

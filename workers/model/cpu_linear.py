@@ -18,7 +18,7 @@ model; on CPU that is memory-bound and dominated by how the GEMM library treats 
   (`ONEDNN_ROWS_HINT`): a hint of 1 picks a matrix-vector layout that is slower at every row
   count we run; 16 was best or within noise of best for 1-32 rows, in fp32 and bf16.
 
-- `small`: the weight packed in panels for few rows (workers/small_gemm.py, our own AVX-512
+- `small`: the weight packed in panels for few rows (workers/model/small_gemm.py, our own AVX-512
   kernel), streamed once a call; more rows (prefills) go to a second copy: the plain weight in
   float32 on Intel (MKL), oneDNN's blocked layout in bf16 (AMX there) and on other CPUs (where MKL
   is slow: an fp32 prefill through MKL took about twice as long as through oneDNN on a Zen 5).
@@ -46,7 +46,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from workers import small_gemm
+from workers.model import small_gemm
 
 BACKENDS = ("plain", "mkl", "onednn", "small")
 MKL_BUCKETS = (4, 8, 16, 32)

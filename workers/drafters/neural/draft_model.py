@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from workers.kv_cache import KVCache
+from workers.model.kv_cache import KVCache
 
 SPEC_FILE = "specgate_draft.json"
 DRAFT_DTYPES = ("float32", "bfloat16", "float16")
@@ -36,13 +36,13 @@ class DraftSpec:
     source_layers: tuple[int, ...] = ()   # the target's blocks the draft was pruned from
     target: str = ""                      # the target model it was built from (a path or name)
     distilled_steps: int = 0              # optimiser steps of `specgate distill` so far
-    # Feedback memory (workers/draft_memory.py): the target's blocks whose outputs the draft's
+    # Feedback memory (workers/drafters/neural/draft_memory.py): the target's blocks whose outputs the draft's
     # memory reads at committed positions, one per draft block; () = no memory.
     memory_layers: tuple[int, ...] = ()
     # The dtype the draft drafts in (training is float32 either way). The target verifies every
     # token in its own dtype, so output does not depend on it; only the draft's cost and
     # acceptance do: a bfloat16 draft reads half the bytes per token, and on CPUs with AMX /
-    # AVX-512 BF16 its matmuls run on those units (workers/small_gemm.py).
+    # AVX-512 BF16 its matmuls run on those units (workers/model/small_gemm.py).
     dtype: str = "float32"
     extra: dict = field(default_factory=dict)
 

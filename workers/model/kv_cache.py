@@ -47,7 +47,7 @@ class KVCache:
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` slots, keeping the committed ones: new tensors, the first
         `length` slots copied over (the only copy of the context a request's life makes, and only
-        as often as its KV outgrows a block: workers/verifier.py)."""
+        as often as its KV outgrows a block: workers/speculation/verifier.py)."""
         if capacity <= self.capacity:
             return
         shape = (*self.k.shape[:2], capacity, self.k.shape[3])

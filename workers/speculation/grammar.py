@@ -1,5 +1,5 @@
 """Structured outputs: a request's grammar (a JSON schema, or any JSON object) as a logit rule at
-every tree row (workers/processors.py), on xgrammar.
+every tree row (workers/speculation/processors.py), on xgrammar.
 
 Why xgrammar: of the two engines made for this (xgrammar, llguidance), it fills a next-token mask
 over the default model's vocabulary in the least time per token, and it rolls back, which walking
@@ -30,8 +30,8 @@ import torch
 import xgrammar as xgr
 
 from workers.contract import SamplingParams
-from workers.processors import NodeProcessor, ProcessorFactory, sampling_processors
-from workers.tree import TokenTree, children, keep
+from workers.speculation.processors import NodeProcessor, ProcessorFactory, sampling_processors
+from workers.speculation.tree import TokenTree, children, keep
 
 __all__ = ["ConstraintError", "Grammars", "GrammarRule", "grammar_processors", "parse_constraint"]
 

@@ -1,0 +1,1 @@
+"""Speculation: token trees, acceptance rules, the verifier and the batch worker."""
