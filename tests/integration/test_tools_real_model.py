@@ -3,7 +3,7 @@ template and the official `openai` client on a live loopback server.
 
 The model is tiny and may or may not call a tool on its own, so nothing here assumes what it
 says: greedy output through the API is compared with transformers' greedy `generate` on the
-prompt the tools module renders, read by the same parser; the parser itself is checked on calls
+prompt the tool_calls module renders, read by the same parser; the parser itself is checked on calls
 written through the real template and tokenizer, token by token; and a template that does
 render tools (set on a copy of the real tokenizer) goes through the native path."""
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_calls_written_through_the_real_template_parse_back_token_by_token(real_
 
 def expected(real_runtime, messages, tool_choice="auto"):
     """(prompt ids, content, [(name, arguments)], finish_reason) transformers' greedy output on
-    the prompt the tools module renders, read by the same parser."""
+    the prompt the tool_calls module renders, read by the same parser."""
     rt = real_runtime
     shown = [schemas.ToolDef.model_validate(WEATHER).model_dump(exclude_none=True)]  # as served
     text = tool_calls.render_chat(rt.tokenizer, messages, shown, tool_choice, None, native=False)

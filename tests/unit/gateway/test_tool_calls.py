@@ -229,5 +229,5 @@ def test_call_ids_are_random_and_openai_shaped():
 def test_doctests():
     import doctest
 
-    result = doctest.testmod(tools)
+    result = doctest.testmod(tool_calls)
     assert result.failed == 0 and result.attempted >= 3
