@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import sys
@@ -51,6 +50,7 @@ from typing import Any, Iterator
 from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse_max_tokens
 from loadtest.workload import WORKLOADS, load_workload
 from scheduler.length_oracle import LengthOracle, prompt_key
+from loadtest.results import write_result
 
 POLICIES = ("laps", "fcfs", "sjf", "las", "srpt")
 ADMIN_KEY = "sk-loadtest-admin"             # each compare gateway's, to read its /metrics
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
                      rounds=args.rounds, load=args.load, variants=variants)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_result(args.json, report)
     if args.plot:
         plot(report, args.plot)
     print(table(report))

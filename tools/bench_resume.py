@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from workers.model.loader import DEFAULT_MODEL
+from loadtest.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-resume-bench-0000"
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                           ray=args.ray)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0 if all(m["passed"] == m["tries"] for m in report["modes"].values()) else 1
 

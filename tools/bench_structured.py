@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.model.loader import DEFAULT_MODEL
+from loadtest.results import write_result
 
 SCHEMAS = Path(__file__).parent / "data" / "structured_schemas.jsonl"
 DRAFTERS = ("plain", "grammar", "ngram", "merged")
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                               tree_depth=args.tree_depth, warmup=args.warmup)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

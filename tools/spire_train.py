@@ -39,6 +39,7 @@ from tools.spire_loss import mixed_loss
 from workers.drafters.neural.draft_memory import MemoryDraft
 from workers.drafters.neural.draft_model import read_spec, sparse_mask, write_spec
 from workers.model.llama_forward import Segment
+from loadtest.results import write_result
 
 __all__ = ["target_taps", "train", "add_arguments", "run"]
 
@@ -298,5 +299,5 @@ def run(args: argparse.Namespace) -> int:
                     max_steps=args.max_steps)
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(args.json, summary)
     return 0
