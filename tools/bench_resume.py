@@ -1,7 +1,7 @@
 """`specgate bench resume`: kill -9 the gateway in the middle of a streamed background response,
 start it again, resume the stream with `starting_after`, and check what the client put together.
 
-    specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json tools/data/bench_resume.json
+    specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json results/bench_resume_embedded.json
 
 Per sampling mode (greedy; seeded sampling), one uninterrupted run first gives the reference
 events. Then each try: start `specgate serve` (a real process over Redis), POST a background

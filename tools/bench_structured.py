@@ -1,6 +1,6 @@
 """`specgate bench structured`: structured outputs (JSON schemas) with and without speculation.
 
-    specgate bench structured --json tools/data/bench_structured.json
+    specgate bench structured --max-tokens 256 --json results/bench_structured_256.json
 
 The shipped set (tools/data/structured_schemas.jsonl: nested objects, arrays, enums, numbers,
 strings with patterns) is asked for through the chat template, each prompt naming its schema
