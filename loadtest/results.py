@@ -52,10 +52,13 @@ def meta(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def command_line(argv: Sequence[str]) -> str:
-    """The command as a user would type it: the program's name, not its install path."""
+    """The command as a user would type it: the program's name, not its install path
+    (`python -m specgate.cli` is `specgate` too)."""
     if not argv:
         return ""
-    return " ".join([Path(argv[0]).name, *(shlex.quote(a) for a in argv[1:])])
+    program = Path(argv[0])
+    name = "specgate" if program.parts[-2:] == ("specgate", "cli.py") else program.name
+    return " ".join([name, *(shlex.quote(a) for a in argv[1:])])
 
 
 def commit(root: Path = REPO) -> str | None:

@@ -53,6 +53,7 @@ def test_machine_reads_the_first_processor_and_the_flags_the_engine_needs():
 def test_command_line_names_the_program_and_quotes_its_arguments():
     assert command_line(["/x/bin/specgate", "sim", "--laps", '{"wait_weight": 0.05}']) == \
         "specgate sim --laps '{\"wait_weight\": 0.05}'"
+    assert command_line(["/repo/specgate/cli.py", "bench", "kv"]) == "specgate bench kv"
     assert command_line([]) == ""
 
 
