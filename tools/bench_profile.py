@@ -17,7 +17,7 @@ to a step, by its size and how deep into its prompt it starts (`workers.speculat
 
 Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
 is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
-README, "Tree budgets".
+README.md at bd11715, "Tree budgets".
 """
 from __future__ import annotations
 
