@@ -10,6 +10,7 @@ command table (`specgate.cli.COMMANDS`) and every command's parser.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,33 +31,48 @@ figures are on [benchmarks.md](benchmarks.md).
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", type=Path, default=bench_docs.ROOT,
+    p.add_argument("--root", type=Path, default=None,
                    help="the repository to write into (default: the one this code is in)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 when a page differs from what would be written")
 
 
 def run(args: argparse.Namespace) -> int:
-    pages = {bench_docs.PAGE: bench_docs.render(args.root), CLI_PAGE: render_cli()}
-    stale = [p for p, text in pages.items() if _read(args.root / p) != text]
+    root = args.root or bench_docs.ROOT
+    pages = {bench_docs.PAGE: bench_docs.render(root), CLI_PAGE: render_cli()}
+    stale = [p for p, text in pages.items() if _read(root / p) != text]
     if args.check:
         for p in stale:
             print(f"specgate docs: {p} is not what `specgate docs` writes", file=sys.stderr)
         return 1 if stale else 0
     for p in stale:
-        (args.root / p).write_text(pages[p], encoding="utf-8")
+        (root / p).write_text(pages[p], encoding="utf-8")
         print(f"wrote {p}")
     return 0
+
+
+class _MachineCores(int):
+    """What `os.cpu_count()` returns while the parsers are built: a default taken from it reads
+    as what it is, not as this machine's count (the page must be the same on every checkout)."""
+
+    def __str__(self) -> str:
+        return "the machine's CPU count"
 
 
 def render_cli() -> str:
     from specgate import cli                 # the table this page documents
     toc = [f"- [specgate {' '.join(c.words)}](#{_anchor(c.words)}): {c.help}" for c in cli.COMMANDS]
+    modules = [cli._module(cmd) for cmd in cli.COMMANDS]     # imported before the patch below
     body: list[str] = []
-    for cmd in cli.COMMANDS:
-        parser = argparse.ArgumentParser(prog="specgate " + " ".join(cmd.words))
-        getattr(cli._module(cmd), cmd.add)(parser)
-        body += _command(cmd, parser)
+    cpu_count = os.cpu_count
+    os.cpu_count = lambda: _MachineCores(1)
+    try:
+        for cmd, module in zip(cli.COMMANDS, modules):
+            parser = argparse.ArgumentParser(prog="specgate " + " ".join(cmd.words))
+            getattr(module, cmd.add)(parser)
+            body += _command(cmd, parser)
+    finally:
+        os.cpu_count = cpu_count
     return "\n".join([CLI_INTRO, *toc, "", *body]).rstrip() + "\n"
 
 
@@ -82,9 +98,12 @@ def _spelling(a: argparse.Action) -> str:
 
 
 def _default(a: argparse.Action) -> str:
+    """The default as any checkout would show it: a path inside the repository, relative."""
     if a.nargs == 0 or a.default in (None, argparse.SUPPRESS, ""):
         return ""
-    return f"`{a.default}`"
+    text = str(a.default)
+    inside = str(bench_docs.ROOT) + "/"
+    return f"`{text[len(inside):] if text.startswith(inside) else text}`"
 
 
 def _help(a: argparse.Action, prog: str) -> str:

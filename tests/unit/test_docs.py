@@ -98,6 +98,7 @@ def test_docs_cli_is_what_specgate_docs_writes():
     committed = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     assert committed == docs.render_cli(), \
         "docs/cli.md is generated from the commands' parsers: run `specgate docs`"
+    assert str(ROOT) not in committed and "the machine's CPU count" in committed  # any checkout
 
 
 def test_every_error_code_the_gateway_raises_is_in_the_api_page():
