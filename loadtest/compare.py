@@ -25,7 +25,7 @@ within a round) and reverses the order of the policies every other round (fcfs,l
 Each policy's row pools its rounds' requests; `rounds` keeps each round's means and laps'
 reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the policy run first
 was the slowest in both of two real-model runs, so that laps came out far ahead of fcfs in one
-order and far behind it in the other (README.md, "Scheduling policies on the real gateway").
+order and far behind it in the other (README.md at bd11715, "Scheduling policies on the real gateway").
 One pass of each policy measures the machine's drift as much as the policies.
 
 `srpt` among the policies: the clairvoyant bound on the real engine (scheduler/length_oracle.py).
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import sys
@@ -51,6 +50,7 @@ from typing import Any, Iterator
 from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse_max_tokens
 from loadtest.workload import WORKLOADS, load_workload
 from scheduler.length_oracle import LengthOracle, prompt_key
+from loadtest.results import write_result
 
 POLICIES = ("laps", "fcfs", "sjf", "las", "srpt")
 ADMIN_KEY = "sk-loadtest-admin"             # each compare gateway's, to read its /metrics
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
                      max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
                      rounds=args.rounds, load=args.load, variants=variants)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_result(args.json, report)
     if args.plot:
         plot(report, args.plot)
     print(table(report))

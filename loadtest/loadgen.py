@@ -33,6 +33,7 @@ import numpy as np
 
 from loadtest.workload import WORKLOADS, load_workload
 from scheduler.length_oracle import prompt_key
+from loadtest.results import write_result
 
 BURSTY_CV = 3.0
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed, workloads=args.workloads.split(","), max_tokens=args.max_tokens,
         model=args.model, bursty=args.bursty, slo_ttft_s=args.slo_ttft_ms / 1000,
         slo_itl_s=args.slo_itl_ms / 1000, timeout=args.timeout, progress=True))
-    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_result(args.json, report)
     if args.plot:
         plot(report, args.plot)
     print(summary(report), file=sys.stderr)

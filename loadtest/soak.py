@@ -20,7 +20,7 @@ Warm-up: a new gateway's RSS grows at first by what it is meant to keep: the ver
 cache (256 MiB by default, full only after a few hundred distinct prompt blocks), the allocator's
 high-water mark, lazily built kernels. Counting that as growth would call a bounded cache a leak
 (a real-model soak whose RSS growth looked alarming after a one-window warm-up was flat once the
-prefix cache had filled: README.md, "Serving path and start-up times"). By default
+prefix cache had filled: README.md at bd11715, "Serving path and start-up times"). By default
 (`--warmup-windows auto`) warm-up windows run before the measured `--minutes`, until the
 gateway's `specgate_prefix_cache_bytes` gauge has levelled off (grew by less than 1% of its
 capacity over a window; one window where there is no prefix cache), at most
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import time
@@ -48,6 +47,7 @@ from typing import Any
 
 from loadtest.compare import gateway_process, metric_sums, metrics_text, tenant_keys
 from loadtest.workload import WORKLOADS
+from loadtest.results import write_result
 
 GROWTH_KEYS = {"rss_growth_after_warmup": "rss_bytes", "fd_growth_after_warmup": "open_fds",
                "redis_memory_growth_after_warmup": "redis_used_memory",
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                   seed=args.seed, workloads=args.workloads.split(","),
                   max_tokens=args.max_tokens, tenants=args.tenants)
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        write_result(args.json, report)
     if args.plot:
         plot(report, args.plot)
     print(summary(report))

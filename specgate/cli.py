@@ -75,6 +75,8 @@ COMMANDS: tuple[Command, ...] = (
             "restrict a draft's unembedding to the target's most frequent tokens (FR-Spec): a cheaper draft"),
     Command(("distill",), "tools.distill",
             "train a draft against the target on the target's own text"),
+    Command(("docs",), "specgate.docs",
+            "write docs/benchmarks.md from results/*.json and docs/cli.md from these commands"),
 )
 
 _GROUPS = {"model": "model cache commands", "bench": "benchmarks", "draft": "draft model commands"}

@@ -49,6 +49,7 @@ from tools.throughput import spire_multiplier
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
 from workers.model.loader import DEFAULT_MODEL
+from loadtest.results import write_result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, chain=args.chain, rounds=args.rounds)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

@@ -27,6 +27,7 @@ from workers.model.loader import DEFAULT_MODEL
 from tools.near_tie import classify
 from workers.runtime import DEFAULT_PREFIX_CACHE_MB, encode_record, load_runtime
 from workers.speculation.verifier import StepTimings
+from loadtest.results import write_result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                               peers=peers, peer_gguf=args.peer_gguf, vllm_python=args.vllm_python)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

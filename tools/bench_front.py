@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.results import write_result
+
 FREE_KEY, METERED_KEY = "sk-bench-front-free", "sk-bench-front-metered"
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired otters hum "
 
@@ -45,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                          repeat=args.repeat)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

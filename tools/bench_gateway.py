@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from loadtest.compare import recv_or_none
 from loadtest.http_client import HttpClient, completion_request, load
+from loadtest.results import write_result
 
 if TYPE_CHECKING:
     from gateway.builders.embedded import Embedded
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     print(summary(report), file=sys.stderr)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

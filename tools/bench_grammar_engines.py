@@ -17,6 +17,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from loadtest.results import write_result
+
 # (name, schema, an instance that validates): a flat record, nested objects with arrays, enums
 # and numbers, and a string pattern; what the structured-output benchmark's schemas look like.
 SCHEMAS: list[tuple[str, dict, Any]] = [
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     report = bench_grammar_engines(model=args.model, repeats=args.repeats)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.results import write_result
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model (default: serve's default)")
@@ -36,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
                       prompt_tokens=args.prompt_tokens, seconds=args.seconds)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

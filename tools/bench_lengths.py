@@ -54,6 +54,7 @@ import numpy as np
 
 from scheduler.length_predictor import LengthPredictor, PredictorWeights
 from tools.length_data import DATA_PATH, KINDS, load_length_set
+from loadtest.results import write_result
 
 CHECKPOINTS = (0, 16, 32, 64, 128, 256, 512)
 RIDGES = (1e-2, 1e-1, 1.0, 10.0, 100.0, 1e3, 1e4)
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         text = json.dumps(_no_nan(report), indent=1)
         print(text)
         if args.json:
-            args.json.write_text(text + "\n", encoding="utf-8")
+            write_result(args.json, _no_nan(report))
         return 0
     records = load_length_set(args.data)
     if args.limit:
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                            save_weights=args.save_weights)
     print(format_table(report))
     if args.json:
-        args.json.write_text(json.dumps(_no_nan(report), indent=1) + "\n", encoding="utf-8")
+        write_result(args.json, _no_nan(report))
     return 0
 
 

@@ -9,17 +9,16 @@ separately.
 """
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from scheduler.policies import POLICIES, make_policy
 from scheduler.profile import StepCostModel
 from scheduler.request import RequestStats, StepRecord
 from scheduler.state import SchedulerState
+from loadtest.results import write_result
 
 TENANTS = ("chat", "code", "rag", "agent")
 
@@ -103,5 +102,5 @@ def run(args) -> int:
         print(f"| {r['policy']} | {r['median_us']:.1f} | {r['p99_us']:.1f} | "
               f"{r['update_median_us']:.1f} |")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+        write_result(args.json_out, {"requests": args.requests, "policies": results})
     return 0

@@ -17,19 +17,18 @@ to a step, by its size and how deep into its prompt it starts (`workers.speculat
 
 Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
 is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
-README, "Tree budgets".
+README.md at bd11715, "Tree budgets".
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Any
 
 from scheduler.profile import fit_chunk_cost
 from workers.speculation.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
                                DEFAULT_NODES, DEFAULT_PREFILL, describe_device, measure_chunks,
                                measure_profile, profile_document)
+from loadtest.results import write_result
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -120,5 +119,5 @@ def run(args) -> int:
                            repeats=args.repeats)
     print(table(doc))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_result(args.json_out, doc)
     return 0

@@ -32,6 +32,7 @@ import httpx
 import torch
 
 from loadtest.workload import WORKLOADS, load_workload
+from loadtest.results import write_result
 
 KEY = "sk-bench-ray"
 
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     report = bench_ray(model=args.model, requests=args.requests, concurrency=args.concurrency,
                        max_tokens=args.max_tokens, redis_url=args.redis_url,
                        draft_workers=not args.no_draft_workers)
-    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    write_result(args.json, report)
     print(json.dumps({k: v for k, v in report.items() if not isinstance(v, (list, dict))}, indent=1))
     return 0
 

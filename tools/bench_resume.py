@@ -1,7 +1,7 @@
 """`specgate bench resume`: kill -9 the gateway in the middle of a streamed background response,
 start it again, resume the stream with `starting_after`, and check what the client put together.
 
-    specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json tools/data/bench_resume.json
+    specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json results/bench_resume_embedded.json
 
 Per sampling mode (greedy; seeded sampling), one uninterrupted run first gives the reference
 events. Then each try: start `specgate serve` (a real process over Redis), POST a background
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from workers.model.loader import DEFAULT_MODEL
+from loadtest.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-resume-bench-0000"
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                           ray=args.ray)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0 if all(m["passed"] == m["tries"] for m in report["modes"].values()) else 1
 

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtest.results import write_result
+
 KEY = "sk-bench-stall"
 COUNTING = "Count from 1 to 1000, separated by commas: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
 
@@ -55,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                          chunks=chunks, baseline_s=args.baseline_s, after_s=args.after_s)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

@@ -1,6 +1,6 @@
 """`specgate bench structured`: structured outputs (JSON schemas) with and without speculation.
 
-    specgate bench structured --json tools/data/bench_structured.json
+    specgate bench structured --max-tokens 256 --json results/bench_structured_256.json
 
 The shipped set (tools/data/structured_schemas.jsonl: nested objects, arrays, enums, numbers,
 strings with patterns) is asked for through the chat template, each prompt naming its schema
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.model.loader import DEFAULT_MODEL
+from loadtest.results import write_result
 
 SCHEMAS = Path(__file__).parent / "data" / "structured_schemas.jsonl"
 DRAFTERS = ("plain", "grammar", "ngram", "merged")
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                               tree_depth=args.tree_depth, warmup=args.warmup)
     text = json.dumps(report, indent=1)
     if args.json:
-        args.json.write_text(text + "\n", encoding="utf-8")
+        write_result(args.json, report)
     print(text)
     return 0
 

@@ -50,6 +50,7 @@ import torch
 
 from workers.model.device import resolve_device, synchronize
 from workers.drafters.neural.draft_model import DraftSpec, read_spec, sparse_mask, write_spec
+from loadtest.results import write_result
 
 __all__ = ["TOP_K", "training_prompts", "distill_loss", "alpha", "distill", "add_arguments", "run"]
 
@@ -437,5 +438,5 @@ def run(args: argparse.Namespace) -> int:
                       device=args.device)
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(args.json, summary)
     return 0

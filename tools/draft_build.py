@@ -7,13 +7,13 @@ already map into the target's output space. It is written as a plain Hugging Fac
 ``specgate_draft.json`` with its static sparse attention: an attention sink of ``sink`` tokens and
 a sliding window of ``window`` tokens, which keep its KV constant-size (`workers.drafters.neural.draft_model`).
 
-Untrained, such a draft almost never agrees with the target (FINDINGS.md); `specgate distill` is
+Untrained, such a draft agrees with the target on about 1% of tokens; `specgate distill` is
 what makes it useful.
 
 Which blocks: SPIRe keeps the target's last two. On SmolLM2-135M the first blocks learn faster:
 given the same training sequences and the same short `specgate distill` run, drafts built from the
 first blocks reached a higher greedy acceptance on the chat workload than the last two, and the
-first three the lowest loss (README.md, "Drafters, draft models and workloads"). The first blocks
+first three the lowest loss (README.md at bd11715, "Drafters, draft models and workloads"). The first blocks
 already read token embeddings; the last ones expect the deep residual stream. So the default is
 the first three; `--layers last2` builds SPIRe's choice.
 

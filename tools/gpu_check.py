@@ -43,6 +43,8 @@ from typing import Any, Callable
 
 import torch
 
+from loadtest.results import write_result
+
 # name -> LlamaConfig fields (the public configs' shapes; vocabulary as the models ship)
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -555,7 +557,7 @@ def run(args: argparse.Namespace) -> dict:
             report["sections"][name] = {"error": traceback.format_exc()[-4000:]}
         report["sections"][name]["seconds"] = round(time.time() - t0, 1)
         if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
+            write_result(args.json, report)
         print(f"[gpu_check] {name}: {report['sections'][name]['seconds']} s", flush=True)
     return report
 

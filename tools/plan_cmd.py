@@ -39,15 +39,14 @@ the load average before and after.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 from scheduler.profile import StepCostModel
 from tools.throughput import Acceptance, DrafterCost, ThroughputModel, TreeShape, prediction_row
+from loadtest.results import write_result
 
 DEFAULT_DRAFTERS = "ngram,suffix"
 DEFAULT_SHAPES = "chain:1,chain:2,chain:4,chain:8,widths:2x2x1"
@@ -242,5 +241,5 @@ def run(args) -> int:
         print(f"\nlargest |error| {100 * worst:.1f}% over {len(measured)} configurations",
               file=sys.stderr)
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_result(args.json_out, doc)
     return 0

@@ -77,6 +77,7 @@ from scheduler.sizing import expected_tau, size_trees
 from scheduler.state import SchedulerState
 from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
                                     with_arrivals)
+from loadtest.results import write_result
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
 # `specgate bench lengths --json` of the real predictor on the default model: its error at arrival
@@ -519,6 +520,6 @@ def run(args) -> int:
         for r in result["policies"].values():
             r.pop("latencies_s")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json_out, result)
     print(table(result))
     return 0

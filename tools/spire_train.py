@@ -39,6 +39,7 @@ from tools.spire_loss import mixed_loss
 from workers.drafters.neural.draft_memory import MemoryDraft
 from workers.drafters.neural.draft_model import read_spec, sparse_mask, write_spec
 from workers.model.llama_forward import Segment
+from loadtest.results import write_result
 
 __all__ = ["target_taps", "train", "add_arguments", "run"]
 
@@ -264,7 +265,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL)
     p.add_argument("--draft", required=True, type=Path, help="the draft directory (`specgate draft build`)")
     p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of this run")
-    # defaults: the best of the measured 30-minute runs (README, "SPIRe drafts"): k 1 beat k 4
+    # defaults: the best of the measured 30-minute runs (docs/benchmarks.md, "draft train"): k 1 beat k 4
     # (a k-step pass costs more, so fewer steps fit), ω 0.5 matched or beat 0.2, and a learning
     # rate of 2e-3 beat 5e-4 and 1e-3 and matched 4e-3 (in 30 minutes a draft is far from
     # converged: the larger steps are what the budget buys)
@@ -298,5 +299,5 @@ def run(args: argparse.Namespace) -> int:
                     max_steps=args.max_steps)
     print(json.dumps(summary, indent=2))
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+        write_result(args.json, summary)
     return 0

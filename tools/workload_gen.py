@@ -21,10 +21,10 @@ plausible:
   Learning to Rank", 2024). The predictor's noise is drawn whether or not a run uses one, so a
   run with another `predictor_sigma` (or none) sees the same requests.
 * **Acceptance.** Each request's true α is drawn from a per-tenant Beta: chat Beta(1.5, 4) (mean
-  0.27), code Beta(6, 2) (0.75), rag Beta(5, 2) (0.71), agent Beta(3, 3) (0.50). FINDINGS.md
-  measured prompt-lookup drafting on this model from slower than plain decoding (open chat:
+  0.27), code Beta(6, 2) (0.75), rag Beta(5, 2) (0.71), agent Beta(3, 3) (0.50). We measured
+  prompt-lookup drafting on this model from slower than plain decoding (open chat:
   drafts rarely match) to several times faster (copy / extract): acceptance really does differ
-  this much by task (README.md, "Drafters, draft models and workloads").
+  this much by task (README.md at bd11715, "Drafters, draft models and workloads").
 * **Early steps mislead.** The α a request shows in its step t mixes in an independent "opening"
   α₀ ~ Beta(2, 2) with weight exp(−t ÷ 6): the first tokens of an answer (greetings, restating the
   question, headings, code fences) and drafters that have little generated context to match make

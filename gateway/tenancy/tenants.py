@@ -1,6 +1,6 @@
 """Tenants: who owns an API key, and what that owner may do.
 
-A tenant is the unit of quotas, fairness and isolation (DESIGN.md). Its record holds the scheduler's
+A tenant is the unit of quotas, fairness and isolation (docs/design.md). Its record holds the scheduler's
 view (weight and priority class), its limits (RPM, TPM, concurrent and queued requests), the models
 it may use and its speculation policy. API keys are never stored: only `sha256:<hex>` digests are,
 and a presented key is always hashed before it is looked up (so a leaked digest is not a key).

@@ -1,6 +1,6 @@
 """The state store interface, the data a step writes, and the codec every store shares.
 
-A state store persists what a scheduler needs to survive a restart (DESIGN.md, "State in Redis"):
+A state store persists what a scheduler needs to survive a restart (docs/design.md, "State in Redis"):
 every live request's full record and the tenants' virtual times. The scheduler is the one writer;
 gateways may read (`get`) to fetch a result.
 

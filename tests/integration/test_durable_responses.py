@@ -1,7 +1,7 @@
 """Kill -9 the gateway in the middle of a streamed background response, start it again, resume
 with `starting_after`: real `specgate serve` processes over a real Redis, on a tiny random model
 that speaks the default model's tokenizer (tools/bench_resume.py is the harness; `specgate bench
-resume` runs it at 20 kill points per mode on the default model for the README's figures)."""
+resume` runs it at 20 kill points per mode on the default model: results/bench_resume_*.json)."""
 from __future__ import annotations
 
 import pytest

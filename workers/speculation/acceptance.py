@@ -1,6 +1,6 @@
 """Acceptance rules: which drafted tokens a step commits. Pure; randomness comes in as an RNG.
 
-Words (DESIGN.md): the target verifies every node of the token tree in one pass and gives one
+Words (docs/design.md): the target verifies every node of the token tree in one pass and gives one
 output per **row** (row 0 = the root, row i + 1 = node i; see ``workers.speculation.tree``). Walking down from
 the root, a node whose token the rule agrees with is **accepted**; the walk stops at a row where no
 child is accepted, and the target adds one **bonus** token there. A step therefore commits

@@ -3,7 +3,7 @@ every tree row (workers/speculation/processors.py), on xgrammar.
 
 Why xgrammar: of the two engines made for this (xgrammar, llguidance), it fills a next-token mask
 over the default model's vocabulary in the least time per token, and it rolls back, which walking
-a tree needs (tools/bench_grammar_engines.py, tools/data/bench_grammar_engines.json).
+a tree needs (tools/bench_grammar_engines.py, results/bench_grammar_engines.json).
 
 A constraint is `SamplingParams.constraint`, a JSON string: ``{"type": "json_object"}`` (any
 JSON object) or ``{"type": "json_schema", "schema": {...}}`` (strict: no property or item the

@@ -23,5 +23,5 @@ def test_bench_cli(tmp_path, capsys):
     args = parser.parse_args(["--requests", "200", "--policies", "las", "--repeats", "50",
                               "--json", str(out)])
     assert bench_plan.run(args) == 0
-    assert json.loads(out.read_text())[0]["policy"] == "las"
+    assert json.loads(out.read_text())["policies"][0]["policy"] == "las"
     assert "| las |" in capsys.readouterr().out

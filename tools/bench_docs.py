@@ -1,0 +1,312 @@
+"""docs/benchmarks.md, written from the result files: `specgate docs` (specgate/docs.py) calls
+`render`. The page is never edited by hand: a new result means re-running the benchmark with
+`--json results/NAME.json` and then `specgate docs` (tests/unit/test_docs.py fails otherwise).
+
+`BENCHES` is the page's text: per benchmark the command that writes its current result, what it
+measures and what its figures show, in words only. Every figure comes from a result file through
+the benchmark's table function (tools/bench_tables.py), beside the machine, date and commit of
+its `meta` block (loadtest/results.py). A result no benchmark claims is an error, not a file the
+page leaves out.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from tools import bench_tables as t
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = Path("docs/benchmarks.md")
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str                   # the heading (and its anchor): "bench stall"
+    command: str                # how its current result is written
+    measures: str
+    shows: str                  # what the current figures show; "" while none is recorded
+    files: tuple[str, ...]      # glob patterns under the repository root
+    table: t.Table
+
+
+def _lengths(doc: Mapping[str, Any]) -> list[str]:
+    return t.lengths_mix(doc) if "per_workload" in doc else t.lengths(doc)
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench("bench engine",
+          "specgate bench engine --workload chat --concurrency 8 --max-tokens 128 --tree-nodes 4 "
+          "--tree-depth 4 --rounds 12 --drafter DRAFT --json results/bench_engine_chat8.json",
+          "Tokens/s of the engine with a drafter against transformers' greedy `generate` (and its "
+          "prompt lookup) and against the same engine without drafts, on one workload, output "
+          "checked token for token against greedy. `--concurrency N` runs N streams at once, "
+          "`--rounds` alternating speculative and plain passes; `--peers llama.cpp,vllm` adds "
+          "those engines to the same run.",
+          "Speculation pays where the text is predictable (copy and extract prompts, which the "
+          "n-gram drafter finds in the prompt) and least on open chat. At 8 concurrent chat "
+          "streams verifying extra tree tokens costs about what their acceptance returns, so the "
+          "planner drafts almost nothing and speculative serving stays level with plain decoding; "
+          "the first round, in which the planner still probes the draft, is the lowest. Without "
+          "AVX-512 the engine runs without its CPU kernels and every rate is several times lower.",
+          ("results/bench_engine*.json",), t.engine),
+    Bench("bench drafters",
+          "specgate bench drafters --workloads chat --per-workload 8 --warmup 2 --max-tokens 96 "
+          "--tree-nodes 4 --tree-depth 4 --chain --rounds 3 --drafters none,ngram,DRAFT,"
+          "merge:DRAFT+ngram --json results/bench_drafters_chat_chain.json",
+          "τ, acceptance, drafting cost per tree level, tokens/s and SPIRe's predicted multiplier "
+          "TM = τ ÷ ((k·t_draft + t_verify) ÷ t_target) beside the measured one, for several "
+          "drafters and their merges on one workload, each drafter's pass repeated `--rounds` "
+          "times in alternating order (one pass on a noisy VM measures its drift too); "
+          "`--adaptive` has the planner size each request's tree, as serving does.",
+          "The throughput model predicts the measured multiplier within a few percent for every "
+          "drafter. On open chat a draft pruned from the target and trained 30 minutes, drafting "
+          "in bfloat16 with a cheap head and merged with the n-gram drafter, gives the highest τ "
+          "and multiplier with the whole budget; sized by the planner the gain is smaller and "
+          "never a loss. The feedback-memory draft reaches the pruned draft's τ but costs more a "
+          "level, so it does not pay. Where the CPU lacks AVX-512, a draft level costs a larger "
+          "share of a target step and the planner gets back to about break-even.",
+          ("results/bench_drafters*.json",), t.drafters),
+    Bench("draft train",
+          "specgate draft train --draft DRAFT --minutes 30 --gen-share 0 --data drafts/data "
+          "--json results/draft_train_30min.json",
+          "A draft trained for a fixed time with SPIRe's mixed loss ω·CE + (1 − ω)·(−expected "
+          "acceptance) on text the target generated once (`--data`, shared by the runs): greedy "
+          "acceptance at depth 1 on the chat workload's target continuations before and after, "
+          "optimiser steps in the time, and the feedback memory's gates at the end.",
+          "Training text and step size bound a 30-minute draft: all the generated text and a "
+          "learning rate of 2e-3 (`draft train`'s default since) gave the best acceptance, twice "
+          "that rate no better. The memory's gates stay nearly closed within the budget, so the "
+          "memory draft ends level with the pruned one in fewer steps.",
+          ("results/draft_train*.json",), t.draft_train),
+    Bench("bench profile",
+          "specgate bench profile --json tools/data/profile_intel_chunks.json",
+          "Step time of the real verifier against batch size and tree tokens, a prefill's time "
+          "against prompt length, and what a prefill chunk adds to a step beside a batch, fitted "
+          "as a cost per row plus a cost per row per earlier key. The planner reads such a "
+          "profile with `--step-profile`, the simulator with `sim --profile`; serving measures "
+          "its own at start-up.",
+          "At small batches a tree step costs little more than a plain one, so speculation is "
+          "nearly free there; the cost grows with the tokens verified. A chunk deep into a long "
+          "prompt costs several times one at its start (its rows read every earlier key), which "
+          "is why the planner gives deep chunks fewer tokens.",
+          ("tools/data/profile_*.json", "results/bench_profile*.json"), t.profile),
+    Bench("bench plan", "specgate bench plan --json results/bench_plan.json",
+          "Microseconds to plan one step (`Policy.plan`, and `update`) with many queued requests, "
+          "per policy.", "", ("results/bench_plan*.json",), t.plan_policies),
+    Bench("plan", "specgate plan --measure --json results/plan.json",
+          "The throughput model's predicted tokens/s and multiplier per drafter × tree shape × "
+          "batch × context from a step-cost profile; `--measure` runs the configurations on the "
+          "engine and reports each prediction's error.", "", ("results/plan*.json",), t.scalars),
+    Bench("bench structured",
+          "specgate bench structured --max-tokens 256 --warmup 1 --json "
+          "results/bench_structured_256.json",
+          "JSON-schema outputs on the shipped schemas (tools/data/structured_schemas.jsonl), "
+          "greedy, one stream: each prompt under plain constrained decoding and under the "
+          "grammar, n-gram and merged drafters, back to back: validity, identity with plain "
+          "constrained decoding, τ and tokens/s.",
+          "Output is token-identical to plain constrained decoding under every drafter. The "
+          "grammar drafter proposes what the grammar forces at no model call, n-gram copies from "
+          "the prompt, and their merge is fastest. The outputs that do not validate are the "
+          "model's own greedy loops inside strings the schema leaves unbounded, the same under "
+          "plain constrained decoding: cut by max_tokens, not a grammar miss (a `maxLength` in "
+          "the schema ends them). With room to finish, the drafters gain more.",
+          ("results/bench_structured*.json",), t.structured),
+    Bench("bench grammar-engines",
+          "specgate bench grammar-engines --json results/bench_grammar_engines.json",
+          "The cost of a next-token mask over the default tokenizer (fill, accept, rollback) per "
+          "token for xgrammar and llguidance on a few schemas, and each schema's compile time.",
+          "xgrammar fills and rolls back in the least time per token, which is why "
+          "workers/speculation/grammar.py uses it (walking a tree needs rollback); compiled "
+          "schemas are cached per process.",
+          ("results/bench_grammar_engines*.json",), t.grammar_engines),
+    Bench("bench gateway", "specgate bench gateway --json results/bench_gateway.json",
+          "Added median latency and requests/s of the HTTP gateway over calling the step loop "
+          "directly, with the model-free fake worker.", "", ("results/bench_gateway*.json",),
+          t.scalars),
+    Bench("bench front", "specgate bench front --json results/bench_front.json",
+          "Whether one client's huge prompt stalls /health or other tenants: GET /health probed "
+          "every few milliseconds on its own connection while a prompt past the characters "
+          "bound, one just under it (tokenized in full) and an over-rpm tenant's huge prompt "
+          "arrive, each sent several times: their statuses and times and the worst /health "
+          "delay.",
+          "Rate limits are checked before any work on the prompt, a prompt with more characters "
+          "than the context could hold at the tokenizer's longest token is refused untokenized, "
+          "and long prompts are tokenized on a worker thread: every refusal comes in "
+          "milliseconds to a second, and /health waits a few milliseconds at most beside any of "
+          "them.",
+          ("results/bench_front*.json",), t.front),
+    Bench("bench stall", "specgate bench stall --chunks 0,24 --json results/bench_stall.json",
+          "Streams' longest gap between tokens while a long prompt is prefilled: counting "
+          "streams, then one long prompt; per stream the median gap before the prompt (and after "
+          "it, at the depth the streams had reached) and the gaps while it was served, with "
+          "whole prefill and each chunk size in one run (the worst stream shown).",
+          "Whole prefill stops every stream for the prompt's whole prefill. With chunked prefill "
+          "(the default) the longest gap is a small multiple of the streams' own pace, at the "
+          "price of the long prompt's own latency: its chunks share steps with the streams, and "
+          "a chunk deep into the prompt reads every earlier key. The longest gap left falls at "
+          "the step that completes the prompt.",
+          ("results/bench_stall*.json",), t.stall),
+    Bench("bench kv",
+          "specgate bench kv --budgets-mb 4096,1024 --requests 32 --prompt-tokens 1500 "
+          "--seconds 150 --json results/bench_kv.json",
+          "Many requests without max_tokens, with long distinct prompts, under each KV budget "
+          "(`--kv-cache-mb`), a fresh process per budget: RSS before the requests and at peak "
+          "against budget + baseline + 1 GiB, KV held, the most requests resident at once, "
+          "preemptions, failures and tokens generated in a fixed time.",
+          "KV is admitted by slots as requests grow, not reserved for the whole context, so the "
+          "requests fit a budget that reserving would have multiplied. Under a tight budget "
+          "requests wait for room and residents that outgrow it are preempted and re-prefilled "
+          "from what they committed; none fails, and RSS stays within its bound.",
+          ("results/bench_kv*.json",), t.kv),
+    Bench("bench lengths",
+          "specgate bench lengths --json tools/data/bench_lengths.json",
+          "The output-length predictor (ridge over the target's own final-normed hidden state) "
+          "on the shipped prompt set (tools/data/length_prompts.jsonl, the default model's own "
+          "greedy answers): Spearman ρ and median |ln(pred ÷ true)| on a held-out split against "
+          "the tenant-record baseline, the spread σ of ln(remaining) as a request is "
+          "re-predicted, and per kind of work; `--loadtest-mix chat,copy,code,summarize,extract "
+          "--max-tokens 512` runs the shipped weights on the load test's prompts instead. The "
+          "simulator reads tools/data/bench_lengths.json as its measured predictor "
+          "(`sim --predictor`), which is why that result stays beside the data it ships.",
+          "The hidden state ranks lengths better than the tenant records and is about as far off "
+          "in ratio. It ranks chat and code, not copy, extract or summarize: whether the model "
+          "will loop to its limit on a passage does not show in the prompt's state. Re-predicted "
+          "as a request runs, the error does not shrink until late, so a belief replaces an "
+          "earlier one only when at least as precise. On the load test's prompts it mostly tells "
+          "code from the rest.",
+          ("tools/data/bench_lengths*.json", "results/bench_lengths*.json"), _lengths),
+    Bench("bench resume",
+          "specgate bench resume --redis-url redis://127.0.0.1:6379 --tries 20 --json "
+          "results/bench_resume_embedded.json",
+          "Durable streams: a background response is streamed, the gateway killed with SIGKILL "
+          "at a random point (embedded: the process, then restarted; `--ray`: the scheduler and "
+          "every ingress replica) and the stream resumed with `starting_after`. A try passes "
+          "when the text put together equals an uninterrupted run's and every event came once, "
+          "in order; greedy and seeded sampling. Add `--ray` (and --json "
+          "results/bench_resume_ray.json) for the Ray Serve deployment.",
+          "Every try passes in both modes: a response's events are a function of its committed "
+          "tokens, which the step loop stores before it streams them, and a seeded request draws "
+          "each token from its seed and position alone, so a restarted process continues the "
+          "same text.",
+          ("results/bench_resume*.json",), t.resume),
+    Bench("bench ray", "specgate bench ray --json results/bench_ray.json",
+          "Tokens/s of the Ray Serve deployment against the embedded gateway on one machine, "
+          "output compared, and the scheduler's orchestration share of step time.", "",
+          ("results/bench_ray*.json",), t.scalars),
+    Bench("loadtest compare",
+          "specgate loadtest compare --policies fcfs,sjf,laps,srpt --bursty --load 0.9 --rate 0.8 "
+          "--duration 240 --seed 7 --rounds 2 --max-tokens 512 --workloads "
+          "chat,copy,code,summarize,extract --tenants 3 --json results/loadtest_compare_policies.json",
+          "The same open-loop multi-tenant load against a fresh gateway per policy (or per "
+          "setting: `--prefill-chunk-tokens 0,24`), `--rounds` with other arrivals and the order "
+          "reversed: latency, TTFT, each request's time waiting and in steps (from each "
+          "gateway's /metrics), completions/s and errors. With srpt a truth pass first gives the "
+          "clairvoyant bound on the real engine.",
+          "On the bursty mix with long answers, LAPS-SD's mean is well below FCFS's and SJF's, "
+          "and below clairvoyant srpt's (srpt ranks by remaining tokens, LAPS-SD by predicted "
+          "remaining steps, tokens ÷ E[τ]), with a lower p99 than FCFS; the order moved the time "
+          "in steps as well as the waiting. Single passes on these VMs measure the machine's "
+          "drift as much as the policies, hence rounds in reversed order. Past saturation, "
+          "chunked prefill keeps whole prefill's capacity and lowers the p99 gap between "
+          "tokens, since a step prefills a chunk for each request waiting for its context.",
+          ("results/loadtest_compare*.json",), t.compare),
+    Bench("soak", "specgate soak --minutes 10 --rate 1 --json results/soak.json",
+          "Mixed load for N minutes after a warm-up that lasts until the prefix cache stops "
+          "filling: the gateway's RSS, open fds, Redis memory and latency per window, with a "
+          "line fitted to p50 and tested against the windows' scatter.", "",
+          ("results/soak*.json",), t.scalars),
+    Bench("sim",
+          "specgate sim --policies fcfs,sjf,las,laps,srpt --requests 10000 --load 0.85 --seed 1 "
+          "--json results/sim_default.json",
+          "Discrete-event simulation of the scheduling policies, with the policy code the "
+          "gateway runs, over a step-cost profile: per policy mean, p50 and p99 latency, the "
+          "longest wait, and latency split into time waiting and time inside steps (only the "
+          "waiting is the order of service's to move).",
+          "At the engine's batch of 8 the CPU engine is close to processor sharing: a request "
+          "spends most of its latency in the batch, which no order changes, so even clairvoyant "
+          "srpt takes little off FCFS's mean. Where order matters (one sequence a step, load "
+          "near capacity, bursty arrivals) LAPS-SD takes most of srpt's reduction and stays "
+          "below SJF; the length predictor, not the policy, keeps it from more.",
+          ("results/sim*.json",), t.sim),
+)
+
+INTRO = """# Benchmarks
+
+What each benchmark measures, the command that writes its current result, what the figures show,
+and the figures themselves with the machine, date and commit they were measured on. This page is
+written by `specgate docs` from `results/*.json` (and the two results the program also reads,
+`tools/data/bench_lengths.json` and `tools/data/profile_intel_chunks.json`); to change a figure,
+re-run the benchmark with `--json results/NAME.json` and then `specgate docs`, never edit the page.
+
+The machines are 2-core cloud VMs shared with other work. Between runs a minute apart the same
+figure can move by a third, and between a CPU with AVX-512 (where the engine's kernels load) and
+one without, several-fold: compare ratios measured in the same run, and figures only within one
+machine. Superseded runs are not kept here; `git log -- results/` has them.
+"""
+
+
+def render(root: Path = ROOT) -> str:
+    """The whole page for the result files under `root`."""
+    claimed: set[Path] = set()
+    toc, body = [], []
+    for bench in BENCHES:
+        files = sorted({p for pat in bench.files for p in root.glob(pat)})
+        claimed.update(files)
+        toc.append(f"- [{bench.name}](#{bench.name.replace(' ', '-')})"
+                   + ("" if files else " (no current result)"))
+        body += _section(bench, files, root)
+    _check_claimed(root, claimed)
+    return "\n".join([INTRO, *toc, "", *body]).rstrip() + "\n"
+
+
+def _section(bench: Bench, files: list[Path], root: Path) -> list[str]:
+    out = [f"## {bench.name}", "", f"**Measures.** {bench.measures}", "",
+           f"**Run.** {_code(bench.command)}", ""]
+    if not files:
+        return out + ["No current result in `results/`: run the command above.", ""]
+    out += [f"**What the figures show.** {bench.shows}", ""] if bench.shows else []
+    for path in files:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        rel = path.relative_to(root).as_posix()
+        out += [f"### `{rel}`", "", *_meta_lines(doc.get("meta")), *bench.table(doc), ""]
+    return out
+
+
+def _meta_lines(meta: Mapping[str, Any] | None) -> list[str]:
+    if not meta:
+        return ["No `meta` block: machine, date and commit unknown (re-run to stamp them).", ""]
+    m = meta.get("machine") or {}
+    flags = ", ".join(f"{k} {_flag(v)}" for k, v in (m.get("flags") or {}).items())
+    out = [f"**Machine** {m.get('cpu', 'unknown')}, {m.get('cores', '?')} cores; {flags}. "
+           f"**Date** {meta.get('date')}. **Commit** {meta.get('commit')}. "
+           f"**torch** {meta.get('torch')}.", "", f"**Command** {_code(meta.get('command'))}", ""]
+    if meta.get("note"):
+        out += [f"Note: {meta['note']}.", ""]
+    return out
+
+
+def _code(text: Any) -> str:
+    """An inline code span that survives backticks in its text."""
+    text = str(text)
+    return f"`` {text} ``" if "`" in text else f"`{text}`"
+
+
+def _flag(v: Any) -> str:
+    return "unknown" if v is None else ("yes" if v else "no")
+
+
+def _check_claimed(root: Path, claimed: set[Path]) -> None:
+    """Every file in results/ belongs to a benchmark on the page (tools/data also holds data)."""
+    stray = sorted(p.relative_to(root).as_posix() for p in (root / "results").glob("*.json")
+                   if p not in claimed)
+    if stray:
+        raise ValueError(f"no benchmark in tools/bench_docs.py claims {', '.join(stray)}: add "
+                         "it to BENCHES (or to a benchmark's files) so the page shows it")
+
+
+def write(root: Path = ROOT) -> Path:
+    path = root / PAGE
+    path.write_text(render(root), encoding="utf-8")
+    return path
