@@ -49,7 +49,7 @@ from scheduler.length_oracle import LengthOracle, prompt_key
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.request import Request, RequestStats, Status
 from workers.contract import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 if TYPE_CHECKING:
     from gateway.tenancy.limits import Grant, Limiter

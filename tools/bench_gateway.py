@@ -218,7 +218,7 @@ class Target:
     same body and tenant (prompt ids, sampling, stop ids, drafter, tree cap)."""
 
     def __init__(self, emb: Embedded, url: str, prompt: str, max_tokens: int) -> None:
-        from workers.runtime import encode_record
+        from workers.prompts import encode_record
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port, self.key, self.model = host, int(port), emb.dev_key, emb.settings.model_id
         self.loop = emb.step_loop

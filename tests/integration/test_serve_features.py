@@ -13,7 +13,7 @@ import torch
 
 from gateway.settings import Settings
 from tests.helpers import hf_greedy, openai_client_on
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"

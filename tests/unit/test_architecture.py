@@ -119,7 +119,8 @@ def test_the_rules_catch_what_they_forbid():
 
 
 @pytest.mark.parametrize("module", ["scheduler.loop", "scheduler.policies", "scheduler.sizing",
-                                    "scheduler.store", "workers.contract", "workers.fake_worker"])
+                                    "scheduler.store", "scheduler.generation", "workers.contract",
+                                    "workers.fake_worker", "workers.prompts"])
 def test_the_scheduler_and_the_contract_import_no_torch(module):
     """Policies, sizing and the step loop are tested in microseconds and run without device code;
     a fresh interpreter shows what importing them loads."""
