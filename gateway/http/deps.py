@@ -312,7 +312,7 @@ async def sse_events(streams: Sequence[EventStream], *,
     (or none: a tool call's text is held until it is whole, gateway/tool_calls.py). Once the 200 has
     gone out an error can only be an event: a failed generation or an unexpected exception ends
     the stream with an OpenAI error object. The streams are closed however this ends; a client
-    that disconnects cancels every choice that way (a detached one runs on: gateway/service.py).
+    that disconnects cancels every choice that way (a detached one runs on: gateway/service/stream.py).
     `ids`: each event's SSE `id:` (None: no ids)."""
     outs: dict[int, GenerateOutput] = {}
     try:

@@ -199,7 +199,7 @@ def test_the_state_store_write_of_a_new_request_leaves_the_event_loop(own_redis)
     emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
     emb.app.state.tenants = TenantRegistry()                 # in process memory
     emb.app.state.tenants.put(Tenant("acme"), ["sk-acme"])
-    emb.service.limiter = emb.service.grants = None
+    emb.service.admission.limiter = None
     emb.start()
     try:
         with background_server(emb.app, log_level="critical") as url:
