@@ -52,7 +52,7 @@ from loadtest.compare import recv_or_none
 from loadtest.http_client import HttpClient, completion_request, load
 
 if TYPE_CHECKING:
-    from gateway.builders.embedded import Embedded
+    from gateway.assembly.serving import Embedded
 
 TARGETS = {"added_latency_ms_median": 1.0, "requests_per_s": 1000.0}
 DEFAULT_PROMPT = "Say hello in one word."

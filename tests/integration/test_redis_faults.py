@@ -28,7 +28,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.builders.embedded import build_embedded, scheduler_prefix
+from gateway.assembly.replica import scheduler_prefix
+from gateway.builders.embedded import build_embedded
 from gateway.http.server import background_server, free_port
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant

@@ -30,7 +30,7 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 
 async def get_replayer(request: Request) -> Replayer:
-    replayer = getattr(request.app.state, "replayer", None)
+    replayer = request.app.state.replayer
     if replayer is None:
         raise ApiError(404, "this deployment does not resume streams", code="not_found")
     return replayer
