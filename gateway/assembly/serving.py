@@ -163,8 +163,11 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
                                 name=f"{MODEL_NAME}:{settings.model_id}",
                                 initial=shipped[0] if shipped else None,
                                 ridge=shipped[1] if shipped else 1.0)
-    return StepLoop(policy, metrics.instrument(target.worker), store, admission=admission,
-                    max_resident=max_resident, lengths=lengths, kv_budgets=kv_budgets)
+    worker = metrics.instrument(target.worker)
+    step_loop = StepLoop(policy, worker, store, admission=admission, max_resident=max_resident,
+                         lengths=lengths, kv_budgets=kv_budgets)
+    worker.follow(step_loop)
+    return step_loop
 
 
 def responses_service(settings: Settings, service: Any, records: StateStore, tokenizer: Any, *,
