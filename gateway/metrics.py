@@ -14,18 +14,15 @@ prometheus-client's metrics are thread-safe, so both threads record directly.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from scheduler.loop import Worker
-
-if TYPE_CHECKING:
-    from scheduler.loop import StepLoop
-    from scheduler.request import RequestStats
-    from workers.contract import StepResult, WorkItem
+from scheduler.loop import StepLoop, Worker
+from scheduler.request import RequestStats
+from workers.contract import StepResult, WorkItem
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 30.0, 60.0, 120.0, 300.0)
@@ -164,13 +161,6 @@ class GatewayMetrics:
         """Report the loop's live requests (by level and status) and steps when scraped, and
         whether each of `components` (name -> check; e.g. the state store) is up."""
         self.registry.register(SchedulerCollector(step_loop, components or {}))
-        if isinstance(step_loop.worker, InstrumentedWorker):
-            step_loop.worker.is_live = lambda rid: rid in step_loop.state.requests
-
-            def tenant_of(rid: str) -> str | None:
-                req = step_loop.state.requests.get(rid)
-                return None if req is None else req.tenant
-            step_loop.worker.tenant_of = tenant_of
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -181,18 +171,41 @@ class GatewayMetrics:
 
 
 class InstrumentedWorker:
-    """The worker with each step timed and counted; every other call passes through.
+    """The worker with each step timed and counted; the other calls of `ServedWorker` pass
+    through (anything else is the inner `worker`'s, reached as such).
 
     Preemptions are counted here because this is where one step's batch meets the next: a
     request in the previous batch, absent from this one and still live, was preempted."""
 
-    def __init__(self, worker: ServedWorker, metrics: GatewayMetrics,
-                 is_live: Callable[[str], bool] | None = None) -> None:
+    def __init__(self, worker: ServedWorker, metrics: GatewayMetrics) -> None:
         self.worker = worker
         self.metrics = metrics
-        self.is_live = is_live or (lambda rid: False)
-        self.tenant_of: Callable[[str], str | None] = lambda rid: None
+        self._loop: StepLoop | None = None
         self._previous: set[str] = set()
+
+    def follow(self, step_loop: StepLoop) -> None:
+        """Read which requests are live, and their tenants, from the loop that drives this."""
+        self._loop = step_loop
+
+    def is_live(self, request_id: str) -> bool:
+        return self._loop is not None and request_id in self._loop.state.requests
+
+    def tenant_of(self, request_id: str) -> str | None:
+        req = None if self._loop is None else self._loop.state.requests.get(request_id)
+        return None if req is None else req.tenant
+
+    @property
+    def context_limit(self) -> int:
+        return self.worker.context_limit
+
+    def release(self, request_id: str) -> None:
+        self.worker.release(request_id)
+
+    def evict(self, request_id: str) -> None:
+        self.worker.evict(request_id)
+
+    def drop_tenant(self, tenant: str) -> None:
+        self.worker.drop_tenant(tenant)
 
     def step(self, items: Sequence[WorkItem]) -> list[StepResult]:
         ids = {i.request_id for i in items}
@@ -224,9 +237,6 @@ class InstrumentedWorker:
 
     def prefix_cache_usage(self) -> tuple[int, int] | None:
         return self.worker.prefix_cache_usage()
-
-    def __getattr__(self, name: str) -> Any:    # release, evict, context_limit, resident, …
-        return getattr(self.worker, name)
 
 
 class SchedulerCollector:

@@ -72,7 +72,7 @@ class Replayer:
 
 
 class ReplayStream:
-    """A record's events after `cursor`, as an `EventStream` (gateway/service.py): chunks of the
+    """A record's events after `cursor`, as an `EventStream` (gateway/service/types.py): chunks of the
     text not yet sent (one per read of the store), then the `GenerateOutput` of the whole
     request. Closing it stops reading and touches nothing else."""
 

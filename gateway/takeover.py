@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
+from gateway.tenancy.limits import Grant
 from gateway.text import OutputText
 from scheduler.loop import Delta, Finished
 from scheduler.request import Request, Status
@@ -77,7 +78,6 @@ def _sink(service: GenerationService, request_id: str, grant: list | None, detac
 def _ended(service: GenerationService, request_id: str, grant: list | None, used: int,
            detached: bool) -> None:
     if grant is not None and service.limiter is not None:
-        from gateway.tenancy.limits import Grant
         try:
             service.limiter.correct(Grant.from_list(grant), used)
         except Exception:

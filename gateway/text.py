@@ -284,8 +284,8 @@ def token_piece(tokenizer: Any, token_id: int) -> tuple[str, tuple[int, ...]]:
     """
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if REPLACEMENT in text:
-        spelled = (tokenizer.convert_ids_to_tokens(token_id)
-                   if hasattr(tokenizer, "convert_ids_to_tokens") else None)
+        # a Hugging Face tokenizer's spelling (the toy tokenizer never decodes to U+FFFD)
+        spelled = tokenizer.convert_ids_to_tokens(token_id)
         if isinstance(spelled, str) and spelled and all(ch in _BYTE_LEVEL for ch in spelled):
             return text, tuple(_BYTE_LEVEL[ch] for ch in spelled)
     return text, tuple(text.encode("utf-8"))

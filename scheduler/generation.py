@@ -11,14 +11,15 @@ every step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from scheduler.sizing import AlphaEstimate, SizingConfig, StepCost, learn, size_trees
-from workers.speculation.batch_worker import BatchWorker
 from workers.contract import ContextLengthError, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.stopping import cut
-from workers.speculation.verifier import Verifier
+
+if TYPE_CHECKING:
+    from workers.speculation.verifier import Verifier
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class Engine:
         self.adaptive = adaptive
         self.step_cost = step_cost
         self.sizing = SizingConfig(max_tree_tokens=budget.max_nodes, max_depth=budget.max_depth)
+        # the worker (and torch with it) only when an engine is made: the request types and
+        # `validate_request` above serve callers that load no device code
+        from workers.speculation.batch_worker import BatchWorker
+
         self.worker = BatchWorker(verifier, default_drafter=drafter.name,
                                   drafters={drafter.name: drafter})
 

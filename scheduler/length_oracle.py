@@ -7,7 +7,7 @@ engine it models. A load test sends greedy requests (temperature 0) drawn from a
 prompts, so each prompt's answer, and its length, is fixed: `loadtest compare` with `srpt` among
 its policies first asks a fresh gateway for every prompt's answer once (`truth pass`), builds a
 `LengthOracle` from the lengths, and gives it to the srpt gateway (`Settings.length_oracle`),
-which then sets every request's `predicted_len` to its true length (gateway/service.py) and ranks
+which then sets every request's `predicted_len` to its true length (gateway/service/prepare.py) and ranks
 by the true remaining tokens (`true_remaining`).
 
 Never for serving: it knows only the prompts it was built from (others get no prediction).

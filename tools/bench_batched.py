@@ -28,7 +28,8 @@ from scheduler.request import Request, RequestStats
 from workers.contract import SamplingParams
 from workers.speculation.batch_worker import BatchWorker
 from workers.contract import TreeBudget
-from workers.runtime import Runtime, encode_record, load_runtime
+from workers.prompts import encode_record
+from workers.runtime import Runtime, load_runtime
 
 
 def mixed_prompts(rt: Runtime, n: int, workloads=WORKLOADS) -> list[tuple[str, list[int]]]:

@@ -76,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.runtime import encode_record, load_runtime
+    from workers.prompts import encode_record
+    from workers.runtime import load_runtime
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     if drafters and "none" not in drafters:

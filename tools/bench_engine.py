@@ -25,7 +25,8 @@ from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
 from workers.model.loader import DEFAULT_MODEL
 from tools.near_tie import classify
-from workers.runtime import DEFAULT_PREFIX_CACHE_MB, encode_record, load_runtime
+from workers.prompts import encode_record
+from workers.runtime import DEFAULT_PREFIX_CACHE_MB, load_runtime
 from workers.speculation.verifier import StepTimings
 from loadtest.results import write_result
 

@@ -53,7 +53,7 @@ from loadtest.http_client import HttpClient, completion_request, load
 from loadtest.results import write_result
 
 if TYPE_CHECKING:
-    from gateway.builders.embedded import Embedded
+    from gateway.assembly.serving import Embedded
 
 TARGETS = {"added_latency_ms_median": 1.0, "requests_per_s": 1000.0}
 DEFAULT_PROMPT = "Say hello in one word."
@@ -219,7 +219,7 @@ class Target:
     same body and tenant (prompt ids, sampling, stop ids, drafter, tree cap)."""
 
     def __init__(self, emb: Embedded, url: str, prompt: str, max_tokens: int) -> None:
-        from workers.runtime import encode_record
+        from workers.prompts import encode_record
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port, self.key, self.model = host, int(port), emb.dev_key, emb.settings.model_id
         self.loop = emb.step_loop

@@ -3,7 +3,7 @@ get preempted, and never fail, with the process's memory bounded?
 
 For each `--budgets-mb` value, a fresh process (spawned: its RSS is its own) loads the default
 model, builds the serving worker with that KV pool (`--kv-cache-mb`) and the planner's budget in
-slots exactly as the gateway does (`gateway.builders.embedded.kv_budget`), submits `--requests`
+slots exactly as the gateway does (`gateway.assembly.target.kv_budget`), submits `--requests`
 requests of `--prompt-tokens` distinct tokens each with no max_tokens (each may run to the
 model's context), and runs the step loop for `--seconds`. After every step it samples the
 process's RSS and the KV slots held. Reported per budget: RSS before any request (the model and
@@ -67,7 +67,7 @@ def rss_bytes() -> int:
 def _one(model: str | None, kv_mb: float, n: int, prompt_tokens: int, seconds: float) -> dict[str, Any]:
     import numpy as np
 
-    from gateway.builders.embedded import batch_worker, kv_budget
+    from gateway.assembly.target import batch_worker, kv_budget
     from gateway.settings import Settings
     from scheduler.loop import Finished, StepLoop
     from scheduler.policies import make_policy
@@ -77,7 +77,7 @@ def _one(model: str | None, kv_mb: float, n: int, prompt_tokens: int, seconds: f
     settings = Settings(kv_cache_mb=kv_mb, length_predictor=False, **({"model": model} if model else {}))
     rt = load_runtime(settings.model, progress=False)
     worker = batch_worker(settings, rt)
-    kv, _ = kv_budget(worker)
+    kv, _ = kv_budget(worker.verifier)
     policy = make_policy("laps", max_batch=settings.max_batch, token_budget=settings.token_budget,
                          max_resident=n, prefill_chunk_tokens=settings.prefill_chunk_tokens, **kv)
     loop = StepLoop(policy, worker, max_resident=n)

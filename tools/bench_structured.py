@@ -76,7 +76,8 @@ def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", sche
     from workers.drafters.base import NoneDrafter
     from workers.drafters.merge import MergeDrafter
     from workers.drafters.registry import create_drafter
-    from workers.runtime import encode_record, load_runtime
+    from workers.prompts import encode_record
+    from workers.runtime import load_runtime
 
     rt = load_runtime(model, dtype=dtype, progress=False)
     rows = load_schemas(schemas, limit)

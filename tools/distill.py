@@ -167,7 +167,7 @@ def _generate(runtime, records: Sequence[dict], max_new: int, *, deadline: float
     from workers.drafters.registry import create_drafter
     from scheduler.generation import Engine, GenerationRequest
     from workers.model.llama_forward import Segment
-    from workers.runtime import encode_record
+    from workers.prompts import encode_record
 
     engine = Engine(runtime.verifier(), create_drafter("none"), NO_SPECULATION, adaptive=False)
     out: list[Sample] = []

@@ -36,7 +36,7 @@ def corpus(draft: Path, data: Path | None) -> tuple[list[list[int]], str, list[i
     from transformers import AutoTokenizer
 
     from loadtest.workload import WORKLOADS, load_workload
-    from workers.runtime import encode_record
+    from workers.prompts import encode_record
 
     tok = AutoTokenizer.from_pretrained(draft)
     return [encode_record(tok, r) for w in WORKLOADS for r in load_workload(w)], "the workloads' prompts", []

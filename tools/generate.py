@@ -13,7 +13,8 @@ from workers.drafters.registry import create_drafter, drafter_names, is_drafter_
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
 from workers.model.loader import DEFAULT_MODEL
-from workers.runtime import encode_record, load_runtime
+from workers.prompts import encode_record
+from workers.runtime import load_runtime
 
 # The ceiling; each step sizes each request's tree below it from its acceptance and the cost curve.
 DEFAULT_BUDGET = TreeBudget(max_nodes=32, max_depth=24)

@@ -22,7 +22,7 @@ record::
 
 ``length`` counts every generated token, the stop token included (the step that produces it is
 work like any other); ``capped``: the answer hit `CAP` before a stop token, so ``length`` is the
-cap. ``prompt_ids`` are what the gateway computes from ``messages`` (`workers.runtime.encode_record`,
+cap. ``prompt_ids`` are what the gateway computes from ``messages`` (`workers.prompts.encode_record`,
 the chat template), stored so a reader can check its tokenizer gives the same.
 
 Like the workloads, the prompts are deterministic for a given CPython minor version
@@ -165,7 +165,8 @@ def generate_answers(records: list[dict], *, model: str, cap: int = CAP, batch: 
     from tools.generate import DEFAULT_BUDGET
     from workers.contract import SamplingParams
     from workers.drafters.registry import create_drafter
-    from workers.runtime import encode_record, load_runtime
+    from workers.prompts import encode_record
+    from workers.runtime import load_runtime
 
     rt = runtime if runtime is not None else load_runtime(model)
     engine = Engine(rt.verifier(), create_drafter("ngram"), DEFAULT_BUDGET,

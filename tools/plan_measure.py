@@ -232,7 +232,8 @@ class PlanBench:
 
         from loadtest.workload import load_workload
         from workers.model.loader import DEFAULT_MODEL
-        from workers.runtime import encode_record, load_runtime
+        from workers.prompts import encode_record
+        from workers.runtime import load_runtime
 
         if args.threads:
             import torch

@@ -1,4 +1,4 @@
-"""Assemble a runnable target: tokenizer, lean forward, verifier; and turn prompt records into ids."""
+"""Assemble a runnable target: tokenizer, lean forward, verifier (prompt records to ids: workers/prompts.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -103,23 +103,3 @@ def stop_token_ids(hf_model, tokenizer) -> frozenset[int]:
             ids.update(int(v) for v in value)
     return frozenset(ids)
 
-
-def encode_record(tokenizer, record: dict) -> list[int]:
-    """Token ids for one prompt record: {"prompt": str} as is, {"messages": [...]} through the chat template."""
-    if "messages" in record:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list of {role, content} objects")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
-                raise ValueError("each message needs a 'role' and a string 'content'")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if "prompt" in record:
-        prompt = record["prompt"]
-        if not isinstance(prompt, str):
-            raise ValueError("'prompt' must be a string")
-        if prompt == "":
-            raise ValueError("prompt is empty")
-        return tokenizer(prompt)["input_ids"]
-    raise ValueError("each record needs a 'prompt' string or a 'messages' list")

@@ -4,29 +4,30 @@
         per step--> verifier (M replicas, one GPU each when `num_gpus` is set) --one call per
         step--> draft (K CPU replicas)
 
-The deployments' classes (`gateway.ray_serve.deployments`) wrap embedded-mode classes; this
-module alone decides how many of each, where they run and how requests reach them (STYLE:
-builders decide topology). Use it from Python (`serve.run(build_ray_app(RayAppConfig(...)))`),
-from a Serve config file (`import_path: gateway.builders.ray_app:app_builder`, see
-deploy/serve/specgate.yaml), or with `specgate serve --ray [--config FILE]`.
+The deployments' classes (`gateway.ray_serve.deployments`, `gateway.ray_serve.ingress`) wrap
+embedded-mode classes, assembled from the parts both builders use (`gateway.assembly`); this
+module alone decides how many of each, where they run and how requests reach them. Use it from
+Python (`serve.run(build_ray_app(RayAppConfig(...)))`), from a Serve config file (`import_path:
+gateway.builders.ray_app:app_builder`, see deploy/serve/specgate.yaml), or with
+`specgate serve --ray [--config FILE]`.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from pydantic import SecretStr
+from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from gateway.ray_serve.config import DeploymentOptions, RayAppConfig
-from gateway.settings import Settings
 from gateway.ray_serve.deployments import (DRAFT, INGRESS, SCHEDULER, VERIFIER, DraftServer,
-                                           IngressServer, SchedulerServer, VerifierServer)
+                                           SchedulerServer, VerifierServer)
+from gateway.ray_serve.ingress import IngressServer
+from gateway.settings import Settings
 
 
 def build_ray_app(config: RayAppConfig):
     """The Serve application: ingress → scheduler → verifier (→ draft workers)."""
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
     settings = replica_settings(config.gateway_settings())
     router = RequestRouterConfig(request_router_class="gateway.ray_serve.routing:KVAffinityRouter")
     drafts = None
@@ -45,8 +46,6 @@ def app_builder(args: dict[str, Any]):
 
 
 def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):
-    from ray import serve
-
     actor: dict[str, Any] = {"num_cpus": opts.num_cpus, "num_gpus": opts.num_gpus}
     if opts.torch_threads:
         # NOTE: torch.set_num_threads alone is not enough: Ray sets OMP_NUM_THREADS from num_cpus,

@@ -4,8 +4,8 @@
     specgate serve --redis-url redis://localhost:6379/0 --tenants tenants.yaml --grpc-port 50051
 
 Start-up, in order: settings (flags over `SPECGATE_*` over defaults) → the target model (or the
-fake worker) → policy, state store, step loop → recovery of the requests the store still holds →
-tenants, limiter, service, app → the loop's thread → uvicorn (and gRPC) on one event loop.
+fake worker) → policy, state store, step loop, tenants, limiter, service, app → recovery of the
+requests the store still holds → the loop's thread → uvicorn (and gRPC) on one event loop.
 `gateway.builders.embedded.build_embedded` does everything but listen, so tests assemble the same
 app; this module parses the flags and listens.
 """
@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.builders.embedded import Embedded, build_embedded, freeze_heap
+import uvicorn
+
+from gateway.assembly.serving import Embedded
+from gateway.assembly.target import freeze_heap
+from gateway.builders.embedded import build_embedded
+from gateway.grpc_api.server import start_grpc_server
 from gateway.http.server import run_on, uvicorn_config
 from gateway.settings import Settings
 
@@ -75,6 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
+        # Ray (and what the Ray builder imports) only for --ray: the embedded gateway starts without
         from gateway.cli import serve_ray as ray_cmd
         given = {k: getattr(args, k) for k in _FLAGS if getattr(args, k, None) is not None}
         return ray_cmd.run(args, {k: str(v) if isinstance(v, Path) else v for k, v in given.items()})
@@ -91,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
     if emb.kv_note:
         print(f"specgate: {emb.kv_note}", file=sys.stderr)
-    import uvicorn
-
     config = uvicorn_config(emb.app, host=settings.host, port=settings.port,
                             log_level=settings.log_level)
     emb.start()
@@ -107,9 +111,8 @@ async def _serve(emb: Embedded, server: Any) -> None:
     s = emb.settings
     grpc = None
     if s.grpc_port is not None:
-        from gateway.grpc_api.server import start_grpc_server
         grpc = await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port,
-                                       host=s.host)
+                                       host=s.host, replayer=emb.replayer)
     print(f"specgate: serving {s.model_id} on http://{s.host}:{s.port}"
           + (f" and gRPC {s.host}:{grpc.port}" if grpc else "")
           + f" (policy {s.policy}, drafters {s.drafters})", file=sys.stderr)

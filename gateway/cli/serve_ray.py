@@ -3,7 +3,7 @@
     specgate serve --ray --redis-url redis://127.0.0.1:6379/0           # defaults, flags apply
     specgate serve --ray --config deploy/serve/specgate.yaml            # a Serve config file
 
-A config file is a Serve config (`applications[0].args` is a `gateway.ray_serve.deployments.RayAppConfig`, its
+A config file is a Serve config (`applications[0].args` is a `gateway.ray_serve.config.RayAppConfig`, its
 `http_options` the listening address, its `grpc_options` Serve's gRPC proxy); flags given on the
 command line override its settings. `--grpc-port` (setting `grpc_port`) serves gRPC on that port.
 On a cluster that is already running, deploy the same file with Ray's own `serve deploy FILE`.
@@ -16,12 +16,15 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import ray
 import yaml
+from ray import serve
 
 from gateway.builders.ray_app import build_ray_app
-from gateway.ray_serve.deployments import GRPC_SERVICER
 from gateway.ray_serve.config import RayAppConfig
+from gateway.ray_serve.ingress import GRPC_SERVICER
 from gateway.settings import Settings
+from gateway.tenancy.tenants import TenantRegistry
 
 APP_NAME = "specgate"
 
@@ -63,11 +66,6 @@ def load_grpc_options(path: Path | None, cfg: RayAppConfig) -> dict[str, Any] | 
 
 
 def run(args: Any, overrides: dict[str, Any]) -> int:
-    import ray
-    from ray import serve
-
-    from gateway.tenancy.tenants import TenantRegistry
-
     try:
         cfg, http = load_config(getattr(args, "config", None), overrides)
         grpc = load_grpc_options(getattr(args, "config", None), cfg)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 import pydantic
@@ -30,10 +30,8 @@ from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.replay import Cursor, Replayer
 from gateway.service import EventStream, GenerateInput, GenerateOutput, GenerationService
 from gateway.tenancy.records import Tenant
+from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
-
-if TYPE_CHECKING:
-    from gateway.tenancy.limits import Limiter
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +79,18 @@ class GrpcServer:
 
 async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
                             limiter: Limiter | None, port: int, host: str = "127.0.0.1", *,
-                            max_message_bytes: int | None = None) -> GrpcServer:
+                            max_message_bytes: int | None = None,
+                            replayer: Replayer | None = None) -> GrpcServer:
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
     both fronts are built from the same parts, but the service applies the limits itself (it alone
     knows a request's token count), so gRPC and REST share one limiter through it.
     `max_message_bytes` caps a request message (gRPC's default: 4 MiB); a larger one is refused
-    by gRPC itself with RESOURCE_EXHAUSTED."""
+    by gRPC itself with RESOURCE_EXHAUSTED. `replayer`: reads the state store for `Resume` (None:
+    Resume answers NOT_FOUND)."""
     options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
     server = grpc.aio.server(options=options)
-    replayer = Replayer(service.step_loop.store, service.tokenizer) \
-        if isinstance(service, GenerationService) else None
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service, tenants, replayer), server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,4 +1,4 @@
-"""The app builder: `build_app(settings, service, tenants, limiter, metrics)` → a FastAPI app.
+"""The app builder: `build_app(settings, service, tenants, limiter, metrics, …)` → a FastAPI app.
 
 The one place the HTTP front is assembled: routers, error handlers, the body-size limit. Every
 part comes in as an argument and lives on `app.state` (no module-level state), so tests build as
@@ -7,27 +7,33 @@ many independent apps as they like, over the fake worker or a real model.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from gateway import errors
 from gateway.http.deps import ClientDisconnected
+from gateway.http.routers import admin, chat, completions, health, models
+from gateway.http.routers import metrics as metrics_router
+from gateway.http.routers import responses as responses_router
 from gateway.metrics import GatewayMetrics
 from gateway.replay import Replayer
-from gateway.http.routers import admin, chat, completions, health, models, responses
-from gateway.http.routers import metrics as metrics_router
+from gateway.responses.service import ResponseService
 from gateway.service import GenerationService
 from gateway.settings import Settings
-
-if TYPE_CHECKING:
-    from gateway.tenancy.limits import Limiter
-    from gateway.tenancy.tenants import TenantRegistry
+from gateway.tenancy.limits import Limiter
+from gateway.tenancy.tenants import TenantRegistry
+from scheduler.store.redis_client import StoreProbe
 
 
 def build_app(settings: Settings, service: GenerationService, tenants: TenantRegistry, limiter: Limiter,
-              metrics: GatewayMetrics) -> FastAPI:
+              metrics: GatewayMetrics, *, replayer: Replayer | None = None,
+              responses: ResponseService | None = None,
+              store_probe: StoreProbe | None = None) -> FastAPI:
+    """`replayer`: reads the state store to resume chat streams (None: resume answers 404);
+    `responses`: the Responses API (None: its routes answer 404); `store_probe`: Redis's
+    readiness, so new requests fail fast while it is away (None: no Redis)."""
     # NOTE: /docs, /redoc and /openapi.json are off unless `openapi_docs`: they map the admin API
     # for anyone who asks. Not admin-only instead: the docs pages fetch /openapi.json with no
     # key, so behind a key they would not load. `app.openapi()` gives the schema either way.
@@ -41,13 +47,12 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.tenants = tenants
     app.state.limiter = limiter
     app.state.metrics = metrics
-    # resumed chat streams read the state store; a remote service (Ray mode's ingress) has none
-    # here: its builder sets `app.state.replayer` over the same store, or resume answers 404
-    app.state.replayer = Replayer(service.step_loop.store, service.tokenizer) \
-        if isinstance(service, GenerationService) else None
+    app.state.replayer = replayer
+    app.state.responses = responses
+    app.state.store_probe = store_probe
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
-    for r in (completions.router, chat.router, responses.router, models.router, health.router,
+    for r in (completions.router, chat.router, responses_router.router, models.router, health.router,
               metrics_router.router, admin.router):
         app.include_router(r)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

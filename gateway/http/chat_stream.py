@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway import errors, schemas
+from gateway import errors
+from gateway.http import bodies
 from gateway.replay import Cursor
 from gateway.service import GenerateOutput, StreamChunk
 
@@ -66,7 +67,7 @@ class ChatChunks:
     def event(self, i: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> dict:
         v = self.view
         extra = {"usage": None} if v.usage else {}
-        return {**schemas.chat_chunk(self.rid, v.model, v.created, delta, finish_reason, index=i,
+        return {**bodies.chat_chunk(self.rid, v.model, v.created, delta, finish_reason, index=i,
                                      logprobs=logprobs), **extra}
 
     def openings(self) -> list[dict]:
@@ -85,12 +86,12 @@ class ChatChunks:
             return []
         parser = self.parsers[i]
         held = [] if parser is None else [self.event(i, d) for d in parser.finish()]
-        return held + [{**self.event(i, {}, schemas.finish_reason(out.finish_reason, parser)),
-                        "specgate": schemas.spec_stats([out])}]
+        return held + [{**self.event(i, {}, bodies.finish_reason(out.finish_reason, parser)),
+                        "specgate": bodies.spec_stats([out])}]
 
     def usage(self, outs: list[GenerateOutput]) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.view.created,
-                "model": self.view.model, "choices": [], "usage": schemas.usage(outs)}
+                "model": self.view.model, "choices": [], "usage": bodies.usage(outs)}
 
 
 class ChatIds:

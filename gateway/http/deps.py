@@ -71,7 +71,7 @@ def _store_down(request: Request, tenants: TenantRegistry) -> bool:
     """Redis failed a ping or a call within the probe's cache time (never waits): a new request
     gets its 503 at once, instead of each holding a thread for a timeout (a burst during an
     outage would queue behind the thread pool for many seconds)."""
-    probe = getattr(request.app.state, "store_probe", None)
+    probe = request.app.state.store_probe
     return tenants.remote and probe is not None and probe.down_now()
 
 
@@ -83,7 +83,7 @@ def _authenticate(request: Request, tenants: TenantRegistry, key: str) -> Tenant
     try:
         return tenants.authenticate(key)
     except errors.STORE_ERRORS:
-        probe = getattr(request.app.state, "store_probe", None)
+        probe = request.app.state.store_probe
         if probe is not None:
             probe.failed()
         raise
@@ -312,7 +312,7 @@ async def sse_events(streams: Sequence[EventStream], *,
     (or none: a tool call's text is held until it is whole, gateway/tool_calls.py). Once the 200 has
     gone out an error can only be an event: a failed generation or an unexpected exception ends
     the stream with an OpenAI error object. The streams are closed however this ends; a client
-    that disconnects cancels every choice that way (a detached one runs on: gateway/service.py).
+    that disconnects cancels every choice that way (a detached one runs on: gateway/service/stream.py).
     `ids`: each event's SSE `id:` (None: no ids)."""
     outs: dict[int, GenerateOutput] = {}
     try:

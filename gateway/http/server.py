@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
+
+import uvicorn
 
 
 # How long an idle keep-alive connection stays open. uvicorn's default, 5 s, is also httpx's
@@ -21,8 +24,6 @@ KEEP_ALIVE_S = 90
 
 def uvicorn_config(app: Any, **options: Any) -> Any:
     """The uvicorn.Config every specgate HTTP server runs with (`options`: host, port, …)."""
-    import uvicorn
-
     return uvicorn.Config(app, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S, **options)
 
 
@@ -30,7 +31,7 @@ def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, main: A
     """`asyncio.run(main)` on uvicorn's choice of event loop ("auto": uvloop when installed), the
     one `uvicorn.run` and `background_server` use; gRPC shares it. Python 3.10 has no
     `asyncio.Runner`: the default loop there."""
-    if loop_factory is None or not hasattr(asyncio, "Runner"):
+    if loop_factory is None or sys.version_info < (3, 11):
         asyncio.run(main)
         return
     with asyncio.Runner(loop_factory=loop_factory) as runner:
@@ -50,8 +51,6 @@ def background_server(app: Any, host: str = "127.0.0.1", port: int = 0,
                       log_level: str = "warning") -> Iterator[str]:
     """Serve `app` with uvicorn on a daemon thread (tests, gateway benchmarks); yields the base
     URL ("http://127.0.0.1:PORT"); stops the server on exit. Port 0: a free port."""
-    import uvicorn
-
     # IPPROTO_TCP given explicitly: asyncio sets TCP_NODELAY only on sockets that say so (with
     # proto 0 every response would wait ~40 ms for a delayed ACK: Nagle).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -1,1 +1,2 @@
-"""Ray Serve mode: the deployment classes, KV-affinity routing, and the verifier and draft pools."""
+"""Ray Serve mode: the deployment classes (`deployments`, and `ingress`, whose replicas load no
+model code), KV-affinity routing, and the verifier and draft pools."""

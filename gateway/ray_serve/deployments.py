@@ -1,9 +1,10 @@
 """Ray Serve mode's deployment classes: the same gateway, scheduler and workers as the embedded
-mode, each wrapped in a plain class that adds no logic of its own. The ingress builds the app with
-`gateway.http.app.build_app` over a `RemoteService`; the scheduler builds the embedded service with
-`gateway.builders.embedded.build_embedded`, its worker being a `VerifierPool`; a verifier replica
-runs `gateway.builders.embedded.batch_worker`. Which of them run, how many and where is decided
-by the Ray builder alone (`gateway.builders.ray_app`).
+mode, each wrapped in a plain class that adds no logic of its own. The scheduler assembles the
+embedded service (`gateway.assembly.serving.assemble`), its worker being a `VerifierPool`; a
+verifier replica runs `gateway.assembly.target.batch_worker`; the ingress
+(`gateway.ray_serve.ingress`, a module of its own: its replicas import no model code) builds the
+app over a `RemoteService`. Which of them run, how many and where is decided by the Ray builder
+alone (`gateway.builders.ray_app`).
 
 Draft workers (a CPU deployment, scaled on its own) propose the trees: a verifier replica asks
 once per step for all its requests (`gateway.ray_serve.draft_pool.RemoteDrafter`); losing them
@@ -18,21 +19,26 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from gateway.metrics import GatewayMetrics
+from ray import serve
+
+from gateway.assembly.replica import lease_key
+from gateway.assembly.serving import Embedded, assemble
+from gateway.assembly.target import (Target, batch_worker, freeze_heap, kv_budget,
+                                     planner_step_cost, replica_kv_budget)
 from gateway.ray_serve.releases import apply_releases
+from gateway.ray_serve.remote import SchedulerEndpoint
+from gateway.ray_serve.verifier_pool import VerifierPool
+from gateway.service import GenerateInput
 from gateway.settings import Settings
+from scheduler.lease import Lease
+from scheduler.store.redis_client import redis_client
 from workers.contract import SamplingParams
-
-if TYPE_CHECKING:
-    from gateway.builders.embedded import Embedded
-    from gateway.service import GenerateInput
-    from scheduler.lease import Lease
 
 log = logging.getLogger(__name__)
 
-__all__ = ["VerifierServer", "DraftServer", "SchedulerServer", "IngressServer"]
+__all__ = ["VerifierServer", "DraftServer", "SchedulerServer"]
 
 SCHEDULER, VERIFIER, INGRESS, DRAFT = "scheduler", "verifier", "ingress", "draft"
 SERVED_KEPT = 10_000          # requests a verifier replica remembers serving (diagnostics)
@@ -46,11 +52,11 @@ class VerifierServer:
     def __init__(self, settings: dict[str, Any], torch_threads: int | None = None,
                  drafts: Any = None) -> None:
         """`drafts`: a handle to the draft deployment (None: the replica drafts itself)."""
+        # the model code, torch and the drafters: in the replicas that run them, not in the Ray
+        # driver or the scheduler replica, which import this module too
         import torch
-        from ray import serve
 
         from gateway.ray_serve.draft_pool import RemoteDrafter
-        from gateway.builders.embedded import batch_worker, freeze_heap
         from workers.runtime import load_runtime
 
         if torch_threads:              # and OMP_NUM_THREADS, see _deployment
@@ -66,7 +72,8 @@ class VerifierServer:
             name: RemoteDrafter(drafts, name, affinity=self.replica_id)
             for name in s.drafter_names if name != "none"}
         self.worker = batch_worker(s, self.runtime, drafters=remote)
-        # this replica's step costs, for the scheduler's planner (gateway/cli/serve.py planner_step_cost)
+        # this replica's step costs, for the scheduler's planner
+        # (`gateway.assembly.target.planner_step_cost`)
         self.step_profile = None
         if s.step_profile is None:
             self.step_profile = self.runtime.step_profile(s.max_batch, s.max_tree_tokens)
@@ -79,13 +86,11 @@ class VerifierServer:
     def describe(self, *, replica: str | None = None) -> dict[str, Any]:
         """What the scheduler builds its planner from: context, stop tokens, step costs, and this
         replica's KV pool (`kv`: budget and held, in slots; `kv_budget`: the policy's KV fields
-        and start note, as the embedded builder makes them)."""
-        import torch
-
-        from gateway.builders.embedded import kv_budget
+        and start note, as `gateway.assembly.target.kv_budget` makes them)."""
+        import torch                           # this replica's alone (see __init__)
 
         return {"context_limit": self.worker.context_limit, "kv": self.worker.kv_slots(),
-                "kv_budget": kv_budget(self.worker),
+                "kv_budget": kv_budget(self.worker.verifier),
                 "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id,
                 "step_profile": self.step_profile,
                 "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
@@ -182,7 +187,7 @@ class DraftServer:
     """One draft replica (CPU): the drafters, for the verifier replicas' steps."""
 
     def __init__(self) -> None:
-        from gateway.ray_serve.draft_pool import DraftService
+        from gateway.ray_serve.draft_pool import DraftService     # the drafters: torch (see above)
 
         self.service = DraftService()
         self._lock = threading.Lock()
@@ -210,38 +215,29 @@ class SchedulerServer:
     _stopping: threading.Event | None = None
 
     async def __init__(self, settings: dict[str, Any], verifier: Any) -> None:
-        from gateway.ray_serve.remote import SchedulerEndpoint
-        from gateway.builders.embedded import (build_embedded, freeze_heap, planner_step_cost,
-                                              replica_kv_budget)
-        from gateway.ray_serve.verifier_pool import VerifierPool
+        # the tokenizer's loader imports the model code (torch): this replica's alone
         from workers.model.loader import load_tokenizer, resolve_model
 
         s = Settings(**settings)
         info = await verifier.describe.remote()
-        tokenizer = await asyncio.to_thread(load_tokenizer, str(resolve_model(s.model, progress=False)),
-                                            progress=False)
+        self._tokenizer = await asyncio.to_thread(
+            load_tokenizer, str(resolve_model(s.model, progress=False)), progress=False)
         self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
         self.pool.note(info["replica"], info)           # the planner knows one budget from the start
-        target = (tokenizer, self.pool, frozenset(info["stop_token_ids"]),
-                  planner_step_cost(s, None, info["step_profile"]))
         # each verifier replica's own KV budget, refreshed every step from their answers
-        kv = replica_kv_budget(*info.get("kv_budget") or ({}, None))
-        self.embedded = await asyncio.to_thread(build_embedded, s, progress=False, target=target,
-                                                recover=False, kv=kv,
-                                                kv_budgets=self.pool.kv_budgets if kv[0] else None)
+        kv, kv_note = replica_kv_budget(*info.get("kv_budget") or ({}, None))
+        target = Target(self._tokenizer, self.pool, frozenset(info["stop_token_ids"]),
+                        planner_step_cost(s, None, info["step_profile"]), kv=kv, kv_note=kv_note)
+        self.embedded = await asyncio.to_thread(assemble, s, target,
+                                                kv_budgets=self.pool.kv_budgets if kv else None)
         self.endpoint = SchedulerEndpoint(self.embedded.service)
         freeze_heap()
         if self.embedded.kv_note:                      # as `specgate serve` prints it
             print(f"specgate: {self.embedded.kv_note}", file=sys.stderr)
         # Step only while holding the scheduler lease: during a rolling update or an unnoticed
         # crash Serve may run two scheduler replicas at once (scheduler/lease.py).
-        from ray import serve
-
-        from gateway.builders.replica import lease_key
-        from scheduler.lease import Lease
-
         holder = serve.get_replica_context().replica_id.unique_id
-        self._redis = _redis_client(s.redis_url, s.redis_timeout_s)
+        self._redis = redis_client(s.redis_url, s.redis_timeout_s)   # timed out, as every client
         self.lease = Lease(self._redis, lease_key(s.store_prefix, s.replica_id), holder, LEASE_TTL_S)
         self.lease_lost = False
         self._stopping = threading.Event()
@@ -287,6 +283,11 @@ class SchedulerServer:
 
     def ready(self) -> bool:
         return self.embedded.service.ready()
+
+    def tokenizer(self) -> Any:
+        """The tokenizer requests are tokenized with, for the ingress replicas (they load no
+        model code of their own: gateway/ray_serve/ingress.py)."""
+        return self._tokenizer
 
     async def forget_tenant(self, tenant_id: str, name: str) -> None:
         """A removed tenant: its caches on the verifier and draft replicas and its metric series
@@ -339,143 +340,3 @@ class SchedulerServer:
             except Exception:
                 pass
 
-
-class IngressServer:
-    """An ingress replica: the embedded mode's FastAPI app, its service remote; and the gRPC
-    service's methods, which Serve's gRPC proxy calls by name (`Generate`, `GenerateStream`, with
-    the call's metadata in `grpc_context`) when the Serve config's `grpc_options` names
-    gateway/proto's servicer (`GRPC_SERVICER`)."""
-
-    def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
-        from gateway.tenancy.limits import Limiter
-        from gateway.ray_serve.remote import RemoteService
-        from gateway.tenancy.tenants import TenantRegistry
-
-        self.settings = s = Settings(**settings)
-        self.scheduler = scheduler
-        self.service = RemoteService(scheduler, models=[self.settings.model_id])
-        # One registry and limiter per replica, shared by REST and gRPC; opened as the scheduler
-        # replica opens it (`build_embedded`), so both configure the same admin keys.
-        self.tenants = TenantRegistry.from_settings(s)
-        self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
-                               lease_s=s.concurrency_lease_s)
-        self._refresher = asyncio.get_event_loop().create_task(self._refresh_forever())
-        self._records_store: Any = None         # the scheduler's state store, read only
-        self._tok: Any = None
-
-    async def _refresh_forever(self) -> None:
-        while True:
-            await self.service.refresh()
-            await asyncio.sleep(1.0 if self.service.ready() else 0.2)
-
-    def __serve_build_asgi_app__(self):
-        from gateway.http.app import build_app
-
-        from gateway.builders.embedded import responses_service
-
-        app = build_app(self.settings, self.service, self.tenants, self.limiter, SchedulerMetrics(self.scheduler))
-        # resumed streams and the Responses API read what they serve from Redis (the scheduler's
-        # records, the stored responses), so any ingress replica, or a new one, answers
-        app.state.replayer = self._replayer()
-        app.state.responses = responses_service(self.settings, self.service, self._records(),
-                                                self._tokenizer(), local=False)
-        return app
-
-    def _records(self) -> Any:
-        if self._records_store is None:
-            from gateway.builders.embedded import scheduler_prefix
-            from scheduler.store import open_store
-
-            s = self.settings
-            self._records_store = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
-                                             timeout_s=s.redis_timeout_s)
-        return self._records_store
-
-    def _tokenizer(self) -> Any:
-        if self._tok is None:
-            from workers.model.loader import load_tokenizer, resolve_model
-
-            self._tok = load_tokenizer(str(resolve_model(self.settings.model, progress=False)),
-                                       progress=False)
-        return self._tok
-
-    def _replayer(self) -> Any:
-        from gateway.replay import Replayer
-
-        return Replayer(self._records(), self._tokenizer())
-
-    # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
-
-    async def Generate(self, request, grpc_context):
-        from gateway.grpc_api.server import authed_input, response_message
-
-        try:
-            return response_message(await self.service.generate(
-                await authed_input(self.tenants, request, grpc_context.invocation_metadata())))
-        except Exception as exc:
-            _fail_grpc(grpc_context, exc)
-
-    async def GenerateStream(self, request, grpc_context):
-        from gateway.grpc_api.server import authed_input, stream_messages
-
-        stream = None
-        try:
-            stream = await self.service.open_stream(
-                await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
-            async for message in stream_messages(stream):
-                yield message
-        except Exception as exc:
-            _fail_grpc(grpc_context, exc)
-        finally:
-            if stream is not None:
-                await stream.aclose()
-
-
-    async def Resume(self, request, grpc_context):
-        from gateway.grpc_api.server import authed_tenant, stream_messages
-        from gateway.replay import Cursor
-
-        try:
-            tenant = await authed_tenant(self.tenants, grpc_context.invocation_metadata())
-            replayer = self._replayer()
-            record = await replayer.open(tenant, request.request_id)
-            async for message in stream_messages(replayer.stream(record, Cursor(tokens=request.after))):
-                yield message
-        except Exception as exc:
-            _fail_grpc(grpc_context, exc)
-
-
-GRPC_SERVICER = "gateway.grpc_api.proto.specgate_pb2_grpc.add_GenerationServicer_to_server"
-
-
-def _fail_grpc(grpc_context, exc: Exception):
-    """End a gRPC call with the status embedded mode gives the same failure (`status_of`): Serve's
-    proxy answers with the code and details set on the context when the method raises."""
-    from gateway.grpc_api.server import status_of
-
-    code, details, trailers = status_of(exc)
-    if code.name == "INTERNAL":
-        log.error("gRPC: request failed", exc_info=exc)
-    grpc_context.set_code(code)
-    grpc_context.set_details(details)
-    grpc_context.set_trailing_metadata(trailers)
-    raise RuntimeError(details) from None
-
-
-class SchedulerMetrics(GatewayMetrics):
-    """An ingress replica's metrics: GET /metrics serves the scheduler replica's, where requests,
-    tokens, latencies and steps are counted (one scheduler: one consistent view, whichever
-    ingress replica Prometheus reaches)."""
-
-    def __init__(self, scheduler: Any) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-
-    async def exposition(self) -> tuple[bytes, str]:
-        return await self.scheduler.metrics.remote()
-
-
-def _redis_client(url: str, timeout_s: float) -> Any:
-    from scheduler.store.redis_client import redis_client   # every client: one builder, timed out
-
-    return redis_client(url, timeout_s)

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from gateway.ray_serve.releases import DroppedTenant, Evicted, Release, apply_releases, release_id
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
-from workers.drafters.registry import taps_of
+from workers.drafters.registry import create_drafter, taps_of
 from workers.speculation.tree import TokenTree
 
 log = logging.getLogger(__name__)
@@ -143,8 +143,6 @@ class DraftService:
     request routed here (each keeps per-request state keyed by request id)."""
 
     def __init__(self) -> None:
-        from workers.drafters.registry import create_drafter
-
         self._create = create_drafter
         self.drafters: dict[str, Drafter] = {}
         self.proposed = 0                              # trees proposed (a metric; tests)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from gateway.responses.objects import Header
+from scheduler.store.redis_client import redis_client
 
 
 @dataclass(frozen=True)
@@ -136,5 +137,4 @@ class RedisResponses:
 def open_responses(redis_url: str | None, prefix: str, ttl_s: float, timeout_s: float) -> ResponseStore:
     if not redis_url or redis_url == "memory://":
         return MemoryResponses(ttl_s)
-    from scheduler.store.redis_client import redis_client
     return RedisResponses(redis_client(redis_url, timeout_s), prefix, ttl_s)

@@ -20,10 +20,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gateway.tenancy.limits import Grant, Limiter
+from gateway.tenancy.limits import Grant, Limiter
 
 log = logging.getLogger(__name__)
 

@@ -24,22 +24,35 @@ import hashlib
 import json
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 from gateway.tenancy.config import load_tenants_file, parse_tenant
 from gateway.tenancy.records import (Tenant, configured_digest, hash_key, new_api_key,
                                      presented_digest, tenant_to_dict)
 from gateway.tenancy.tenant_store import (ADMIN_CONFLICT, KEY_CONFLICT, NO_TENANT, OK,
                                           MemoryBackend, RedisBackend)
-
-if TYPE_CHECKING:
-    from gateway.settings import Settings
-
+from scheduler.store.redis_client import redis_client
 
 log = logging.getLogger(__name__)
 
 DEV_TENANT = "dev"
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+class Secret(Protocol):
+    def get_secret_value(self) -> str: ...
+
+
+class TenancySettings(Protocol):
+    """What `TenantRegistry.from_settings` reads of a gateway's settings (`gateway.settings.
+    Settings` has it all; declared here so that tenancy needs nothing above it)."""
+    redis_url: str | None
+    store_prefix: str
+    redis_timeout_s: float
+    tenants_file: Path | None
+    admin_key: Secret | None
+    metrics_key: Secret | None
 
 
 # ---- stored records ----------------------------------------------------------------------------------
@@ -79,7 +92,6 @@ def connect_store(store_url: str | None, timeout_s: float | None = None):
     if store_url is None or store_url == "memory://":
         return None
     if store_url.startswith(_REDIS_SCHEMES):
-        from scheduler.store.redis_client import redis_client
         return redis_client(store_url) if timeout_s is None else redis_client(store_url, timeout_s)
     raise ValueError(f"unknown state store URL {store_url!r}; expected memory:// or redis://…")
 
@@ -117,7 +129,7 @@ class TenantRegistry:
         return registry
 
     @classmethod
-    def from_settings(cls, settings: "Settings") -> "TenantRegistry":
+    def from_settings(cls, settings: TenancySettings) -> "TenantRegistry":
         """The registry a gateway serves with: over `settings`' store, with its tenants file
         applied, its admin keys (the file's and `admin_key`) configured and its `metrics_key`
         reserved. The one place every replica kind (embedded, Ray ingress, Ray scheduler) opens

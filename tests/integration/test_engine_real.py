@@ -9,7 +9,7 @@ from workers.contract import SamplingParams
 from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
 from scheduler.generation import Engine, GenerationRequest
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 48

@@ -35,7 +35,8 @@ import redis
 
 from gateway.http.server import background_server
 
-from gateway.builders.embedded import build_embedded, scheduler_prefix
+from gateway.assembly.replica import scheduler_prefix
+from gateway.builders.embedded import build_embedded
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
 from gateway.text import ToyTokenizer

@@ -351,7 +351,7 @@ def test_killing_the_scheduler_and_ingress_replicas_mid_stream_a_resumed_respons
     resumes with `starting_after` at a new ingress: the text is exactly an uninterrupted run's,
     and every sequence number arrives once. A client-tied completion in flight at the kill is
     cancelled by the new scheduler (nobody can receive it), not run to its end."""
-    from gateway.builders.embedded import scheduler_prefix
+    from gateway.assembly.replica import scheduler_prefix
     from scheduler.request import Status
     from scheduler.store.redis_store import RedisStore
 

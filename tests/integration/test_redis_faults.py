@@ -28,7 +28,8 @@ import httpx
 import pytest
 import redis
 
-from gateway.builders.embedded import build_embedded, scheduler_prefix
+from gateway.assembly.replica import scheduler_prefix
+from gateway.builders.embedded import build_embedded
 from gateway.http.server import background_server, free_port
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
@@ -199,7 +200,7 @@ def test_the_state_store_write_of_a_new_request_leaves_the_event_loop(own_redis)
     emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
     emb.app.state.tenants = TenantRegistry()                 # in process memory
     emb.app.state.tenants.put(Tenant("acme"), ["sk-acme"])
-    emb.service.limiter = emb.service.grants = None
+    emb.service.admission.limiter = None
     emb.start()
     try:
         with background_server(emb.app, log_level="critical") as url:

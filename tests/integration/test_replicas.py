@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from gateway.builders.embedded import build_embedded
-from gateway.builders.replica import ReplicaIdHeld
+from gateway.assembly.replica import ReplicaIdHeld
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import TenantRegistry
@@ -155,7 +155,7 @@ def test_an_in_process_gateway_with_a_held_id_raises_a_clear_error(own_redis):
     first = build_embedded(settings)
     first.start()
     try:
-        from gateway.builders.replica import ReplicaLease
+        from gateway.assembly.replica import ReplicaLease
         from scheduler.store.redis_client import redis_client
         other = ReplicaLease(redis_client(own_redis.url), prefix, "x", 0.5)   # another process
         with pytest.raises(ReplicaIdHeld, match="replica id 'x' is held"):

@@ -13,7 +13,7 @@ import torch
 
 from gateway.settings import Settings
 from tests.helpers import hf_greedy, openai_client_on
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
@@ -173,5 +173,5 @@ def test_n_choices_differ_are_reproducible_and_share_the_prompt(served):
     assert r.usage.prompt_tokens == alone.usage.prompt_tokens       # the prompt once
     assert r.usage.completion_tokens == 4 * 16
     # one prefill: choices 2..4 find every whole block of the prompt in the prefix cache
-    block = emb.step_loop.worker.verifier.prefix_cache.block
+    block = emb.step_loop.worker.worker.verifier.prefix_cache.block
     assert hits >= 3 * ((r.usage.prompt_tokens - 1) // block) * block > 0

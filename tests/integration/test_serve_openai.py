@@ -8,7 +8,7 @@ import pytest
 
 from gateway.settings import Settings
 from tests.helpers import hf_greedy, openai_client_on
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 32

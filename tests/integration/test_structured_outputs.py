@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 from gateway.settings import Settings
 from tests.helpers import openai_client_on, tiny_model_dir
 from tests.unit.test_grammar import constrained_reference
-from workers.runtime import encode_record
+from workers.prompts import encode_record
 
 MODEL = "tiny"
 MESSAGES = [{"role": "user", "content": "Pick a colour and a number, as JSON."}]

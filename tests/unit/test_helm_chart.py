@@ -119,7 +119,7 @@ def test_the_serve_config_is_a_valid_application_config(case):
 
 
 def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
-    from gateway.ray_serve.deployments import GRPC_SERVICER
+    from gateway.ray_serve.ingress import GRPC_SERVICER
 
     for values, port in ((BASE, 9000), ({**BASE, "service": {"grpcPort": 50051}}, 50051),
                          ({**BASE, "service": {"grpcPort": None}}, None)):

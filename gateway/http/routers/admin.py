@@ -97,7 +97,7 @@ async def delete_tenant(request: Request, registry: TenantsDep, name: str) -> di
     removed = await asyncio.to_thread(registry.remove, name)      # a store round trip
     if removed is None:
         raise _not_found(name)
-    service = getattr(request.app.state, "service", None)
+    service = request.app.state.service                # None: an app over the registry alone
     if service is not None:
         try:
             await service.forget_tenant(removed.id, removed.name)

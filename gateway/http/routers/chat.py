@@ -12,8 +12,9 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from gateway import errors, schemas
+from gateway import errors
 from gateway.errors import ApiError
+from gateway.http import bodies
 from gateway.http.chat_stream import ChatChunks, ChatIds, ChatView, refusal, resume_from
 from gateway.http.choices import check_choices, generate_choices, open_choices
 from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
@@ -29,7 +30,7 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 
 async def get_replayer(request: Request) -> Replayer:
-    replayer = getattr(request.app.state, "replayer", None)
+    replayer = request.app.state.replayer
     if replayer is None:
         raise ApiError(404, "this deployment does not resume streams", code="not_found")
     return replayer
@@ -44,11 +45,11 @@ async def create_chat_completion(request: Request, tenant: TenantDep, service: S
     inp = body.to_input(tenant)
     n = body.choices
     check_choices(n, settings.max_choices)
-    created = schemas.now_s()
+    created = bodies.now_s()
     parsers = [body.tool_parser() for _ in range(n)]     # each choice's output read for calls
     if not body.stream:
         outs = await until_disconnected(request, generate_choices(service, inp, n))
-        return schemas.chat_body(outs, body.model, created, parsers)
+        return bodies.chat_body(outs, body.model, created, parsers)
     why = refusal(n, parsers[0] is not None, inp.logprobs is not None)
     if body.resumable and why is not None:
         raise errors.invalid(f"stream_options.resumable: {why}", "stream_options.resumable")

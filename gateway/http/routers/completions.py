@@ -5,7 +5,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway import schemas
+from gateway.http import bodies
 from gateway.http.choices import check_choices, generate_choices, open_choices
 from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
                                sse_response, until_disconnected)
@@ -24,25 +24,25 @@ async def create_completion(request: Request, tenant: TenantDep, service: Servic
     inp = body.to_input(tenant)
     n = body.choices
     check_choices(n, settings.max_choices)
-    created = schemas.now_s()
+    created = bodies.now_s()
     if not body.stream:
         outs = await until_disconnected(request, generate_choices(service, inp, n))
-        return schemas.completion_body(outs, body.model, created)
+        return bodies.completion_body(outs, body.model, created)
     streams = await open_choices(service, inp, n)
     rid, model = streams[0].request_id, body.model
     extra = {"usage": None} if body.include_usage else {}
 
     def chunk(i: int, piece) -> dict:
-        return {**schemas.completion_chunk(rid, model, created, piece.text, index=i,
+        return {**bodies.completion_chunk(rid, model, created, piece.text, index=i,
                                            logprobs=piece.logprobs), **extra}
 
     def final(i: int, out) -> dict:
-        return {**schemas.completion_chunk(rid, model, created, "", out.finish_reason, index=i),
-                **extra, "specgate": schemas.spec_stats([out])}
+        return {**bodies.completion_chunk(rid, model, created, "", out.finish_reason, index=i),
+                **extra, "specgate": bodies.spec_stats([out])}
 
     def usage(outs) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [], "usage": schemas.usage(outs)}
+                "choices": [], "usage": bodies.usage(outs)}
 
     return sse_response(sse_events(streams, chunk=chunk, final=final,
                                    usage=usage if body.include_usage else None))

@@ -24,7 +24,7 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 
 async def get_responses(request: Request) -> ResponseService:
-    service = getattr(request.app.state, "responses", None)
+    service = request.app.state.responses
     if service is None:
         raise ApiError(404, "this deployment does not serve the Responses API", code="not_found")
     return service

@@ -23,6 +23,7 @@ def _app(registry: TenantRegistry) -> TestClient:
     install_handlers(app)
     app.state.tenants = registry
     app.state.settings = Settings(metrics_key=METRICS)
+    app.state.service = app.state.store_probe = None     # the registry alone: no engine, no probe
     app.include_router(router)
     return TestClient(app)
 

@@ -122,12 +122,12 @@ def test_a_stop_string_ends_a_resumed_stream_where_it_ended_the_live_one(gw):
     full = truth(rid, 60)
     stop = full[10:17]                                  # spans tokens
     assert full.find(stop) == 10
-    original, emb.service.request_id = emb.service.request_id, lambda kind: rid
+    original, emb.service.preparer.request_id = emb.service.preparer.request_id, lambda kind: rid
     try:
         live = post(url, {"max_tokens": 60, "stop": [stop, "zzz"],
                           "stream_options": {"include_usage": True}})
     finally:
-        emb.service.request_id = original
+        emb.service.preparer.request_id = original
     assert content(live) == full[:10] and live[-3][1]["choices"][0]["finish_reason"] == "stop"
     assert_resumes_match(url, live)
 
@@ -213,7 +213,7 @@ def test_a_resumable_stream_outlives_its_gateway_and_stops_at_its_stop_string(re
     assert full.find(stop) == 200
     first = build_embedded(settings, progress=False)
     first.tenants.put(Tenant("acme"), [ACME])
-    first.service.request_id = lambda kind: rid
+    first.service.preparer.request_id = lambda kind: rid
     first.start()
     with background_server(first.app, log_level="critical") as url:
         live = post(url, {"max_tokens": 400, "stop": stop, "stream_options": {"resumable": True}},

@@ -36,13 +36,13 @@ MODEL = "fake-model"
 
 
 @contextlib.contextmanager
-def serving(service: Any, tenants: Any) -> Iterator[grpc.Channel]:
+def serving(service: Any, tenants: Any, replayer: Any = None) -> Iterator[grpc.Channel]:
     """The gRPC server over `service` on a loop thread, and a channel to it."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-test-loop", daemon=True)
     thread.start()
     server = asyncio.run_coroutine_threadsafe(
-        start_grpc_server(service, tenants, None, port=0), loop).result(10)
+        start_grpc_server(service, tenants, None, port=0, replayer=replayer), loop).result(10)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
         yield channel
@@ -375,7 +375,7 @@ def gateway_env():
     emb.tenants.put(Tenant("slow", rpm=1), ["sk-slow"])
     emb.start()
     try:
-        with serving(emb.service, emb.tenants) as channel:
+        with serving(emb.service, emb.tenants, emb.replayer) as channel:
             yield emb, pb_grpc.GenerationStub(channel)
     finally:
         emb.stop()

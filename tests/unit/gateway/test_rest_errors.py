@@ -61,7 +61,7 @@ def completion(**kw) -> dict:
 def wait_idle(emb, timeout: float = 5.0) -> None:
     """Until no request is live in the scheduler and no KV is held."""
     deadline = time.monotonic() + timeout
-    while emb.step_loop.state.requests or emb.step_loop.worker.resident():
+    while emb.step_loop.state.requests or emb.step_loop.worker.worker.resident():
         assert time.monotonic() < deadline, "requests still live"
         time.sleep(0.01)
 
@@ -297,7 +297,7 @@ def test_a_response_names_only_the_caller(server, http):
 # ---- disconnects ------------------------------------------------------------------------------------------
 def test_a_client_that_leaves_mid_stream_cancels_its_request_and_frees_its_kv(server):
     emb, url = server
-    worker = emb.step_loop.worker
+    worker = emb.step_loop.worker.worker                # the fake worker, under the metrics'
     with httpx.Client(base_url=url, timeout=10, headers={"Authorization": "Bearer sk-alpha"}) as c:
         with c.stream("POST", "/v1/chat/completions",
                       json={"model": MODEL, "messages": [{"role": "user", "content": "go on"}],

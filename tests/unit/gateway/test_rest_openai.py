@@ -104,7 +104,7 @@ def test_stop_strings_are_never_emitted(client, server, stream):
     full = truth(rid, 30)
     stop = full[5:12]                                  # spans tokens
     assert full.find(stop) == 5
-    original, emb.service.request_id = emb.service.request_id, lambda kind: rid
+    original, emb.service.preparer.request_id = emb.service.preparer.request_id, lambda kind: rid
     try:
         if stream:
             chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=30,
@@ -115,7 +115,7 @@ def test_stop_strings_are_never_emitted(client, server, stream):
             r = client.completions.create(model=MODEL, prompt="abc", max_tokens=30, stop=stop)
             text, reason = r.choices[0].text, r.choices[0].finish_reason
     finally:
-        emb.service.request_id = original
+        emb.service.preparer.request_id = original
     assert text == full[:5] and reason == "stop"
 
 

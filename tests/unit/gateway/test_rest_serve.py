@@ -171,14 +171,14 @@ def test_two_gateways_over_one_redis_enforce_one_rate_limit_and_one_concurrency_
 
 
 def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_profile(tmp_path):
-    from gateway.builders.embedded import _target
+    from gateway.assembly.target import local_target
     from tests.helpers import tiny_model_dir
     from workers.runtime import load_runtime
 
     model = tiny_model_dir(tmp_path / "tiny")
     rt = load_runtime(str(model), progress=False)
     settings = Settings(model=str(model), max_batch=4)
-    *_, measured, _ = _target(settings, False, rt)
+    measured = local_target(settings, False, rt).step_cost
     assert "start-up" in measured.source and measured.batches == [1, 2, 4]
     assert measured(4, 32) >= measured(4, 4) > 0
 
@@ -186,7 +186,7 @@ def test_the_planner_sizes_trees_by_step_costs_measured_here_unless_given_a_prof
     path.write_text(json.dumps({"source": "mine", "curves": [
         {"batch": 1, "tokens": [1, 8], "step_s": [0.01, 0.02]},
         {"batch": 8, "tokens": [8, 64], "step_s": [0.03, 0.09]}]}))
-    *_, given, _ = _target(Settings(model=str(model), step_profile=path), False, rt)
+    given = local_target(Settings(model=str(model), step_profile=path), False, rt).step_cost
     assert given.source == "mine" and given(8, 64) == pytest.approx(0.09)
 
 

@@ -31,7 +31,7 @@ class Rig:
     """A started step loop over a (paced) fake worker, and a service over it."""
 
     def __init__(self, *, step_s: float = 0.0, context: int = 256, limiter=None, max_batch: int = 4,
-                 admission: AdmissionLimits | None = None, alpha: float = 0.6):
+                 admission: AdmissionLimits | None = None, alpha: float = 0.6, tokenizer=TOK):
         self.worker = PacedFakeWorker(step_s, alpha=alpha, context_limit=context)
         self.calls = []
         real_step = self.worker.step
@@ -45,7 +45,7 @@ class Rig:
         self.loop = StepLoop(policy, self.worker, admission=AdmissionControl(admission or AdmissionLimits()),
                              max_resident=max(8, max_batch))
         counter = itertools.count()
-        self.service = GenerationService(self.loop, TOK, models=[MODEL], limiter=limiter,
+        self.service = GenerationService(self.loop, tokenizer, models=[MODEL], limiter=limiter,
                                          drafters=("ngram",),
                                          request_id=lambda kind: f"{kind}-{next(counter)}")
         self.loop.start()
@@ -291,9 +291,7 @@ class CountingTokenizer(ToyTokenizer):
 
 
 def _front_rig(tok, *, context: int = 256, limiter=None) -> Rig:
-    rig = Rig(context=context, limiter=limiter)
-    rig.service.tokenizer = tok
-    return rig
+    return Rig(context=context, limiter=limiter, tokenizer=tok)
 
 
 def test_an_over_rpm_tenant_gets_429_before_its_prompt_is_tokenized():

@@ -60,7 +60,7 @@ def test_the_engine_gets_ids_and_a_removal_drops_the_tenants_caches_and_series(s
     old_id, other_id = emb.tenants.get("acme").id, emb.tenants.get("other").id
     _complete(c, acme, "tell me a story")
     _complete(c, other, "tell me a story")
-    worker = emb.step_loop.worker                       # metrics' pass-through to the fake worker
+    worker = emb.step_loop.worker.worker                # the fake worker, under the metrics'
     assert sorted(worker.tenants.values()) == sorted([old_id, other_id])    # never the names
     text = c.get("/metrics", headers=_auth(ADMIN)).text
     assert 'tenant="acme"' in text and 'tenant="other"' in text
@@ -173,7 +173,7 @@ def test_a_tenant_removed_through_another_replica_is_dropped_here_by_the_sweep(
             _complete(cb, kept, "served by b")
             assert 'tenant="acme"' in cb.get("/metrics", headers=_auth(ADMIN)).text
             assert ca.delete("/admin/tenants/acme", headers=_auth(ADMIN)).status_code == 200
-            worker_b = b.step_loop.worker
+            worker_b = b.step_loop.worker.worker            # the fake worker, under the metrics'
 
             def metrics_b() -> str:
                 return cb.get("/metrics", headers=_auth(ADMIN)).text
@@ -206,4 +206,4 @@ def test_a_tenant_created_while_the_sweep_reads_the_store_is_not_taken_for_remov
     assert emb.service.sweep_tenants(store_now) == []
     late_id = emb.tenants.get("late").id
     assert emb.service.sweep_tenants(emb.tenants.list) == []
-    assert late_id not in emb.step_loop.worker.dropped_tenants
+    assert late_id not in emb.step_loop.worker.worker.dropped_tenants

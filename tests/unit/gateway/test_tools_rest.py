@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from gateway import tool_calls
+from gateway.assembly.target import Target
 from gateway.builders.embedded import build_embedded
 from gateway.http.server import background_server
 from gateway.settings import Settings
@@ -64,7 +65,7 @@ class ScriptedWorker(PacedFakeWorker):
 @pytest.fixture(scope="module")
 def server():
     worker = ScriptedWorker()
-    emb = build_embedded(Settings(fake_worker=True), target=(TOK, worker, {EOS}, None))
+    emb = build_embedded(Settings(fake_worker=True), target=Target(TOK, worker, frozenset({EOS})))
     emb.start()
     with background_server(emb.app) as url:
         yield emb, worker, url

@@ -49,11 +49,11 @@ def test_new_requests_rank_by_free_kv_slots(free, loads, expected):
 def test_doctests_of_the_routing_rule_and_the_per_replica_kv_budget():
     import doctest
 
-    from gateway.builders import embedded
+    from gateway.assembly import target
     from gateway.ray_serve import routing
 
     assert doctest.testmod(routing).failed == 0
-    assert doctest.testmod(embedded).failed == 0
+    assert doctest.testmod(target).failed == 0
 
 
 def test_affinity_keys_stay_put_and_spread():

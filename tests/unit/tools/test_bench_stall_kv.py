@@ -26,19 +26,18 @@ def test_rss_is_read_from_proc():
 
 
 def test_the_builder_turns_the_kv_pool_into_the_planners_slots(tiny_model):
-    from gateway.builders.embedded import kv_budget as budget_of
-    from workers.speculation.batch_worker import BatchWorker
+    from gateway.assembly.target import kv_budget as budget_of
     from workers.model.llama_forward import LlamaForward
     from workers.speculation.verifier import Verifier
 
     f = LlamaForward(tiny_model)
     v = Verifier(f, max_tree_tokens=64, kv_pool_bytes=10 * 2**20)
-    kv, note = budget_of(BatchWorker(v))
+    kv, note = budget_of(v)
     per = 2 * f.n_layers * f.n_kv_heads * f.head_dim * 4          # float32 K and V, every layer
     assert v.slot_bytes == per
     assert kv == {"kv_budget_tokens": 10 * 2**20 // per, "kv_block": v.kv_block, "kv_tree_tokens": 65}
     assert "10 MiB" in note
-    assert budget_of(BatchWorker(Verifier(f))) == ({}, None)
+    assert budget_of(Verifier(f)) == ({}, None)
 
 
 def test_the_prefix_cache_yields_its_blocks_to_the_requests_kv(tiny_model):

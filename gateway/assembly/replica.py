@@ -30,6 +30,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from gateway.settings import Settings
 from scheduler.lease import Lease
 from scheduler.loop import StepLoop
 from scheduler.store.redis_store import RedisStore
@@ -42,6 +43,11 @@ LEASE_KEY = "lease"          # under the replica's scheduler prefix, as Ray mode
 def replica_prefix(store_prefix: str, replica_id: str) -> str:
     """Where a replica's scheduler keeps its requests (tenants and limits are shared)."""
     return f"{store_prefix}sched:{replica_id}:"
+
+
+def scheduler_prefix(settings: Settings) -> str:
+    """Where this replica's scheduler keeps its requests (tenants and limits are shared)."""
+    return replica_prefix(settings.store_prefix, settings.replica_id)
 
 
 def lease_key(store_prefix: str, replica_id: str) -> str:

@@ -1,0 +1,121 @@
+"""Admission: a prepared request past the tenant's limits and into the step loop.
+
+    precheck  the tenant's rate limits as they stand (429 with Retry-After), before any work on
+              its prompt: a tenant over its limits costs no tokenization;
+    prepare   gateway/service/prepare.py (400, 403, 404, 413);
+    acquire   the tenant's rate and token limits, charged (429 with Retry-After; 400 for a
+              request larger than the tenant's whole TPM, which waiting cannot help);
+    submit    to the step loop, with the tenant's priority, weight and speculation policy
+              (a full queue: 429 for the tenant's own queue, 503 for the scheduler's).
+
+A concurrency grant acquired here is kept by `gateway.tenancy.grants.GrantKeeper` once the
+request is in the loop (renewed while it runs), and released at once if the loop refuses it.
+The limiter's and the state store's calls may wait on the network (`remote`): the service runs
+admission on a worker thread then.
+"""
+from __future__ import annotations
+
+from gateway import errors
+from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics
+from gateway.service import fields
+from gateway.service.prepare import RequestPreparer
+from gateway.service.stream import RequestStream
+from gateway.service.tenant_sync import TenantSync
+from gateway.service.types import GenerateInput, Prepared
+from gateway.tenancy.grants import GrantKeeper
+from gateway.tenancy.limits import Grant, LimitExceeded, Limiter
+from gateway.tenancy.records import Tenant
+from scheduler.admission import ADMITTED
+from scheduler.loop import StepLoop
+
+
+class Admission:
+    def __init__(self, step_loop: StepLoop, preparer: RequestPreparer, *, limiter: Limiter | None,
+                 grants: GrantKeeper | None, metrics: GatewayMetrics, tenants: TenantSync) -> None:
+        self.step_loop = step_loop
+        self.preparer = preparer
+        self.limiter = limiter
+        self.grants = grants
+        self.metrics = metrics
+        self.tenants = tenants
+
+    @property
+    def remote(self) -> bool:
+        """Whether admitting may wait on the network (a limiter or state store in Redis)."""
+        return (self.limiter is not None and self.limiter.remote) or self.step_loop.store.remote
+
+    def admit(self, inp: GenerateInput, tenant: Tenant) -> tuple[Prepared, Grant | None]:
+        """precheck, prepare, acquire (module docstring): any thread; raises ApiError."""
+        self._precheck(inp, tenant)
+        try:
+            prep = self.preparer.prepare(inp, tenant, context=self.step_loop.worker.context_limit,
+                                         now=self.step_loop.clock())
+        except ApiError:
+            self.metrics.rejected(tenant.name)
+            raise
+        return prep, self._acquire(prep)
+
+    def submit(self, stream: RequestStream) -> None:
+        """Hand the stream's request to the step loop (raises ApiError if it refuses): its grant
+        is then held, or released at once (retried if the store does not answer)."""
+        grant = stream.grant
+        try:
+            self._submit(stream)
+        except BaseException:
+            if self.grants is not None and grant is not None:
+                self.grants.release(grant, 0)
+            raise
+        if self.grants is not None and grant is not None:
+            self.grants.hold(grant)                   # renewed while the request runs
+
+    def _precheck(self, inp: GenerateInput, tenant: Tenant) -> None:
+        """429 now if the tenant's limits would refuse even the least this request can cost.
+        Charges nothing."""
+        if self.limiter is None:
+            return
+        try:
+            self.limiter.precheck(tenant, fields.least_tokens(inp, self.step_loop.worker.context_limit))
+        except LimitExceeded as exc:
+            raise self._refused(tenant.name, exc) from None
+
+    def _acquire(self, prep: Prepared) -> Grant | None:
+        if self.limiter is None:
+            return None
+        s = prep.request.stats
+        try:
+            return self.limiter.acquire(prep.tenant, s.prompt_len + s.max_tokens)
+        except LimitExceeded as exc:
+            raise self._refused(s.tenant, exc) from None
+
+    def _refused(self, tenant: str, exc: LimitExceeded) -> ApiError:
+        """A limiter's refusal as the client's 429, counted; one that can never pass (more
+        tokens than the tenant's whole TPM) as a 400 naming the limit: retrying it after
+        Retry-After would only be refused again."""
+        if not exc.retryable:
+            self.metrics.rejected(tenant)
+            return errors.invalid(exc.message, "max_tokens", code=f"request_exceeds_{exc.kind}")
+        self.metrics.refused(tenant, str(exc.kind), "rate_limited")
+        return errors.rate_limited(exc.message, exc.retry_after_s,
+                                   code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")
+
+    def _submit(self, stream: RequestStream) -> None:
+        prep, grant = stream.prep, stream.grant
+        self.tenants.sync(prep.tenant)
+        req = prep.request
+        if grant is not None:
+            req.meta["grant"] = grant.to_list()    # a restarted gateway corrects its charge
+        # NOTE: what the loop's submit refuses with ValueError (empty prompt, no room in the
+        # context) was refused above; a ValueError here is a server fault, not the client's.
+        verdict = self.step_loop.submit(req, stream.sink)
+        if verdict is not ADMITTED:
+            tenant = req.stats.tenant
+            if verdict.http_status == 429:
+                self.metrics.refused(tenant, verdict.reason, "queue_full")
+                raise errors.rate_limited("too many requests of this API key are waiting; "
+                                          "retry later", verdict.retry_after_s,
+                                          code="tenant_queue_full")
+            self.metrics.refused(tenant, verdict.reason, "overloaded")
+            raise errors.overloaded(retry_after_s=verdict.retry_after_s, code="queue_full")
+        self.metrics.admitted(req.stats.tenant, req.stats.prompt_len)
+        stream.admitted = True
