@@ -38,7 +38,8 @@ def tok():
 
 
 class Counted:
-    """A tokenizer whose `decode` counts the tokens it is handed: the work text costs."""
+    """The real tokenizer, its `decode` counting the tokens it is handed (the work text costs);
+    everything else is the tokenizer's own."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -47,6 +48,12 @@ class Counted:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         self.decoded += len(ids)
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokenizer)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
 
 
 def byte_tokens(tok, n: int, seed: int = 0) -> list[int]:
@@ -63,7 +70,7 @@ def byte_tokens(tok, n: int, seed: int = 0) -> list[int]:
 def linear(work: dict[int, int]) -> None:
     """Doubling the output at most about doubles the work, and each token costs a bounded window."""
     (n, small), (n2, big) = sorted(work.items())
-    assert n2 == 2 * n
+    assert n2 == 2 * n and small >= n, work          # every token was decoded (and counted)
     assert big <= 2.2 * small, work
     assert big <= PER_TOKEN * n2, work
 
@@ -81,9 +88,10 @@ def live(tok, tokens: list[int]) -> tuple[int, list, GenerateOutput]:
     """The service's own stream fed the step loop's events by hand, 1 to 6 tokens a step (the loop
     is not started); returns (decoded tokens, chunks, output)."""
     policy = make_policy("fcfs", max_batch=4, token_budget=64, aging_bound_s=None)
+    counted = Counted(tok)
     service = GenerationService(StepLoop(policy, FakeWorker(context_limit=16384), MemoryStore()),
-                                tok, models=[MODEL])
-    counted = service.tokenizer = Counted(tok)
+                                counted, models=[MODEL])
+    counted.decoded = 0                     # what building the service decoded is not the stream's
 
     async def go():
         stream = service.stream(GenerateInput(tenant=Tenant("acme"), model=MODEL,
