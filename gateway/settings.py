@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.keepalive import KEEPALIVE_S
 from gateway.tenancy.records import configured_digest
 
 DEFAULT_MODEL = "smollm2-135m"      # = workers.model.loader.DEFAULT_MODEL (not imported: no torch here)
@@ -89,6 +90,10 @@ class Settings(BaseSettings):
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:
+    # an empty delta and HTTP/2 pings), so proxies that close idle connections do not cut one that
+    # waits in the queue; keep it below their idle timeout (often 60 s). 0: none
+    stream_keepalive_s: float = Field(KEEPALIVE_S, ge=0)
     # `n`: choices one request may ask for, each its own request through the scheduler
     max_choices: int = Field(8, ge=1)
     openapi_docs: bool = False                 # serve /docs, /redoc and /openapi.json (public)

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 
 from gateway.assembly.replica import scheduler_prefix
 from gateway.assembly.serving import responses_service
-from gateway.grpc_api.server import (authed_input, authed_tenant, response_message, status_of,
-                                     stream_messages)
+from gateway.grpc_api.server import (authed_input, authed_tenant, kept_alive, response_message,
+                                     status_of, stream_messages)
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.ray_serve.remote import RemoteService
@@ -89,7 +89,7 @@ class IngressServer:
         try:
             stream = await self.service.open_stream(
                 await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
-            async for message in stream_messages(stream):
+            async for message in kept_alive(stream_messages(stream), self.settings.stream_keepalive_s):
                 yield message
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
@@ -101,7 +101,8 @@ class IngressServer:
         try:
             tenant = await authed_tenant(self.tenants, grpc_context.invocation_metadata())
             record = await self.replayer.open(tenant, request.request_id)
-            async for message in stream_messages(self.replayer.stream(record, Cursor(tokens=request.after))):
+            messages = stream_messages(self.replayer.stream(record, Cursor(tokens=request.after)))
+            async for message in kept_alive(messages, self.settings.stream_keepalive_s):
                 yield message
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
