@@ -218,6 +218,7 @@ class RedisBackend:
         p = prefix + "tenants:"
         self._cfg, self._owner, self._keys = p + "cfg", p + "owner", p + "keys"
         self._expiry, self._admins, self._applied = p + "expiry", p + "admins", p + "applied"
+        self._pepper_key = p + "pepper"
         self._put = client.register_script(_PUT_LUA)
         self._apply_file = client.register_script(_APPLY_FILE_LUA)
         self._remove = client.register_script(_REMOVE_LUA)
@@ -278,6 +279,12 @@ class RedisBackend:
         if pairs:
             self._migrate(keys=[self._owner, self._keys, self._expiry, self._admins],
                           args=[d for pair in pairs for d in pair])
+
+    def pepper_check(self, check: str | None) -> str | None:
+        if check is not None:
+            self._r.set(self._pepper_key, check, nx=True)
+        v = self._r.get(self._pepper_key)
+        return v.decode() if v else None
 
     def applied(self) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in self._r.hgetall(self._applied).items()}

@@ -14,6 +14,8 @@ tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = 
     P tenants:admins   set   admin key digests
     P tenants:applied  hash  tenant name, or "@admins" -> what the tenants file last applied
                              (`gateway.tenancy.applied`; see `load_config`)
+    P tenants:pepper   string  an HMAC of a constant under the pepper the keys rest under (not
+                             the pepper): a start with another one is refused
 
 A "key digest" here is the form a key rests in (`gateway.tenancy.records.rest_digest`): an
 HMAC under the server's pepper, or the key's "sha256:" digest where there is none. A store
@@ -75,6 +77,7 @@ class MemoryBackend:
         self._expiry: dict[str, float] = {}
         self._admins: set[str] = set()
         self._applied: dict[str, str] = {}
+        self._pepper_check: str | None = None
 
     def _owned(self, digest: str, now: float) -> str | None:
         """The tenant owning `digest` at `now` (a rotated-out key past its grace owns nothing)."""
@@ -216,6 +219,13 @@ class MemoryBackend:
         with self._lock:
             for old, new in pairs:
                 self._rename(old, new)
+
+    def pepper_check(self, check: str | None) -> str | None:
+        """The check value of the pepper the keys rest under, storing `check` if there is none."""
+        with self._lock:
+            if self._pepper_check is None:
+                self._pepper_check = check
+            return self._pepper_check
 
     def applied(self) -> dict[str, str]:
         return dict(self._applied)

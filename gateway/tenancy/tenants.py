@@ -90,6 +90,20 @@ class KeyConflict(ValueError):
         self.owner = owner
 
 
+def _check_reserved(reserved: frozenset[str], tenant: Tenant, digests: Sequence[str]) -> None:
+    if reserved.intersection(digests):
+        raise KeyConflict("metrics", f"an API key given for tenant {tenant.name!r} is the metrics key")
+
+
+def _raise_conflict(tenant: Tenant, result: int) -> None:
+    """A store's answer to a put, as the KeyConflict it means (nothing changed then)."""
+    if result == KEY_CONFLICT:
+        raise KeyConflict("tenant", f"an API key given for tenant {tenant.name!r} belongs to "
+                                    "another tenant")
+    if result == ADMIN_CONFLICT:
+        raise KeyConflict("admin", f"an API key given for tenant {tenant.name!r} is an admin key")
+
+
 def connect_store(store_url: str | None, timeout_s: float | None = None):
     """None or "memory://" -> None (in process); a Redis URL -> a redis-py client (connects on
     first use), each call bounded by `timeout_s` (default `REDIS_TIMEOUT_S`, see
@@ -193,13 +207,26 @@ class TenantRegistry:
         this, a replica restarting with the same file, or an edit of another field, would undo
         what the admin API did since (bring back a tenant's rotated-out key, cut short its
         grace, bring back a removed tenant or a revoked admin key). ValueError if an admin key
-        is a tenant's key; the admin keys are then left as they were."""
+        is a tenant's key (the admin keys are then left as they were), or if the store's keys
+        rest under another pepper than this registry's (`_check_pepper`)."""
+        self._check_pepper()
         self._migrate()
         records = self._store.applied()
         for tenant, digests in tenants:
             self._apply_entry(tenant, list(dict.fromkeys(digests)),
                               applied.read(records.get(tenant.name)))
         self._apply_admins(sorted(set(admin_digests)), applied.read(records.get(applied.ADMINS)))
+
+    def _check_pepper(self) -> None:
+        """Refuse a pepper other than the one the store's keys rest under (or none where they
+        rest under one): started anyway, the gateway would answer every key with a 401. The
+        store keeps an HMAC of a constant under the pepper, which says nothing of the pepper."""
+        mine = None if self._pepper is None else applied.fingerprint("key pepper", self._pepper)
+        stored = self._store.pepper_check(mine)
+        if stored is not None and stored != mine:
+            raise ValueError("the state store's API keys rest under another key pepper than "
+                             "SPECGATE_KEY_PEPPER" if mine else "the state store's API keys rest "
+                             "under a key pepper: set SPECGATE_KEY_PEPPER to it")
 
     def _migrate(self) -> None:
         if self._pepper is None:
@@ -217,8 +244,8 @@ class TenantRegistry:
             if record != now:                      # an older record: in today's form
                 self._store.mark_applied(tenant.name, applied.write(now))
             return
-        self._check_reserved(tenant, digests)
-        self._raise_conflict(tenant, self._store.apply_file(
+        _check_reserved(self._reserved, tenant, digests)
+        _raise_conflict(tenant, self._store.apply_file(
             tenant.name, _to_json(tenant), rest, applied.previous_keys(record, self._rest)))
         self._store.mark_applied(tenant.name, applied.write(now))
         log.info("tenant %r applied from the tenants file", tenant.name)
@@ -283,22 +310,9 @@ class TenantRegistry:
         """`put` with key digests already computed; None keeps the tenant's keys."""
         _tenant_from_json(_to_json(tenant))       # validates a Tenant built by hand
         if digests is not None:
-            self._check_reserved(tenant, digests)
+            _check_reserved(self._reserved, tenant, digests)
         rest = None if digests is None else [self._rest(d) for d in dict.fromkeys(digests)]
-        self._raise_conflict(tenant, self._store.put(tenant.name, _to_json(tenant), rest))
-
-    def _check_reserved(self, tenant: Tenant, digests: Sequence[str]) -> None:
-        if self._reserved.intersection(digests):
-            raise KeyConflict("metrics", f"an API key given for tenant {tenant.name!r} is the "
-                                         "metrics key")
-
-    @staticmethod
-    def _raise_conflict(tenant: Tenant, result: int) -> None:
-        if result == KEY_CONFLICT:
-            raise KeyConflict("tenant", f"an API key given for tenant {tenant.name!r} belongs to "
-                                        "another tenant")
-        if result == ADMIN_CONFLICT:
-            raise KeyConflict("admin", f"an API key given for tenant {tenant.name!r} is an admin key")
+        _raise_conflict(tenant, self._store.put(tenant.name, _to_json(tenant), rest))
 
     def remove(self, name: str) -> Tenant | None:
         """Remove a tenant; its keys stop working at once, on every replica. Returns the removed

@@ -406,6 +406,20 @@ def test_a_store_written_without_a_pepper_keeps_every_key_once_peppered(redis_ur
     assert all(rec["fp"].startswith("hmac:") for rec in records)           # no unkeyed fingerprint
 
 
+def test_a_start_with_another_pepper_or_none_is_refused_not_a_401_for_every_key(redis_url, redis_prefix,
+                                                                                tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(KEYS_FILE)
+    TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=PEPPER)
+    for other, words in ((PEPPER.upper(), "another key pepper"), (None, "set SPECGATE_KEY_PEPPER")):
+        with pytest.raises(ValueError, match=words) as err:
+            TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=other)
+        assert PEPPER not in str(err.value)
+    again = TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=PEPPER)
+    assert again.authenticate("sk-acme-plain-1-longkey").name == "acme"
+    assert PEPPER not in _dump(redis_url, redis_prefix)
+
+
 def test_a_presented_key_costs_the_same_few_redis_commands_however_many_tenants(tmp_path):
     """O(1): authenticating is one script call whose commands do not grow with the tenants, for
     a peppered key and for one still in its older form. Counted by the server's own command
