@@ -1,4 +1,5 @@
 """Ray mode's typed configuration: what the shipped Serve config and a bare one resolve to."""
+import os
 import typing
 from pathlib import Path
 
@@ -128,3 +129,16 @@ def test_every_secret_setting_is_known_as_one():
     secret_fields = {name for name, f in Settings.model_fields.items()
                      if SecretStr in typing.get_args(f.annotation)}
     assert secret_fields and secret_fields <= set(SECRET_SETTINGS)
+
+
+def test_a_process_starting_a_local_cluster_hands_its_secrets_over_through_its_environment(monkeypatch):
+    """`specgate serve --ray --redis-url redis://:pw@…`: the password goes to the environment the
+    local cluster's processes inherit, the rest to the Serve config."""
+    from gateway.ray_serve.replica_secrets import export_secrets
+
+    monkeypatch.setenv("SPECGATE_REDIS_URL", "redis://before")     # restored after the test
+    url = f"redis://:{REDIS_PASSWORD}@127.0.0.1:6379/0"
+    public = export_secrets({"redis_url": url, "model": "m", "port": 9000})
+    assert public == {"model": "m", "port": 9000}
+    assert os.environ["SPECGATE_REDIS_URL"] == url
+    assert export_secrets({"redis_url": "redis://127.0.0.1:6379/0"}) == {"redis_url": "redis://127.0.0.1:6379/0"}
