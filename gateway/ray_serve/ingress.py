@@ -22,8 +22,8 @@ from gateway.grpc_api.server import (authed_input, authed_tenant, kept_alive, re
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.ray_serve.remote import RemoteService
+from gateway.ray_serve.replica_secrets import INGRESS_READS, settings_in_replica
 from gateway.replay import Cursor, Replayer
-from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
 from scheduler.store import open_store
@@ -42,12 +42,13 @@ class IngressServer:
     names gateway/proto's servicer (`GRPC_SERVICER`)."""
 
     def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
-        self.settings = s = Settings(**settings)
+        # the keys, the key pepper and the Redis URL: from its node's environment, never Serve's
+        self.settings = s = settings_in_replica(settings, INGRESS_READS)
         self.scheduler = scheduler
         self.service = RemoteService(scheduler, models=[s.model_id])
-        # One registry and limiter per replica, shared by REST and gRPC; opened as the scheduler
-        # replica opens it (`gateway.assembly.serving.assemble`), so both configure the same
-        # admin keys.
+        # One registry and limiter per replica, shared by REST and gRPC; the ingress replicas
+        # apply the tenants file and the configured admin keys (the scheduler's opens the store
+        # alone: `assemble(..., configure_tenants=False)`).
         self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
