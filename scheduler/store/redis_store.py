@@ -14,14 +14,16 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
     P out:ID     list         committed output tokens                        (RPUSH per step)
     P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)
     P model:NAME string       a learned model's weights, JSON with a "version" (the newest kept)
+    P commits    channel      pub/sub: the ids each commit (and `add`) touched, published in it
+                              (scheduler/store/redis_watch.py: followers wake on it)
 
 The kind comes before the id (`rec:ID`, not `ID:rec`), so no id can make one request's key equal
 another's. A step therefore writes O(what it did): a few tokens, one small JSON and a τ per served
 request. An ended request leaves `live` and its three keys get a TTL (PEXPIRE).
 
-Round trips: `commit_step` is one MULTI/EXEC; `add` is one EVALSHA (a Lua script, because the
-duplicate check, the sequence number and the writes must be one atomic step); `get` is one
-MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests.
+Round trips: `commit_step` is one MULTI/EXEC (its PUBLISH included); `add` is one EVALSHA (a
+Lua script, because the duplicate check, the sequence number and the writes must be one atomic
+step); `get` is one MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests.
 
 One writer: the scheduler. `commit_step` checks ids against the live ids this object knows (from
 its own `add`s and its last `load`) instead of asking the server, which keeps a step at one round
@@ -31,22 +33,26 @@ hash slots, so this is for a single Redis server (or a replicated one), not Redi
 """
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, AsyncIterator, Iterable
 
 import redis
 
 from scheduler.request import Request
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
-                                  StoredState, Tail, account_from_str, account_to_str, check_step,
-                                  model_version, params_to_dict, request_from_dict,
+                                  StoredState, Tail, Watch, account_from_str, account_to_str,
+                                  check_step, model_version, params_to_dict, request_from_dict,
                                   stats_from_dict, stats_to_dict)
-from scheduler.store.redis_client import redis_client
+from scheduler.store.redis_client import REDIS_TIMEOUT_S, redis_client
+from scheduler.store.redis_watch import RedisCommits, channel_of, message_of
+from scheduler.store.watch import Waiter
 
 FORMAT_VERSION = 1
 _LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
 
-# KEYS: rec, out, tau, live, seq.  ARGV: id, prompt, params, stats, n_out, out..., tau...
+# KEYS: rec, out, tau, live, seq, commits.  ARGV: id, prompt, params, stats, n_out, out..., tau...
 # Returns 0 if the id is already stored (live or ended within its TTL), else its sequence number.
 _ADD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -63,6 +69,7 @@ local n_out = tonumber(ARGV[5])
 push(KEYS[2], 6, 5 + n_out)
 push(KEYS[3], 6 + n_out, #ARGV)
 redis.call('ZADD', KEYS[4], seq, ARGV[1])
+redis.call('PUBLISH', KEYS[6], cjson.encode({ARGV[1]}))
 return seq
 """ % FORMAT_VERSION
 
@@ -97,9 +104,12 @@ class RedisStore:
     remote = True                          # every call is a round trip, bounded by the client's timeout
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
-                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False) -> None:
+                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False,
+                 commits: RedisCommits | None = None) -> None:
         """`client`: any redis-py client (not connected until first used). `owns_client`: close it
-        in `close()`."""
+        in `close()`. `commits`: the subscriber `watch` waits on (`from_url` makes one); a store
+        without one, over a bare client (a writer: replica adoption), has followers read only
+        when their wait times out."""
         if ended_ttl_s <= 0:
             raise ValueError("ended_ttl_s must be > 0")
         self.prefix = prefix
@@ -109,6 +119,8 @@ class RedisStore:
         self._add_script = client.register_script(_ADD_LUA)
         self._save_model_script = client.register_script(_SAVE_MODEL_LUA)
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
+        self._channel = channel_of(prefix)
+        self._commits = commits
         # The writer's view: live id -> τ entries already stored (what the next step appends after).
         self._taus: dict[str, int] = {}
         self._outs: dict[str, int] = {}         # live id -> output tokens already stored
@@ -118,8 +130,9 @@ class RedisStore:
                  ended_ttl_s: float = DEFAULT_ENDED_TTL_S,
                  timeout_s: float | None = None) -> "RedisStore":
         """Over a client of its own, every call bounded by `timeout_s` (redis_client.py)."""
-        client = redis_client(url) if timeout_s is None else redis_client(url, timeout_s)
-        return cls(client, prefix, ended_ttl_s=ended_ttl_s, owns_client=True)
+        timeout_s = REDIS_TIMEOUT_S if timeout_s is None else timeout_s
+        return cls(redis_client(url, timeout_s), prefix, ended_ttl_s=ended_ttl_s, owns_client=True,
+                   commits=RedisCommits(url, prefix, timeout_s))
 
     def _keys(self, rid: str) -> tuple[str, str, str]:
         p = self.prefix
@@ -131,7 +144,7 @@ class RedisStore:
         rec, out, tau = self._keys(rid)
         outputs, taus = [int(t) for t in req.output_ids], [int(t) for t in s.tau_history]
         seq = self._add_script(
-            keys=[rec, out, tau, self._live_key, self._seq_key],
+            keys=[rec, out, tau, self._live_key, self._seq_key, self._channel],
             args=[rid, _dumps([int(t) for t in req.prompt_ids]), _dumps(params_to_dict(req)),
                   _dumps(stats_to_dict(s, tau_history=False)), len(outputs), *outputs, *taus])
         if not seq:
@@ -166,6 +179,9 @@ class RedisStore:
         if step.virtual_time:
             pipe.hset(self._vt_key, mapping={account_to_str(a): repr(float(v))
                                              for a, v in step.virtual_time.items()})
+        touched = step.touched()
+        if touched:                             # in the transaction: heard once it is written
+            pipe.publish(self._channel, message_of(touched))
         pipe.execute()
         known.update(new_counts)                # only once the server has it
         self._outs.update(new_outs)
@@ -208,6 +224,11 @@ class RedisStore:
             pipe.delete(key)
 
     # ---- reads ------------------------------------------------------------------------------
+    def watch(self, request_id: str) -> AbstractAsyncContextManager[Watch]:
+        if self._commits is None:
+            return _unwoken()
+        return self._commits.watch(request_id)
+
     def load(self) -> StoredState:
         ids = [_text(x) for x in self._r.zrange(self._live_key, 0, -1)]
         requests: list[Request] = []
@@ -275,3 +296,9 @@ class RedisStore:
         return request_from_dict({"prompt_ids": json.loads(prompt), **json.loads(params),
                                   "stats": {**json.loads(stats), "tau_history": taus},
                                   "output_ids": outputs})
+
+
+@asynccontextmanager
+async def _unwoken() -> AsyncIterator[Watch]:
+    """A store with no subscriber: a waiter nothing wakes (its waits time out)."""
+    yield Waiter(asyncio.get_running_loop())
