@@ -32,6 +32,7 @@ from gateway import errors, schemas
 from gateway.http.deps import field_names
 from gateway.keepalive import KEEPALIVE_S, with_keepalive
 from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
+from gateway.followers import FollowerGate
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.replay import Cursor, Replayer
@@ -90,7 +91,8 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
                             limiter: Limiter | None, port: int, host: str = "127.0.0.1", *,
                             max_message_bytes: int | None = None,
                             replayer: Replayer | None = None,
-                            keepalive_s: float = KEEPALIVE_S) -> GrpcServer:
+                            keepalive_s: float = KEEPALIVE_S,
+                            followers: FollowerGate | None = None) -> GrpcServer:
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
@@ -99,11 +101,14 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     `max_message_bytes` caps a request message (gRPC's default: 4 MiB); a larger one is refused
     by gRPC itself with RESOURCE_EXHAUSTED. `replayer`: reads the state store for `Resume` (None:
     Resume answers NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring;
-    0: none)."""
+    0: none). `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one
+    over `limiter`)."""
     options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
     server = grpc.aio.server(options=options + keepalive_options(keepalive_s))
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(service, tenants, replayer, keepalive_s=keepalive_s), server)
+        GenerationServicer(service, tenants, replayer, keepalive_s=keepalive_s,
+                           followers=followers if followers is not None else FollowerGate(limiter)),
+        server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -131,13 +136,16 @@ def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, tenants: TenantRegistry,
-                 replayer: Replayer | None = None, *, keepalive_s: float = KEEPALIVE_S):
+                 replayer: Replayer | None = None, *, keepalive_s: float = KEEPALIVE_S,
+                 followers: FollowerGate | None = None):
         """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND);
-        `keepalive_s`: a waiting stream's keep-alive message (0: none)."""
+        `keepalive_s`: a waiting stream's keep-alive message (0: none); `followers`: what a
+        `Resume` costs its tenant (None: nothing)."""
         self.service = service
         self.tenants = tenants
         self.replayer = replayer
         self.keepalive_s = keepalive_s
+        self.followers = followers if followers is not None else FollowerGate(None)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -170,17 +178,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
         # the rest of a stream, from the state store (gateway/replay.py); closing it cancels
-        # nothing: the request is not this call's
+        # nothing: the request is not this call's. It is a request of its tenant's, charged and
+        # holding a follower slot before anything else (gateway/followers.py)
         try:
             tenant = await authed_tenant(self.tenants, context.invocation_metadata())
-            if self.replayer is None:
-                raise ApiError(404, "this deployment does not resume streams", code="not_found")
-            record = await self.replayer.open(tenant, request.request_id)
-            stream = self.replayer.stream(record, Cursor(tokens=request.after))
-            async with contextlib.aclosing(kept_alive(stream_messages(stream),
-                                                      self.keepalive_s)) as messages:
-                async for message in messages:
-                    await context.write(message)
+            async with self.followers.held(tenant):
+                if self.replayer is None:
+                    raise ApiError(404, "this deployment does not resume streams", code="not_found")
+                record = await self.replayer.open(tenant, request.request_id)
+                stream = self.replayer.stream(record, Cursor(tokens=request.after))
+                async with contextlib.aclosing(kept_alive(stream_messages(stream),
+                                                          self.keepalive_s)) as messages:
+                    async for message in messages:
+                        await context.write(message)
         except Exception as exc:
             await abort_with(context, exc)
 

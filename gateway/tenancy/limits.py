@@ -13,7 +13,7 @@ Redis layout (`P` = prefix; tenant names come last, after a fixed kind):
     P rl:rpm:<tenant>   string  TAT of the request bucket (seconds, as text); expires when the
                                 bucket is full again, so an idle tenant leaves nothing behind
     P rl:tpm:<tenant>   string  TAT of the token bucket, same
-    P rl:conc:<tenant>  zset    grant id -> lease expiry (seconds): the tenant's requests in flight
+    P rl:<pool>:<tenant> zset   grant id -> lease expiry (seconds): the tenant's slots (`Grant.pool`)
 
 Concurrency slots are leases: a grant counts against `max_concurrent` until it is released or until
 its lease ends (`lease_s`, 30 s by default), so a gateway that dies holding grants frees them by
@@ -67,6 +67,7 @@ class Grant:
     grant_id: str
     tokens: int                  # tokens charged to the TPM bucket at acquire
     tpm: int | None              # the TPM limit charged against (a later change does not matter)
+    pool: str = "conc"           # whose slots it holds (only "conc" grants are kept: `to_list`)
 
     def to_list(self) -> list:
         """As plain JSON (kept with the request, so a restarted gateway can correct it)."""
@@ -174,23 +175,23 @@ class _MemoryBuckets:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tats: dict[tuple[str, str], float] = {}           # (kind, tenant) -> TAT
-        self._grants: dict[str, dict[str, float]] = {}          # tenant -> grant id -> expiry
+        self._grants: dict[str, dict[str, float]] = {}   # "pool:tenant" -> grant id -> expiry
 
     def usage(self, tenant: Tenant, now: float) -> Usage:
         with self._lock:
             return self._usage(tenant.name, now)
 
-    def _usage(self, name: str, now: float) -> Usage:
+    def _usage(self, name: str, now: float, pool: str = "conc") -> Usage:
         """The tenant's TATs and its grants still live at `now` (the caller holds the lock)."""
-        live = sum(expiry > now for expiry in self._grants.get(name, {}).values())
+        live = sum(expiry > now for expiry in self._grants.get(f"{pool}:{name}", {}).values())
         return Usage(self._tats.get(("rpm", name), 0.0), self._tats.get(("tpm", name), 0.0), live)
 
-    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
+    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float, pool: str) -> Verdict:
         with self._lock:
-            grants = self._grants.setdefault(tenant.name, {})
+            grants = self._grants.setdefault(f"{pool}:{tenant.name}", {})
             for gid in [g for g, expiry in grants.items() if expiry <= now]:
                 del grants[gid]
-            verdict = check(tenant, self._usage(tenant.name, now), now, tokens)
+            verdict = check(tenant, self._usage(tenant.name, now, pool), now, tokens)
             if verdict.allowed:
                 self._tats[("rpm", tenant.name)] = verdict.rpm_tat
                 self._tats[("tpm", tenant.name)] = verdict.tpm_tat
@@ -199,7 +200,7 @@ class _MemoryBuckets:
 
     def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         with self._lock:
-            if self._grants.get(grant.tenant, {}).pop(grant.grant_id, None) is None and not orphan:
+            if self._grants.get(f"{grant.pool}:{grant.tenant}", {}).pop(grant.grant_id, None) is None and not orphan:
                 return False
             if grant.tpm is not None and used_tokens != grant.tokens:
                 key = ("tpm", grant.tenant)
@@ -209,7 +210,7 @@ class _MemoryBuckets:
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
         with self._lock:
-            grants = self._grants.get(grant.tenant, {})
+            grants = self._grants.get(f"{grant.pool}:{grant.tenant}", {})
             if grants.get(grant.grant_id, 0.0) <= now:
                 return False
             grants[grant.grant_id] = now + lease_s
@@ -299,10 +300,10 @@ class _RedisBuckets:
     def _key(self, kind: str, tenant: str) -> str:
         return f"{self._prefix}{kind}:{tenant}"
 
-    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
+    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float, pool: str) -> Verdict:
         name = tenant.name
         reply = self._acquire(
-            keys=[self._key("rpm", name), self._key("tpm", name), self._key("conc", name)],
+            keys=[self._key("rpm", name), self._key("tpm", name), self._key(pool, name)],
             args=[repr(now), tokens, tenant.rpm or 0, tenant.tpm or 0, tenant.max_concurrent or 0,
                   grant_id, repr(lease_s), repr(WINDOW_S), repr(CONCURRENCY_RETRY_S), repr(_EPS)])
         if int(reply[0]) == 1:
@@ -321,12 +322,12 @@ class _RedisBuckets:
 
     def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         return bool(self._release(
-            keys=[self._key("tpm", grant.tenant), self._key("conc", grant.tenant)],
+            keys=[self._key("tpm", grant.tenant), self._key(grant.pool, grant.tenant)],
             args=[grant.grant_id, used_tokens - grant.tokens, grant.tpm or 0, repr(now),
                   repr(WINDOW_S), "1" if orphan else "0"]))
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
-        return bool(self._renew(keys=[self._key("conc", grant.tenant)],
+        return bool(self._renew(keys=[self._key(grant.pool, grant.tenant)],
                                 args=[grant.grant_id, repr(now), repr(now + lease_s),
                                       math.ceil(lease_s * 1000) + 1000]))
 
@@ -351,16 +352,16 @@ class Limiter:
         """Do the buckets live across the network (Redis), so that a call may wait on it?"""
         return isinstance(self._buckets, _RedisBuckets)
 
-    def acquire(self, tenant: Tenant, tokens: int) -> Grant:
+    def acquire(self, tenant: Tenant, tokens: int, *, pool: str = "conc") -> Grant:
         """Admit one request that may use `tokens` tokens (prompt + max_tokens), charging one
-        request, those tokens and one concurrency slot, or nothing: raises LimitExceeded."""
+        request, those tokens and a slot of `pool` (its max_concurrent), or nothing: LimitExceeded."""
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         grant_id = uuid.uuid4().hex
-        verdict = self._buckets.acquire(tenant, tokens, self._clock(), grant_id, self.lease_s)
+        verdict = self._buckets.acquire(tenant, tokens, self._clock(), grant_id, self.lease_s, pool)
         if not verdict.allowed:
             raise refusal(tenant, tokens, verdict)
-        return Grant(tenant.name, grant_id, tokens, tenant.tpm)
+        return Grant(tenant.name, grant_id, tokens, tenant.tpm, pool)
 
     def precheck(self, tenant: Tenant, tokens: int) -> None:
         """Raise LimitExceeded if a request of at least `tokens` tokens would be refused now;
