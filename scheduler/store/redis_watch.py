@@ -25,6 +25,7 @@ counts as lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -121,7 +122,8 @@ class _Subscriber:
                 await asyncio.sleep(self._delay)
                 self._delay = min(2 * self._delay, RETRY_MAX_S)
         finally:
-            await client.aclose()
+            with contextlib.suppress(RuntimeError):     # its event loop closed with it pending
+                await client.aclose()
 
     async def _listen(self, client: Any) -> None:
         """Subscribe, then hand what is heard to the waiters until the connection is lost."""

@@ -26,7 +26,10 @@ from tests.helpers import serving
 MODEL = "smollm2-135m"
 ACME = "sk-acme-wakeups-0001"
 STEPS = 12              # one token a step (no speculation)
-STEP_MS = 150.0
+STEP_MS = 200.0
+# reads beyond one a step: the first after the watch begins, the subscription's, the commits that
+# write no token (the request's start, its end); polling every 20 ms would read ~120 times
+SLACK = 8
 NEVER_S = 120.0         # the followers' safety-net read: beyond the test's timeouts
 HEADERS = {"Authorization": f"Bearer {ACME}"}
 
@@ -93,8 +96,7 @@ def test_a_chat_resume_reads_the_store_once_a_step_not_on_a_clock(gw):
     reads, events = followed_reads(emb.replayer.records, follow)
     final = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
     assert final and final[-1]["specgate"]["steps"] == STEPS
-    # polling every 20 ms would have read ~90 times over these steps (more under no load)
-    assert reads <= STEPS + 4, reads
+    assert reads <= STEPS + SLACK, reads
 
 
 def test_a_streamed_get_of_a_background_response_reads_once_a_step(gw):
@@ -112,7 +114,7 @@ def test_a_streamed_get_of_a_background_response_reads_once_a_step(gw):
     reads, events = followed_reads(emb.responses.records, follow)
     assert events[-1]["type"] == "response.incomplete"          # max_output_tokens reached
     assert [e for e in events if e["type"] == "response.output_text.delta"]
-    assert reads <= STEPS + 4, reads
+    assert reads <= STEPS + SLACK, reads
 
 
 def test_a_follower_on_another_instance_over_the_same_redis_wakes_on_each_commit(redis_url,
@@ -139,4 +141,4 @@ def test_a_follower_on_another_instance_over_the_same_redis_wakes_on_each_commit
     out = items[-1]
     assert isinstance(out, GenerateOutput) and out.finish_reason == "length"
     assert out.speculation.steps == STEPS and len(out.token_ids) == STEPS
-    assert reads <= STEPS + 4, reads
+    assert reads <= STEPS + SLACK, reads
