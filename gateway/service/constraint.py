@@ -70,8 +70,8 @@ class ConstraintCheck:
         self.stop_token_ids = tuple(stop_token_ids)
         self.limits = limits or GrammarLimits()
         self._grammars = grammars
-        if grammars is not None:
-            self._bound(grammars)
+        if grammars is not None:          # a model's own: its processes start now, not at the
+            self._bound(grammars).warm()  # first constrained request (which would wait seconds)
         self._compiling: Counter[str] = Counter()
         self._lock = threading.Lock()
 
@@ -137,14 +137,14 @@ class ConstraintCheck:
             except ValueError:
                 raise errors.invalid("this deployment serves no structured outputs (its model has no "
                                      "stop token)", PARAM) from None
-            self._grammars = self._bound(grammars)
+            self._bound(grammars)
+            self._grammars = grammars
         return self._grammars
 
     def _bound(self, grammars: Any) -> Any:
-        """Serving: every compile through the compile pool, within the time limit."""
-        grammars.use_pool(workers=self.limits.compile_workers, timeout_s=self.limits.compile_timeout_s,
-                          max_shipped_bytes=self.limits.max_shipped_bytes)
-        return grammars
+        """Serving: every compile through the compile pool (returned), within the time limit."""
+        return grammars.use_pool(workers=self.limits.compile_workers, timeout_s=self.limits.compile_timeout_s,
+                                 max_shipped_bytes=self.limits.max_shipped_bytes)
 
 
 def hold_for(request: Any, pin: Any) -> None:

@@ -7,10 +7,10 @@ one compiler thread); a child that has not answered within `timeout_s` is killed
 started in its place, and the caller gets `CompileTimeout` at once. Nobody else waits on it.
 
 Children are forked from multiprocessing's fork server with the engine already imported, so a
-replacement is ready in the time it takes to fork and read the tokenizer (well under a second),
-not the seconds a fresh interpreter takes to import the engine and torch. Each child builds the
+replacement is ready in the time it takes to fork and read the tokenizer, not the seconds a
+fresh interpreter takes to import the engine and torch. Each child builds the
 engine's view of the tokenizer once, from the JSON its parent serialized once. The pool starts
-at the first compile: a deployment that never sees a constraint never starts a process.
+at the first compile, or when its owner asks (`warm`).
 
 What comes back is what the caller asks for: success and the grammar's size (the caller compiles
 again in its own process, which is faster than reading a serialized grammar back, and now known
@@ -98,6 +98,12 @@ class CompilePool:
             raise SchemaTooComplex(f"the compiled schema is {size:,} bytes; the most allowed is "
                                    f"{max_bytes:,} (grammar_max_shipped_mb)", "grammar_max_shipped_mb")
         return Compiled(payload, size)
+
+    def warm(self) -> None:
+        """Start the children now, in the background (a serving process that has a model: the
+        first constrained request then finds them ready instead of waiting seconds for them)."""
+        with self._cond:
+            self._top_up()
 
     def close(self) -> None:
         """Stop every idle child (tests; a serving process's children end with it)."""
