@@ -33,6 +33,9 @@ from scheduler.request import Request, RequestStats, Status, finish_reason
 from scheduler.store import StateStore
 
 POLL_S = 0.02        # how often a follower reads a running request's new tokens
+# a read of more tokens than this (a resume's catch-up) is decoded on a worker thread: the text
+# of a whole output is work in proportion to it, which the event loop must not do
+INLINE_TOKENS = 64
 STOP_WAIT_S = 2.0    # after a stop string, how long to wait for the record's end (its final stats)
 
 
@@ -97,7 +100,7 @@ class ReplayStream:
         tokens, stats, read = list(self._req.output_ids), self._req.stats, len(self._req.output_ids)
         stopped_at = None
         while not self._closed:
-            chunk = self._advance(tokens)
+            chunk = await self._take(tokens)
             if chunk is not None:
                 yield chunk
             if self._text.stopped and stopped_at is None:
@@ -117,6 +120,14 @@ class ReplayStream:
         if chunk is not None:
             yield chunk
         yield self._output(stats)
+
+    async def _take(self, tokens: Sequence[int]) -> StreamChunk | None:
+        """`_advance`, on a worker thread when the read is long (the first read of a resume).
+        A follower reads only the tokens it has not seen, and each costs a bounded decode
+        (gateway/text.py), so following a request costs its output once, not once a read."""
+        if len(tokens) > INLINE_TOKENS:
+            return await asyncio.to_thread(self._advance, tokens)
+        return self._advance(tokens)
 
     def _advance(self, tokens: Sequence[int]) -> StreamChunk | None:
         """Push new tokens one at a time (a stop string may cut them); the chunk of text and
@@ -139,7 +150,7 @@ class ReplayStream:
         c = self._cursor.chars
         if c is None:
             return piece
-        start = len(self._text.text) - len(piece)     # where `piece` begins in the text shown
+        start = self._text.chars - len(piece)         # where `piece` begins in the text shown
         return piece[max(0, c - start):]
 
     def _chunk(self, text: str) -> StreamChunk | None:

@@ -13,8 +13,11 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gateway.keepalive import KEEPALIVE_S
 from gateway.tenancy.records import configured_digest
 
+# a pepper is a random secret nobody types: this refuses placeholders, not weak randomness
+MIN_PEPPER_CHARS = 32
 DEFAULT_MODEL = "smollm2-135m"      # = workers.model.loader.DEFAULT_MODEL (not imported: no torch here)
 
 
@@ -58,6 +61,9 @@ class Settings(BaseSettings):
     # with the tenants file's admin keys, THE admin keys: a change replaces the stored set at start
     admin_key: SecretStr | None = None
     metrics_key: SecretStr | None = None       # reads GET /metrics only (for Prometheus)
+    # the server secret API keys rest under in the store (an HMAC, gateway/tenancy/records.py):
+    # set it once and keep it; a different one makes every stored key unknown
+    key_pepper: SecretStr | None = None
     # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py)
     policy: Literal["laps", "fcfs", "sjf", "las", "srpt"] = "laps"
     drafters: str = "ngram"                    # comma-separated; the first is the default
@@ -106,6 +112,10 @@ class Settings(BaseSettings):
     grammar_max_shipped_mb: float = Field(16.0, gt=0)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:
+    # an empty delta and HTTP/2 pings), so proxies that close idle connections do not cut one that
+    # waits in the queue; keep it below their idle timeout (often 60 s). 0: none
+    stream_keepalive_s: float = Field(KEEPALIVE_S, ge=0)
     # `n`: choices one request may ask for, each its own request through the scheduler
     max_choices: int = Field(8, ge=1)
     openapi_docs: bool = False                 # serve /docs, /redoc and /openapi.json (public)
@@ -128,6 +138,14 @@ class Settings(BaseSettings):
     def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
         if v is not None:
             configured_digest(v.get_secret_value())     # ValueError: too short (never says the key)
+        return v
+
+    @field_validator("key_pepper")
+    @classmethod
+    def _pepper_long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < MIN_PEPPER_CHARS:
+            raise ValueError(f"key_pepper must have at least {MIN_PEPPER_CHARS} characters "
+                             "(e.g. `openssl rand -hex 32`)")
         return v
 
     @model_validator(mode="after")

@@ -14,16 +14,48 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 REPLACEMENT = "\ufffd"      # what decode() gives for an incomplete UTF-8 sequence
+# The most tokens held back waiting for a character to complete. A UTF-8 character is at most
+# four bytes, so one split over byte tokens completes by its fourth; twice that leaves room for
+# tokens that straddle characters back to back. Past it the window moves on and the U+FFFD goes
+# out, as the full decode shows it: a run of byte tokens that never forms a character (a
+# `logit_bias` can force one) costs a bounded window per token, not the whole run again.
+HOLD_TOKENS = 8
+
+
+class _Joined:
+    """Text appended piece by piece, its length always known and the string built only when
+    read: `text += piece` on an attribute copies the whole text at every piece."""
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._pieces: list[str] = []
+        self.chars = 0
+
+    def add(self, piece: str) -> str:
+        if piece:
+            self._pieces.append(piece)
+            self.chars += len(piece)
+        return piece
+
+    @property
+    def text(self) -> str:
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces.clear()
+        return self._text
 
 
 class IncrementalDetokenizer:
     """Turns token ids into text chunk by chunk, never splitting a character.
 
     The text of a span of tokens depends on its neighbours (a leading space, a multi-byte
-    character split over two tokens), so each push decodes a short window: from `prefix_offset`
+    character split over two tokens), so each token decodes a short window: from `prefix_offset`
     (the start of the last text already emitted) to the end, and emits what it adds to the text of
-    `prefix_offset:read_offset`. An incomplete character at the end (U+FFFD) is held until the
-    next token completes it; the text before it goes out at once.
+    `prefix_offset:read_offset`. An incomplete character at the end (U+FFFD) is held until a
+    later token completes it, for at most `hold` tokens; the text before it goes out at once.
+    Tokens are taken one at a time, so the text after k tokens does not depend on how they were
+    grouped, and the window never spans more than the context and two holds: each token costs
+    two decodes of a bounded window, whatever the output's length.
     A few prompt tokens seed the window, so the first output token decodes in context.
 
     >>> tok = ToyTokenizer()
@@ -33,43 +65,61 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: Sequence[int] = (), *, context: int = 5,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, hold: int = HOLD_TOKENS) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []
+        self.hold = hold
+        self._ids: list[int] = list(prompt_ids[-context:]) if context > 0 else []   # the window
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = len(self._ids)
         self._sent = 0                    # characters after the prefix's text already emitted
-        self.text = ""                    # everything emitted so far
+        self._out = _Joined()             # everything emitted so far
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return self._out.text
+
+    @property
+    def chars(self) -> int:
+        """len(text), without building it."""
+        return self._out.chars
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add committed tokens; returns the new text that is complete (maybe "")."""
-        self.ids.extend(token_ids)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new = self._decode(self.ids[self.prefix_offset:])[len(prefix):]
-        if new.endswith(REPLACEMENT):
+        return "".join([self._push_one(int(t)) for t in token_ids])
+
+    def _push_one(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self.prefix_offset:self.read_offset])
+        new = self._decode(self._ids[self.prefix_offset:])[len(prefix):]
+        if new.endswith(REPLACEMENT) and len(self._ids) - self.read_offset <= self.hold:
             # An incomplete character at the end: release what comes before it, keep the window.
             return self._emit(new.rstrip(REPLACEMENT))
         out = self._emit(new)
-        self.prefix_offset, self.read_offset, self._sent = self.read_offset, len(self.ids), 0
+        self._advance()
         return out
 
     def flush(self) -> str:
         """The text still held at the end (an incomplete character decodes as U+FFFD)."""
-        if self.read_offset == len(self.ids):
+        if self.read_offset == len(self._ids):
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        out = self._emit(self._decode(self.ids[self.prefix_offset:])[len(prefix):])
-        self.prefix_offset = self.read_offset = len(self.ids)
-        self._sent = 0
+        prefix = self._decode(self._ids[self.prefix_offset:self.read_offset])
+        out = self._emit(self._decode(self._ids[self.prefix_offset:])[len(prefix):])
+        self._advance()
         return out
+
+    def _advance(self) -> None:
+        """Everything up to the end is emitted: it becomes the next window's prefix, and the
+        tokens before that prefix are no longer needed."""
+        del self._ids[:self.read_offset]
+        self.prefix_offset, self.read_offset, self._sent = 0, len(self._ids), 0
 
     def _emit(self, window_text: str) -> str:
         """`window_text` = all text after the prefix so far; returns the part not yet sent."""
         out = window_text[self._sent:] if len(window_text) > self._sent else ""
         self._sent = max(self._sent, len(window_text))
-        self.text += out
-        return out
+        return self._out.add(out)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
@@ -92,8 +142,18 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._longest = max((len(s) for s in self.stops), default=0)
         self.held = ""
-        self.text = ""                    # everything released so far
+        self._out = _Joined()             # everything released so far
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """Everything released so far."""
+        return self._out.text
+
+    @property
+    def chars(self) -> int:
+        """len(text), without building it."""
+        return self._out.chars
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add new text; returns (text safe to release now, whether a stop string was seen)."""
@@ -133,8 +193,7 @@ class StopMatcher:
         return 0
 
     def _release(self, text: str) -> str:
-        self.text += text
-        return text
+        return self._out.add(text)
 
 
 class OutputText:
@@ -163,6 +222,11 @@ class OutputText:
     def text(self) -> str:
         """Everything shown so far."""
         return self._stops.text
+
+    @property
+    def chars(self) -> int:
+        """len(text), without building it: what a caller asks after every token."""
+        return self._stops.chars
 
     @property
     def stopped(self) -> bool:

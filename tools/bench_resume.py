@@ -146,10 +146,12 @@ class RayGateway:
 
         from gateway.builders.ray_app import build_ray_app
         from gateway.cli.serve_ray import load_config
+        from gateway.ray_serve.replica_secrets import export_secrets
 
+        # a Redis URL's password reaches the replicas through the environment, never the config
         cfg, _ = load_config(ROOT / "deploy" / "serve" / "specgate.yaml",
-                             {"model": self.model, "served_model_name": "m",
-                              "redis_url": self.redis_url, "store_prefix": self.prefix})
+                             export_secrets({"model": self.model, "served_model_name": "m",
+                                             "redis_url": self.redis_url, "store_prefix": self.prefix}))
         cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="error",
                  log_to_driver=False)

@@ -95,14 +95,19 @@ class Embedded:
 
 
 def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None = None,
-             kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None) -> Embedded:
+             kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None,
+             configure_tenants: bool = True) -> Embedded:
     """Everything over `target` but recovery and the listening. `replica`: the replica id's
     lease, already taken (embedded over Redis); `kv_budgets`: a budget per home, which the step
-    loop hands the planner every step (Ray mode: `VerifierPool.kv_budgets`)."""
+    loop hands the planner every step (Ray mode: `VerifierPool.kv_budgets`).
+    `configure_tenants=False`: the tenant store as it is, no tenants file, admin keys or dev
+    tenant applied (Ray mode's scheduler replica: its ingress replicas do that, with the keys
+    it is not given)."""
     metrics = GatewayMetrics()
     step_loop = _step_loop(settings, target, metrics, kv_budgets)
-    tenants = TenantRegistry.from_settings(settings)   # the configured admin keys, too
-    dev_key = tenants.ensure_dev_tenant()
+    # the configured admin keys, too
+    tenants = TenantRegistry.from_settings(settings, configure=configure_tenants)
+    dev_key = tenants.ensure_dev_tenant() if configure_tenants else None
     admin_key = None
     if settings.admin_key is None and dev_key is not None:   # a fresh dev set-up: an admin key too
         admin_key = new_api_key()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import SecretStr
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -23,12 +22,17 @@ from gateway.ray_serve.config import DeploymentOptions, RayAppConfig
 from gateway.ray_serve.deployments import (DRAFT, INGRESS, SCHEDULER, VERIFIER, DraftServer,
                                            SchedulerServer, VerifierServer)
 from gateway.ray_serve.ingress import IngressServer
+from gateway.ray_serve.replica_secrets import public_settings, refuse_secrets
 from gateway.settings import Settings
 
 
 def build_ray_app(config: RayAppConfig):
-    """The Serve application: ingress → scheduler → verifier (→ draft workers)."""
-    settings = replica_settings(config.gateway_settings())
+    """The Serve application: ingress → scheduler → verifier (→ draft workers). No secret goes
+    into it: a replica reads the ones it needs from its node's environment
+    (`gateway.ray_serve.replica_secrets`), so this builder needs none and may run on any node.
+    ValueError if the config's settings hold one."""
+    refuse_secrets(config.settings)
+    settings = public_settings(Settings(**config.settings))
     router = RequestRouterConfig(request_router_class="gateway.ray_serve.routing:KVAffinityRouter")
     drafts = None
     if config.draft is not None:
@@ -63,23 +67,13 @@ def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):
     return serve.deployment(cls, **options)
 
 
-def replica_settings(settings: Settings) -> dict[str, Any]:
-    """The settings every replica is built from, as plain JSON values (Serve passes them to the
-    replicas' constructors). The secrets are the keys themselves: `model_dump` writes a SecretStr
-    as "**********", which as an admin or metrics key would lock the admins and Prometheus out."""
-    out = settings.model_dump(mode="json", exclude_none=True)
-    for name, value in settings:
-        if isinstance(value, SecretStr):       # admin_key, metrics_key, and any added later
-            out[name] = value.get_secret_value()
-    return out
-
-
-# what a verifier replica never needs: it serves no client, checks no key and never touches
-# Redis (the scheduler drives it), and it may run on a GPU node the chart keeps secrets off
-VERIFIER_WITHHELD = frozenset({"admin_key", "metrics_key", "redis_url", "tenants_file"})
+# what a verifier replica never needs, beyond the secrets no replica is given: the tenants file
+# (key digests) and a password-less Redis URL (it serves no client and never touches Redis: the
+# scheduler drives it), and it may run on a GPU node the chart keeps secrets off
+VERIFIER_WITHHELD = frozenset({"admin_key", "metrics_key", "key_pepper", "redis_url", "tenants_file"})
 
 
 def verifier_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """`replica_settings` less the keys, the Redis URL (with its password) and the tenants
-    file (key digests): a verifier replica is built from the model and scheduler fields alone."""
+    """`public_settings` less the tenants file and the Redis URL: a verifier replica is built
+    from the model and scheduler fields alone."""
     return {k: v for k, v in settings.items() if k not in VERIFIER_WITHHELD}

@@ -112,7 +112,8 @@ async def _serve(emb: Embedded, server: Any) -> None:
     grpc = None
     if s.grpc_port is not None:
         grpc = await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port,
-                                       host=s.host, replayer=emb.replayer)
+                                       host=s.host, replayer=emb.replayer,
+                                       keepalive_s=s.stream_keepalive_s)
     print(f"specgate: serving {s.model_id} on http://{s.host}:{s.port}"
           + (f" and gRPC {s.host}:{grpc.port}" if grpc else "")
           + f" (policy {s.policy}, drafters {s.drafters})", file=sys.stderr)

@@ -7,6 +7,10 @@ A config file is a Serve config (`applications[0].args` is a `gateway.ray_serve.
 `http_options` the listening address, its `grpc_options` Serve's gRPC proxy); flags given on the
 command line override its settings. `--grpc-port` (setting `grpc_port`) serves gRPC on that port.
 On a cluster that is already running, deploy the same file with Ray's own `serve deploy FILE`.
+
+Secrets (`SPECGATE_ADMIN_KEY`, `SPECGATE_METRICS_KEY`, `SPECGATE_KEY_PEPPER`, a Redis URL with a
+password) never go in the Serve config: the local cluster's processes inherit them from this
+one's environment, where the replicas read them (`gateway.ray_serve.replica_secrets`).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from ray import serve
 from gateway.builders.ray_app import build_ray_app
 from gateway.ray_serve.config import RayAppConfig
 from gateway.ray_serve.ingress import GRPC_SERVICER
+from gateway.ray_serve.replica_secrets import export_secrets, refuse_secrets
 from gateway.settings import Settings
 from gateway.tenancy.tenants import TenantRegistry
 
@@ -30,7 +35,8 @@ APP_NAME = "specgate"
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[RayAppConfig, dict[str, Any]]:
-    """(the application's config, Serve's http_options) from a Serve config file and flags."""
+    """(the application's config, Serve's http_options) from a Serve config file and flags.
+    ValueError if either holds a secret: those reach the replicas through the environment."""
     http: dict[str, Any] = {}
     args: dict[str, Any] = {}
     if path is not None:
@@ -40,6 +46,8 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[RayAppCon
             raise ValueError(f"{path}: expected one application, found {len(apps)}")
         args = apps[0].get("args") or {}
         http = dict(doc.get("http_options") or {})
+        refuse_secrets(args.get("settings") or {}, f"{path}: settings")
+    refuse_secrets(overrides)
     cfg = RayAppConfig(**args)
     cfg.settings.update(overrides)
     s = cfg.gateway_settings()                     # validates, and needs a Redis URL
@@ -67,7 +75,9 @@ def load_grpc_options(path: Path | None, cfg: RayAppConfig) -> dict[str, Any] | 
 
 def run(args: Any, overrides: dict[str, Any]) -> int:
     try:
-        cfg, http = load_config(getattr(args, "config", None), overrides)
+        # the Redis URL's password (a flag's) to the environment the local cluster inherits
+        public = export_secrets(overrides)
+        cfg, http = load_config(getattr(args, "config", None), public)
         grpc = load_grpc_options(getattr(args, "config", None), cfg)
     except (ValueError, OSError) as e:
         print(f"specgate serve --ray: {e}", file=sys.stderr)

@@ -3,7 +3,13 @@
 
 A `grpc.aio` server on the event loop that runs the service (and uvicorn), so a handler awaits
 the service directly, and a client that cancels (or whose deadline passes) cancels the request
-as a disconnect does in REST. Everything else is REST's, by construction: the API key is read
+as a disconnect does in REST. A stream that waits (queued, or a resumed request not yet running)
+sends a keep-alive every `keepalive_s` seconds in which it sends nothing else, two kinds:
+an empty `GenerateDelta` (no text, no token ids: a client that joins deltas, or counts their
+token ids for `Resume.after`, is unchanged by it), which proxies that time out a stream on its
+data (Envoy's stream idle timeout, nginx's grpc_read_timeout) see; and HTTP/2 pings at the same
+interval, which load balancers that time out the connection see, and which find a client that
+vanished without closing. Everything else is REST's, by construction: the API key is read
 from metadata (`authorization: Bearer <key>`, or `x-api-key: <key>`) and checked by the same
 tenant registry; a request is validated by REST's request models (`gateway.schemas`), so sizes,
 defaults and error messages match; the service applies the model checks and the tenant's limits
@@ -15,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import grpc
 import pydantic
@@ -24,6 +30,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway import errors, schemas
 from gateway.http.deps import field_names
+from gateway.keepalive import KEEPALIVE_S, with_keepalive
 from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
@@ -54,6 +61,8 @@ STATUS_CODES: dict[int, grpc.StatusCode] = {
 }
 INTERNAL_MESSAGE = "internal server error"      # what REST answers an unexpected exception with
 HEALTH_POLL_S = 1.0
+# what a waiting stream sends as its keep-alive: a delta of no text and no tokens
+KEEPALIVE_MESSAGE = pb.GenerateStreamResponse(delta=pb.GenerateDelta())
 _FIELDS = {m: field_names(m) for m in (schemas.CompletionRequest, schemas.ChatRequest)}
 
 
@@ -80,7 +89,8 @@ class GrpcServer:
 async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
                             limiter: Limiter | None, port: int, host: str = "127.0.0.1", *,
                             max_message_bytes: int | None = None,
-                            replayer: Replayer | None = None) -> GrpcServer:
+                            replayer: Replayer | None = None,
+                            keepalive_s: float = KEEPALIVE_S) -> GrpcServer:
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
@@ -88,10 +98,12 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     knows a request's token count), so gRPC and REST share one limiter through it.
     `max_message_bytes` caps a request message (gRPC's default: 4 MiB); a larger one is refused
     by gRPC itself with RESOURCE_EXHAUSTED. `replayer`: reads the state store for `Resume` (None:
-    Resume answers NOT_FOUND)."""
+    Resume answers NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring;
+    0: none)."""
     options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(service, tenants, replayer), server)
+    server = grpc.aio.server(options=options + keepalive_options(keepalive_s))
+    pb_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(service, tenants, replayer, keepalive_s=keepalive_s), server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -106,13 +118,26 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     return GrpcServer(server, bound, health_servicer, follow)
 
 
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """The server's HTTP/2 pings: every `keepalive_s` seconds while calls are open, without
+    gRPC's default cap of two pings between data frames (which would stop them on a connection
+    whose streams have long waits); a peer that does not answer one is dropped, and its calls
+    cancelled, after gRPC's default 20 s."""
+    if keepalive_s <= 0:
+        return []
+    return [("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000))),
+            ("grpc.http2.max_pings_without_data", 0)]
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, tenants: TenantRegistry,
-                 replayer: Replayer | None = None):
-        """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND)."""
+                 replayer: Replayer | None = None, *, keepalive_s: float = KEEPALIVE_S):
+        """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND);
+        `keepalive_s`: a waiting stream's keep-alive message (0: none)."""
         self.service = service
         self.tenants = tenants
         self.replayer = replayer
+        self.keepalive_s = keepalive_s
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -132,8 +157,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             stream = await self.service.open_stream(                            # admits, or raises
                 await authed_input(self.tenants, request, context.invocation_metadata()))
             await context.send_initial_metadata((("request-id", stream.request_id),))
-            async for message in stream_messages(stream):
-                await context.write(message)
+            async with contextlib.aclosing(kept_alive(stream_messages(stream),
+                                                      self.keepalive_s)) as messages:
+                async for message in messages:
+                    await context.write(message)
         except Exception as exc:
             await abort_with(context, exc)
         finally:
@@ -150,8 +177,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise ApiError(404, "this deployment does not resume streams", code="not_found")
             record = await self.replayer.open(tenant, request.request_id)
             stream = self.replayer.stream(record, Cursor(tokens=request.after))
-            async for message in stream_messages(stream):
-                await context.write(message)
+            async with contextlib.aclosing(kept_alive(stream_messages(stream),
+                                                      self.keepalive_s)) as messages:
+                async for message in messages:
+                    await context.write(message)
         except Exception as exc:
             await abort_with(context, exc)
 
@@ -195,6 +224,12 @@ async def stream_messages(stream: EventStream) -> AsyncIterator[pb.GenerateStrea
                 raise generation_failed()
         else:
             yield pb.GenerateStreamResponse(delta=pb.GenerateDelta(text=item.text, token_ids=item.token_ids))
+
+
+def kept_alive(messages: AsyncGenerator[pb.GenerateStreamResponse, None],
+               keepalive_s: float) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+    """`messages`, and `KEEPALIVE_MESSAGE` each time `keepalive_s` seconds pass without one."""
+    return with_keepalive(messages, keepalive_s, KEEPALIVE_MESSAGE)
 
 
 def api_key(metadata: Any) -> str | None:

@@ -15,7 +15,8 @@ import hmac
 import json
 import logging
 import re
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol,
+                    Sequence, TypeVar)
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -25,6 +26,7 @@ from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.http.choices import merged
+from gateway.keepalive import with_keepalive
 from gateway.service import EventStream, GenerateOutput, GenerationService, StreamChunk
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant, hash_key, presented_digest
@@ -256,10 +258,15 @@ class EventIds(Protocol):
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# an SSE comment: every client skips it; it keeps a waiting stream's connection from looking idle
+SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+def sse_response(events: AsyncGenerator[str, None], keepalive_s: float) -> StreamingResponse:
+    """`events` as server-sent events, with a keep-alive comment each time `keepalive_s`
+    seconds pass without one (`Settings.stream_keepalive_s`; gateway/keepalive.py)."""
+    return StreamingResponse(with_keepalive(events, keepalive_s, SSE_KEEPALIVE),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -34,9 +34,9 @@ from gateway.assembly.target import (Target, batch_worker, freeze_heap, kv_budge
                                      planner_step_cost, replica_kv_budget)
 from gateway.ray_serve.releases import apply_releases
 from gateway.ray_serve.remote import SchedulerEndpoint
+from gateway.ray_serve.replica_secrets import READS_NONE, SCHEDULER_READS, settings_in_replica
 from gateway.ray_serve.verifier_pool import VerifierPool
 from gateway.service import GenerateInput
-from gateway.settings import Settings
 from scheduler.lease import Lease
 from scheduler.store.redis_client import redis_client
 from workers.contract import SamplingParams
@@ -66,7 +66,7 @@ class VerifierServer:
 
         if torch_threads:              # and OMP_NUM_THREADS, see _deployment
             torch.set_num_threads(torch_threads)
-        s = Settings(**settings)
+        s = settings_in_replica(settings, READS_NONE)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         # where the replica runs decides: its pod's own SPECGATE_DEVICE (the chart sets cuda on
         # GPU workers), else the deployment's setting (auto: the GPU Ray gave it, if any)
@@ -234,7 +234,7 @@ class SchedulerServer:
         # the tokenizer's loader imports the model code (torch): this replica's alone
         from workers.model.loader import load_tokenizer, resolve_model
 
-        s = Settings(**settings)
+        s = settings_in_replica(settings, SCHEDULER_READS)     # the Redis URL, from its node
         info = await verifier.describe.remote()
         self._tokenizer = await asyncio.to_thread(
             load_tokenizer, str(resolve_model(s.model, progress=False)), progress=False)
@@ -251,7 +251,8 @@ class SchedulerServer:
         target = Target(self._tokenizer, self.pool, frozenset(info["stop_token_ids"]),
                         planner_step_cost(s, None, info["step_profile"]), grammars=grammars, kv=kv,
                         kv_note=kv_note)
-        self.embedded = await asyncio.to_thread(assemble, s, target,
+        # the ingress replicas apply the tenants file and the admin keys: this one holds no key
+        self.embedded = await asyncio.to_thread(assemble, s, target, configure_tenants=False,
                                                 kv_budgets=self.pool.kv_budgets if kv else None)
         self.endpoint = SchedulerEndpoint(self.embedded.service)
         freeze_heap()

@@ -17,13 +17,13 @@ from fastapi import FastAPI
 
 from gateway.assembly.replica import scheduler_prefix
 from gateway.assembly.serving import responses_service
-from gateway.grpc_api.server import (authed_input, authed_tenant, response_message, status_of,
-                                     stream_messages)
+from gateway.grpc_api.server import (authed_input, authed_tenant, kept_alive, response_message,
+                                     status_of, stream_messages)
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.ray_serve.remote import RemoteService
+from gateway.ray_serve.replica_secrets import INGRESS_READS, settings_in_replica
 from gateway.replay import Cursor, Replayer
-from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
 from scheduler.store import open_store
@@ -42,12 +42,13 @@ class IngressServer:
     names gateway/proto's servicer (`GRPC_SERVICER`)."""
 
     def __init__(self, settings: dict[str, Any], scheduler: Any) -> None:
-        self.settings = s = Settings(**settings)
+        # the keys, the key pepper and the Redis URL: from its node's environment, never Serve's
+        self.settings = s = settings_in_replica(settings, INGRESS_READS)
         self.scheduler = scheduler
         self.service = RemoteService(scheduler, models=[s.model_id])
-        # One registry and limiter per replica, shared by REST and gRPC; opened as the scheduler
-        # replica opens it (`gateway.assembly.serving.assemble`), so both configure the same
-        # admin keys.
+        # One registry and limiter per replica, shared by REST and gRPC; the ingress replicas
+        # apply the tenants file and the configured admin keys (the scheduler's opens the store
+        # alone: `assemble(..., configure_tenants=False)`).
         self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
@@ -89,7 +90,7 @@ class IngressServer:
         try:
             stream = await self.service.open_stream(
                 await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
-            async for message in stream_messages(stream):
+            async for message in kept_alive(stream_messages(stream), self.settings.stream_keepalive_s):
                 yield message
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
@@ -101,7 +102,8 @@ class IngressServer:
         try:
             tenant = await authed_tenant(self.tenants, grpc_context.invocation_metadata())
             record = await self.replayer.open(tenant, request.request_id)
-            async for message in stream_messages(self.replayer.stream(record, Cursor(tokens=request.after))):
+            messages = stream_messages(self.replayer.stream(record, Cursor(tokens=request.after)))
+            async for message in kept_alive(messages, self.settings.stream_keepalive_s):
                 yield message
         except Exception as exc:
             _fail_grpc(grpc_context, exc)

@@ -9,9 +9,12 @@
                events with the same numbers;
     retrieve, cancel, delete   tenant-scoped: another tenant's response is a 404, as a missing one.
 
-Where things are read: a response's owner, what it asked and, once it has ended, its output, in
-the response store (gateway/responses/store.py); its tokens while it runs, in the scheduler's
-state store (`StateStore.tail`), which a step writes before it streams anything.
+Where things are read: a response's owner, what it asked and, once it has ended, its output (its
+tokens and their text, decoded once when it ends), in the response store
+(gateway/responses/store.py); its tokens while it runs, in the scheduler's state store
+(`StateStore.tail`), which a step writes before it streams anything. A follower reads and decodes
+only the tokens it has not seen; a read of many (a GET of a running response, a resumed stream's
+catch-up) is decoded on a worker thread, never on the event loop.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from gateway.errors import ApiError
 from gateway.responses.events import EventLog, text_of
 from gateway.responses.objects import Header, Outcome, deleted, response
 from gateway.responses.request import ResponseRequest
-from gateway.replay import POLL_S
+from gateway.replay import INLINE_TOKENS, POLL_S
 from gateway.responses.store import ResponseStore, Stored
 from gateway.schemas import SpeculationOptions
 from gateway.service import GenerateInput, GenerateOutput
@@ -50,11 +53,13 @@ def not_found(response_id: str) -> ApiError:
                     code="response_not_found", type="invalid_request_error")
 
 
-def final_of(tail: Tail) -> dict[str, Any]:
-    """What the response store keeps of an ended response (`ResponseStore.finalize`)."""
+def final_of(tail: Tail, tokenizer: Any) -> dict[str, Any]:
+    """What the response store keeps of an ended response (`ResponseStore.finalize`): its text
+    too, so that reading it back decodes nothing."""
     s = tail.stats
     prompt = tail.prompt_ids or []
     return {"status": s.status.value, "reason": _reason(tail), "output_ids": tail.tokens,
+            "text": text_of(tokenizer, prompt, tail.tokens),
             "context": prompt[-8:], "input_tokens": s.prompt_len, "ended_at": s.finished_s}
 
 
@@ -196,14 +201,32 @@ class ResponseService:
         """What the response's request has produced: its kept final, else its record now."""
         final = held.final
         if final is not None:
-            return _outcome_of_final(final, self.tokenizer)
+            ids = final.get("output_ids") or []
+            text = final.get("text")
+            if not isinstance(text, str):               # kept before finals held their text
+                text = await self._text_of(final.get("context") or [], ids)
+            return Outcome(Status(final["status"]), final.get("reason"), text,
+                           int(final.get("input_tokens") or 0), len(ids), final.get("ended_at"))
         tail = await self._tail(held.header.id, 0, prompt=True)
         if tail is None:
             return None                                 # not admitted yet
         s = tail.stats
-        return Outcome(s.status, _reason(tail), text_of(self.tokenizer, tail.prompt_ids or [],
-                                                        tail.tokens),
+        return Outcome(s.status, _reason(tail), await self._text_of(tail.prompt_ids or [], tail.tokens),
                        s.prompt_len, len(tail.tokens), s.finished_s)
+
+    async def _text_of(self, prompt_ids: list[int], tokens: list[int]) -> str:
+        """`text_of`, on a worker thread when there are many tokens."""
+        if len(tokens) > INLINE_TOKENS:
+            return await asyncio.to_thread(text_of, self.tokenizer, prompt_ids, tokens)
+        return text_of(self.tokenizer, prompt_ids, tokens)
+
+    @staticmethod
+    async def _pushed(log_: EventLog, tokens: list[int]) -> list[dict]:
+        """`log_.push`, on a worker thread when there are many tokens (a resumed stream's
+        catch-up); a follower's later reads are a step's tokens each."""
+        if len(tokens) > INLINE_TOKENS:
+            return await asyncio.to_thread(log_.push, tokens)
+        return log_.push(tokens)
 
     async def _follow(self, header: Header, after: int) -> AsyncIterator[dict]:
         """Every event of the response numbered above `after`: those its committed tokens give,
@@ -229,7 +252,7 @@ class ResponseService:
                     if ev["sequence_number"] > after:
                         yield ev
             start += len(tail.tokens)
-            for ev in log_.push(tail.tokens):
+            for ev in await self._pushed(log_, tail.tokens):
                 if ev["sequence_number"] > after:
                     yield ev
             s = tail.stats
@@ -248,7 +271,7 @@ class ResponseService:
         tail = self.records.tail(response_id, 0, prompt=True)
         if tail is None or not tail.stats.status.terminal:
             return False
-        return self.responses.finalize(response_id, final_of(tail))
+        return self.responses.finalize(response_id, final_of(tail, self.tokenizer))
 
     async def cancel(self, tenant: Tenant, response_id: str) -> dict:
         held = await self._stored(tenant, response_id)
@@ -259,13 +282,20 @@ class ResponseService:
             done = self._cancel(response_id)
             if asyncio.iscoroutine(done):
                 await done
-            deadline = time.monotonic() + CANCEL_WAIT_S
-            while time.monotonic() < deadline:
-                outcome = await self._outcome(held)
-                if outcome is not None and outcome.terminal:
-                    break
-                await asyncio.sleep(self.poll_s)
+            await self._until_ended(response_id, time.monotonic() + CANCEL_WAIT_S)
+            outcome = await self._outcome(held)
         return response(held.header, outcome)
+
+    async def _until_ended(self, response_id: str, deadline: float) -> None:
+        """Wait for a response's request to end (or `deadline`), reading its status and only the
+        tokens not yet read: its text is decoded once, when it has ended."""
+        seen = 0
+        while time.monotonic() < deadline:
+            tail = await self._tail(response_id, seen)
+            if tail is None or tail.stats.status.terminal:
+                return
+            seen += len(tail.tokens)
+            await asyncio.sleep(self.poll_s)
 
     async def delete(self, tenant: Tenant, response_id: str) -> dict:
         held = await self._stored(tenant, response_id)
@@ -286,13 +316,6 @@ def _generate_input(tenant: Tenant, body: ResponseRequest, header: Header) -> Ge
                          top_p=header.top_p, seed=body.seed, speculation=spec.enabled,
                          max_tree_tokens=spec.max_tree_tokens, user=body.user,
                          request_id=header.id, detached=header.background)
-
-
-def _outcome_of_final(final: dict, tokenizer: Any) -> Outcome:
-    ids = final.get("output_ids") or []
-    return Outcome(Status(final["status"]), final.get("reason"),
-                   text_of(tokenizer, final.get("context") or [], ids),
-                   int(final.get("input_tokens") or 0), len(ids), final.get("ended_at"))
 
 
 def _tail_of_final(final: dict, start: int) -> Tail:

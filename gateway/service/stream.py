@@ -171,7 +171,7 @@ class RequestStream:
         text, such as a stop token, included)."""
         lps = None
         if self._logprobs is not None:
-            lps = self._logprobs.take(None if final else len(self._text.text))
+            lps = self._logprobs.take(None if final else self._text.chars)
         if text or lps:
             self._out.append(StreamChunk(text, tuple(self._pending_ids), lps))
             self._pending_ids.clear()
@@ -205,7 +205,7 @@ class LogprobTrack:
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> None:
         for tok, (lp, top) in zip(token_ids, logprobs):
-            offset = len(self._detok.text)
+            offset = self._detok.chars
             self._detok.push([tok])
             text, raw = self._piece(tok)
             self._held.append(TokenLogprobs(text, raw, _finite(lp), tuple(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import hmac
 import re
 import secrets
 import uuid
@@ -18,6 +19,8 @@ KEY_PREFIX = "sk-"            # generated keys look like OpenAI's; never like a 
 MIN_KEY_CHARS = 16
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _DIGEST_RE = re.compile(r"sha256:[0-9a-fA-F]{64}\Z")
+# What a store holds for a key when the server has a pepper (`rest_digest`); "sha256:" otherwise.
+REST_PREFIX = "hmac-sha256:"
 
 
 # ---- the records ----------------------------------------------------------------------------------
@@ -108,3 +111,26 @@ def presented_digest(presented: str) -> str:
 
 def new_api_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+# ---- keys at rest -------------------------------------------------------------------------------------
+def rest_digest(digest: str, pepper: bytes | None) -> str:
+    """What a store keeps for the key whose digest is `digest` ("sha256:<hex>", as `hash_key`
+    makes it): HMAC-SHA256 under the server's pepper, so a copy of the store (a Redis dump, a
+    backup) cannot be used to test guesses of a typed-in key without the pepper, which lives
+    elsewhere (the gateway's environment). With no pepper: the digest itself.
+
+    Why an HMAC over the SHA-256 digest rather than over the key: a tenants file may hold only a
+    key's "sha256:" digest, and a store written by an older release holds those digests; both
+    become this form without the key (`TenantRegistry` migrates a store at start). Why a pepper
+    rather than a random salt per key: a presented key must be found in one lookup, and keys an
+    operator types carry no id to find a per-key salt by. Why not a slow hash: every request
+    computes one, and a slow one would be a cost any caller could make the gateway pay.
+
+    >>> rest_digest(hash_key("sk-acme-1"), b"pepper-0123456789")[:20]
+    'hmac-sha256:84c99397'
+    """
+    if pepper is None:
+        return digest
+    return REST_PREFIX + hmac.new(pepper, bytes.fromhex(digest.removeprefix("sha256:")),
+                                  hashlib.sha256).hexdigest()

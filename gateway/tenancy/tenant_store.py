@@ -2,7 +2,8 @@
 
 `gateway.tenancy.tenants.TenantRegistry` is the only user; it picks a backend by the store URL.
 Each call of a backend is atomic (one lock, or one Lua script), so a key is never owned by two
-tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = prefix):
+tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = prefix;
+`gateway.tenancy.tenant_redis`):
 
     P tenants:cfg      hash  tenant name -> tenant JSON (`tenant_to_dict` and the tenant's
                              immutable "id", first; no keys, no digests)
@@ -11,8 +12,16 @@ tenants, nor by a tenant and the admins, even for a moment. Redis layout (`P` = 
     P tenants:expiry   hash  key digest -> Redis time (s) after which it stops working: a key
                              rotated out with a grace period (`rotate_key(name, grace_s)`)
     P tenants:admins   set   admin key digests
-    P tenants:applied  hash  tenant name, or "@admins" -> fingerprint of the tenants-file entry
-                             (of the configured admin keys) last applied (see `load_config`)
+    P tenants:applied  hash  tenant name, or "@admins" -> what the tenants file last applied
+                             (`gateway.tenancy.applied`; see `load_config`)
+    P tenants:pepper   string  an HMAC of a constant under the pepper the keys rest under (not
+                             the pepper): a start with another one is refused
+
+A "key digest" here is the form a key rests in (`gateway.tenancy.records.rest_digest`): an
+HMAC under the server's pepper, or the key's "sha256:" digest where there is none. A store
+written before the pepper was set holds "sha256:" digests: `lookup` and `is_admin` take that
+form too (`legacy`) and, when it is what the store holds, replace it by the peppered one in the
+same step; `migrate` replaces them all at once (at start).
 
 Grace deadlines are kept in Redis' own clock (TIME), so replicas whose clocks disagree still end
 a rotated-out key at one moment.
@@ -31,6 +40,7 @@ from gateway.tenancy.records import new_tenant_id
 
 OK, NOT_EMPTY, NO_TENANT, KEY_CONFLICT, ADMIN_CONFLICT = 1, 0, -1, -2, -3   # what `put` answers
 REVOKED, NOT_ADMIN, OWN_KEY, LAST_ADMIN = 1, -1, -2, -3            # what `revoke_admin` answers
+LEGACY_PREFIX = "sha256:"          # a digest stored before the server had a pepper
 
 
 def with_id(cfg: str, tenant_id: str) -> str:
@@ -45,6 +55,17 @@ def stored_id(stored: str | None) -> str | None:
     return tenant_id if isinstance(tenant_id, str) else None
 
 
+def file_key_changes(keys: list[str], previous: list[str] | None,
+                     is_new: bool) -> tuple[list[str], list[str]]:
+    """(keys to give, keys to take) when a tenants-file entry's keys are applied: a new tenant
+    gets all of them; an existing one the keys added since the file last gave `previous`, and
+    loses the ones removed since (all of them added and none taken when `previous` is unknown).
+    Keys the API gave or rotated out are the API's: the file neither takes nor revives them."""
+    if is_new or previous is None:
+        return list(keys), []
+    return [d for d in keys if d not in previous], [d for d in previous if d not in keys]
+
+
 class MemoryBackend:
     """Same semantics as `RedisBackend`, for one process. One lock makes each call atomic."""
 
@@ -56,14 +77,32 @@ class MemoryBackend:
         self._expiry: dict[str, float] = {}
         self._admins: set[str] = set()
         self._applied: dict[str, str] = {}
+        self._pepper_check: str | None = None
 
     def _owned(self, digest: str, now: float) -> str | None:
         """The tenant owning `digest` at `now` (a rotated-out key past its grace owns nothing)."""
         name = self._owner.get(digest)
         return name if name is not None and self._expiry.get(digest, now + 1) > now else None
 
-    def lookup(self, digest: str) -> str | None:
+    def _rename(self, old: str, new: str) -> None:
+        """The same key, stored in its new form: owner, grace deadline and admin set."""
+        name = self._owner.pop(old, None)
+        expiry = self._expiry.pop(old, None)
+        if name is not None:
+            if new not in self._owner:
+                self._owner[new] = name
+                if expiry is not None:
+                    self._expiry[new] = expiry
+            held = self._keys.get(name, [])
+            self._keys[name] = list(dict.fromkeys(new if d == old else d for d in held))
+        if old in self._admins:
+            self._admins.discard(old)
+            self._admins.add(new)
+
+    def lookup(self, digest: str, legacy: str | None = None) -> str | None:
         with self._lock:
+            if legacy and digest not in self._owner and legacy in self._owner:
+                self._rename(legacy, digest)
             name = self._owned(digest, time.time())
             return self._cfg.get(name) if name else None
 
@@ -105,6 +144,29 @@ class MemoryBackend:
                 self._cfg[name] = with_id(cfg, stored_id(self._cfg.get(name)) or new_tenant_id())
             return OK
 
+    def apply_file(self, name: str, cfg: str, keys: list[str], previous: list[str] | None) -> int:
+        """A tenants-file entry: its config, and its keys as a change (`file_key_changes`). A
+        key the tenant holds is left as it is, so a key rotated out keeps its grace deadline
+        (the file never revives it); a key taken stops at once, unless it is in a grace
+        period, which it keeps."""
+        with self._lock:
+            give, take = file_key_changes(keys, previous, name not in self._cfg)
+            give = [d for d in give if self._owner.get(d) != name]
+            if any(d in self._owner for d in give):
+                return KEY_CONFLICT
+            if any(d in self._admins for d in give):
+                return ADMIN_CONFLICT
+            held = self._keys.setdefault(name, [])
+            for d in take:
+                if self._owner.get(d) == name and d not in self._expiry:
+                    del self._owner[d]
+                    held.remove(d)
+            for d in give:
+                self._owner[d] = name
+                held.append(d)
+            self._cfg[name] = with_id(cfg, stored_id(self._cfg.get(name)) or new_tenant_id())
+            return OK
+
     def remove(self, name: str) -> str | None:
         with self._lock:
             cfg = self._cfg.pop(name, None)
@@ -115,8 +177,11 @@ class MemoryBackend:
                 self._expiry.pop(d, None)
             return cfg
 
-    def is_admin(self, digest: str) -> bool:
-        return digest in self._admins
+    def is_admin(self, digest: str, legacy: str | None = None) -> bool:
+        with self._lock:
+            if legacy and digest not in self._admins and legacy in self._admins:
+                self._rename(legacy, digest)
+            return digest in self._admins
 
     def add_admins(self, digests: list[str]) -> None:
         with self._lock:
@@ -131,8 +196,10 @@ class MemoryBackend:
             self._admins = set(digests)
             return -1
 
-    def revoke_admin(self, digest: str, caller: str) -> int:
+    def revoke_admin(self, digest: str, caller: str, legacy: str | None = None) -> int:
         with self._lock:
+            if digest not in self._admins and legacy in self._admins:
+                digest = legacy
             if digest not in self._admins:
                 return NOT_ADMIN
             if digest == caller:
@@ -142,169 +209,26 @@ class MemoryBackend:
             self._admins.discard(digest)
             return REVOKED
 
+    def legacy_digests(self) -> list[str]:
+        """The "sha256:" digests stored (tenants' keys and admin keys), for `migrate`."""
+        with self._lock:
+            return [d for d in [*self._owner, *self._admins] if d.startswith(LEGACY_PREFIX)]
+
+    def migrate(self, pairs: list[tuple[str, str]]) -> None:
+        """Each (old, new): the key stored as `old` is stored as `new` from now on."""
+        with self._lock:
+            for old, new in pairs:
+                self._rename(old, new)
+
+    def pepper_check(self, check: str | None) -> str | None:
+        """The check value of the pepper the keys rest under, storing `check` if there is none."""
+        with self._lock:
+            if self._pepper_check is None:
+                self._pepper_check = check
+            return self._pepper_check
+
     def applied(self) -> dict[str, str]:
         return dict(self._applied)
 
-    def mark_applied(self, name: str, fingerprint: str) -> None:
-        self._applied[name] = fingerprint
-
-
-# Every script below that reads expiry takes "now" from Redis (TIME), so that one clock decides.
-_NOW_LUA = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
-
-# KEYS: cfg, owner, keys, expiry, admins.  ARGV: name, config JSON ("" = keep; the tenant must
-# exist), "1" to replace the tenant's keys with ARGV[7:] / "0" to keep them, "1" = only if no
-# tenant exists, grace seconds for the keys replaced (0: they stop at once), the id a new tenant
-# gets (an existing one keeps its own).
-_PUT_LUA = _NOW_LUA + """
-local name, cfg, replace, grace = ARGV[1], ARGV[2], ARGV[3] == '1', tonumber(ARGV[5])
-if ARGV[4] == '1' and redis.call('HLEN', KEYS[1]) > 0 then return 0 end
-if cfg == '' and redis.call('HEXISTS', KEYS[1], name) == 0 then return -1 end
-if replace then
-  local new = {}
-  for i = 7, #ARGV do
-    local owner = redis.call('HGET', KEYS[2], ARGV[i])
-    if owner and owner ~= name then return -2 end
-    if redis.call('SISMEMBER', KEYS[5], ARGV[i]) == 1 then return -3 end
-    new[ARGV[i]] = true
-  end
-  local keep = {}
-  local old = redis.call('HGET', KEYS[3], name)
-  if old then
-    for d in string.gmatch(old, '%S+') do
-      if not new[d] then
-        local exp = tonumber(redis.call('HGET', KEYS[4], d) or '')
-        if grace > 0 and (not exp or exp > now) then
-          local until_ = now + grace
-          if exp and exp < until_ then until_ = exp end
-          redis.call('HSET', KEYS[4], d, string.format('%.17g', until_))
-          keep[#keep + 1] = d
-        else
-          redis.call('HDEL', KEYS[2], d)
-          redis.call('HDEL', KEYS[4], d)
-        end
-      end
-    end
-  end
-  local all = {}
-  for i = 7, #ARGV do
-    redis.call('HSET', KEYS[2], ARGV[i], name)
-    redis.call('HDEL', KEYS[4], ARGV[i])
-    all[#all + 1] = ARGV[i]
-  end
-  for _, d in ipairs(keep) do all[#all + 1] = d end
-  redis.call('HSET', KEYS[3], name, table.concat(all, ' '))
-end
-if cfg ~= '' then
-  local id, old = ARGV[6], redis.call('HGET', KEYS[1], name)
-  if old then
-    local ok, rec = pcall(cjson.decode, old)
-    if ok and type(rec) == 'table' and type(rec['id']) == 'string' then id = rec['id'] end
-  end
-  redis.call('HSET', KEYS[1], name, '{"id":' .. cjson.encode(id) .. ',' .. string.sub(cfg, 2))
-end
-return 1
-"""
-
-# KEYS: cfg, owner, keys, expiry.  ARGV: name.  Returns the removed tenant's JSON, or nil.
-_REMOVE_LUA = """
-local cfg = redis.call('HGET', KEYS[1], ARGV[1])
-if not cfg then return false end
-redis.call('HDEL', KEYS[1], ARGV[1])
-local old = redis.call('HGET', KEYS[3], ARGV[1])
-if old then
-  for d in string.gmatch(old, '%S+') do
-    redis.call('HDEL', KEYS[2], d)
-    redis.call('HDEL', KEYS[4], d)
-  end
-end
-redis.call('HDEL', KEYS[3], ARGV[1])
-return cfg
-"""
-
-# KEYS: cfg, owner, expiry.  ARGV: digest.  The owning tenant's config JSON, or nil (also for a
-# rotated-out key past its grace: it is dropped at the tenant's next key change).
-_LOOKUP_LUA = _NOW_LUA + """
-local name = redis.call('HGET', KEYS[2], ARGV[1])
-if not name then return false end
-local exp = redis.call('HGET', KEYS[3], ARGV[1])
-if exp and tonumber(exp) <= now then return false end
-return redis.call('HGET', KEYS[1], name)
-"""
-
-# KEYS: admins, owner, expiry.  ARGV: digests.  Replaces the admin set, unless a digest is a
-# (live) tenant key: then nothing changes and its 0-based index is returned. -1 = replaced.
-_REPLACE_ADMINS_LUA = _NOW_LUA + """
-for i = 1, #ARGV do
-  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then
-    local exp = redis.call('HGET', KEYS[3], ARGV[i])
-    if not exp or tonumber(exp) > now then return i - 1 end
-  end
-end
-redis.call('DEL', KEYS[1])
-if #ARGV > 0 then redis.call('SADD', KEYS[1], unpack(ARGV)) end
-return -1
-"""
-
-# KEYS: admins.  ARGV: digest to revoke, the caller's digest.
-_REVOKE_ADMIN_LUA = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 0 then return -1 end
-if ARGV[1] == ARGV[2] then return -2 end
-if redis.call('SCARD', KEYS[1]) <= 1 then return -3 end
-redis.call('SREM', KEYS[1], ARGV[1])
-return 1
-"""
-
-
-class RedisBackend:
-    def __init__(self, client, prefix: str) -> None:
-        self._r = client
-        p = prefix + "tenants:"
-        self._cfg, self._owner, self._keys = p + "cfg", p + "owner", p + "keys"
-        self._expiry, self._admins, self._applied = p + "expiry", p + "admins", p + "applied"
-        self._put = client.register_script(_PUT_LUA)
-        self._remove = client.register_script(_REMOVE_LUA)
-        self._lookup = client.register_script(_LOOKUP_LUA)
-        self._replace_admins = client.register_script(_REPLACE_ADMINS_LUA)
-        self._revoke_admin = client.register_script(_REVOKE_ADMIN_LUA)
-
-    def lookup(self, digest: str) -> str | None:
-        v = self._lookup(keys=[self._cfg, self._owner, self._expiry], args=[digest])
-        return v.decode() if v else None
-
-    def get(self, name: str) -> str | None:
-        v = self._r.hget(self._cfg, name)
-        return v.decode() if v else None
-
-    def all(self) -> list[str]:
-        return [v.decode() for v in self._r.hvals(self._cfg)]
-
-    def put(self, name: str, cfg: str | None, digests: list[str] | None,
-            only_if_empty: bool = False, grace_s: float = 0.0) -> int:
-        return int(self._put(keys=[self._cfg, self._owner, self._keys, self._expiry, self._admins],
-                             args=[name, cfg or "", "0" if digests is None else "1",
-                                   "1" if only_if_empty else "0", repr(float(grace_s)),
-                                   new_tenant_id(), *(digests or ())]))
-
-    def remove(self, name: str) -> str | None:
-        v = self._remove(keys=[self._cfg, self._owner, self._keys, self._expiry], args=[name])
-        return v.decode() if v else None
-
-    def is_admin(self, digest: str) -> bool:
-        return bool(self._r.sismember(self._admins, digest))
-
-    def add_admins(self, digests: list[str]) -> None:
-        if digests:
-            self._r.sadd(self._admins, *digests)
-
-    def replace_admins(self, digests: list[str]) -> int:
-        return int(self._replace_admins(keys=[self._admins, self._owner, self._expiry], args=digests))
-
-    def revoke_admin(self, digest: str, caller: str) -> int:
-        return int(self._revoke_admin(keys=[self._admins], args=[digest, caller]))
-
-    def applied(self) -> dict[str, str]:
-        return {k.decode(): v.decode() for k, v in self._r.hgetall(self._applied).items()}
-
-    def mark_applied(self, name: str, fingerprint: str) -> None:
-        self._r.hset(self._applied, name, fingerprint)
+    def mark_applied(self, name: str, record: str) -> None:
+        self._applied[name] = record

@@ -4,6 +4,7 @@ replicas, answering the official `openai` client exactly as the embedded gateway
 every request's prefill and verifications on one replica. Ray starts once for the module."""
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -22,6 +23,7 @@ from ray import serve  # noqa: E402
 from gateway.builders.ray_app import build_ray_app as build  # noqa: E402
 from gateway.ray_serve.config import RayAppConfig  # noqa: E402
 from gateway.cli.serve_ray import load_config, load_grpc_options  # noqa: E402
+from gateway.ray_serve.replica_secrets import redis_password  # noqa: E402
 from gateway.http.server import free_port  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
 from gateway.tenancy.records import Tenant  # noqa: E402
@@ -33,6 +35,7 @@ pytestmark = pytest.mark.slow
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve" / "specgate.yaml"
 KEY = "sk-ray-test-tenant"
 ADMIN = "adm-ray-test-admin-key"
+PEPPER = "pep-ray-test-" + "5" * 32
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,",
            "Repeat: red green blue red green blue red"]
 
@@ -46,25 +49,34 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ray_app(model_dir, redis_url):
     prefix = unique_prefix()
+    # written unpeppered, as an older release's store: the ingress replicas pepper it at start
     TenantRegistry(redis_url, prefix).put(Tenant(name="t1"), [KEY])
-    cfg, _ = load_config(CONFIG, {"model": str(model_dir), "redis_url": redis_url, "store_prefix": prefix,
-                                  "drafters": "ngram", "admin_key": ADMIN, "grpc_port": free_port(),
-                                  # no sweep: the tenant removal test checks the DELETE's own path
-                                  "tenant_sweep_s": 0})
-    cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
-    cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
+    settings = {"model": str(model_dir), "redis_url": redis_url, "store_prefix": prefix,
+                "drafters": "ngram", "grpc_port": free_port(),
+                # no sweep: the tenant removal test checks the DELETE's own path
+                "tenant_sweep_s": 0}
     port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port},
-                    grpc_options=load_grpc_options(CONFIG, cfg))
-        serve.run(build(cfg), name="specgate", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", cfg
-    finally:
-        # Stopping the local cluster stops every replica with it; serve.shutdown() would first
-        # drain each one politely (~9 s) for nothing this module checks.
-        ray.shutdown()
-        delete_prefix(redis_url, prefix)
+    with pytest.MonkeyPatch.context() as env:
+        # Secrets reach the replicas through the environment the local cluster inherits from
+        # this process, as `specgate serve --ray` passes them; never through the Serve config.
+        env.setenv("SPECGATE_ADMIN_KEY", ADMIN)
+        env.setenv("SPECGATE_KEY_PEPPER", PEPPER)
+        if redis_password(redis_url):
+            env.setenv("SPECGATE_REDIS_URL", settings.pop("redis_url"))
+        cfg, _ = load_config(CONFIG, settings)
+        cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
+        cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port},
+                        grpc_options=load_grpc_options(CONFIG, cfg))
+            serve.run(build(cfg), name="specgate", route_prefix="/")
+            yield f"http://127.0.0.1:{port}", cfg
+        finally:
+            # Stopping the local cluster stops every replica with it; serve.shutdown() would first
+            # drain each one politely (~9 s) for nothing this module checks.
+            ray.shutdown()
+            delete_prefix(redis_url, prefix)
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +291,29 @@ def test_removing_a_tenant_at_an_ingress_frees_its_caches_on_every_verifier_repl
         assert registry.get("gone").id != old
 
 
+def test_the_cluster_keeps_no_secret_though_the_replicas_have_them(ray_app, redis_url, model_dir):
+    """Everything Serve's controller keeps in the GCS (its checkpoints: applications, their
+    deployments' arguments and options) is read back whole: neither the admin key nor the key
+    pepper is in it. Yet the ingress replicas hold both, read from their environment: the admin
+    API answers the admin key, and the tenant's key, stored unpeppered before the start, now
+    rests peppered (and works)."""
+    import redis as redis_py
+    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_list
+
+    url, cfg = ray_app
+    kept = b"".join(_internal_kv_get(k, namespace="serve") or b""
+                    for k in _internal_kv_list("", namespace="serve"))
+    assert str(model_dir).encode() in kept              # the deployments' arguments are in there
+    assert ADMIN.encode() not in kept and PEPPER.encode() not in kept
+    assert httpx.get(url + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"},
+                     timeout=60).status_code == 200
+    with redis_py.Redis.from_url(redis_url, decode_responses=True) as r:
+        owners = r.hkeys(cfg.settings["store_prefix"] + "tenants:owner")
+    assert owners and all(d.startswith("hmac-sha256:") for d in owners)
+    assert "sha256:" + hashlib.sha256(KEY.encode()).hexdigest() not in owners
+    assert client(url).models.list().data
+
+
 def test_the_shipped_config_file_validates():
     cfg, http = load_config(CONFIG, {"redis_url": "redis://127.0.0.1:6379/0"})
     assert isinstance(cfg, RayAppConfig) and http["port"] == 8000
@@ -344,7 +379,7 @@ def delta_text(evs: list[dict]) -> str:
 
 
 def test_killing_the_scheduler_and_ingress_replicas_mid_stream_a_resumed_response_is_whole(
-        ray_app, embedded_url, model_dir):
+        ray_app, embedded_url, model_dir, redis_url):
     """Background responses streamed through the Ray app; their clients read a few deltas and
     leave, then the scheduler replica and every ingress replica are killed. Serve starts new
     ones; the new scheduler recovers the responses from Redis and finishes them; each client
@@ -387,7 +422,7 @@ def test_killing_the_scheduler_and_ingress_replicas_mid_stream_a_resumed_respons
         assert after[-1]["type"] == "response.incomplete"            # max_output_tokens reached
     tied_ids = [rid for rid in live if rid.startswith("cmpl-")]
     assert tied_ids
-    reader = RedisStore.from_url(cfg.settings["redis_url"], scheduler_prefix(Settings(**cfg.settings)))
+    reader = RedisStore.from_url(redis_url, scheduler_prefix(Settings(**cfg.settings)))
     try:
         deadline = time.monotonic() + 60
         while (rec := reader.get(tied_ids[0])).stats.status is not Status.CANCELLED:

@@ -6,12 +6,15 @@ are deploy/'s. And the chart is closed by default: NetworkPolicies (read by a sm
 their rules, below), Redis with a password from a Secret (its rendered command line run by a real
 redis-server), generated secrets kept across upgrades (Helm's cluster-aware render), secrets only
 through secretKeyRef and only in the gateway's pods, a read-only metrics key for Prometheus,
-restricted and bounded containers."""
+restricted and bounded containers. And closed outwards: egress denied by default, each pod let out
+only where it must go (the same evaluator, for egress), secrets (the keys, the key pepper, the
+Redis URL) only in the pods whose replicas read them."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import base64
+import ipaddress
 import json
 import re
 import subprocess
@@ -27,6 +30,7 @@ import yaml
 helm = pytest.importorskip("helm_python")
 
 from gateway.ray_serve.config import RayAppConfig  # noqa: E402
+from gateway.settings import Settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "specgate"
@@ -34,10 +38,12 @@ BASE = {"adminKey": "adm-test-0123456789"}
 GPU = {**BASE, "ray": {"gpuWorkers": {"enabled": True, "gpusPerWorker": 1,
                                       "nodeSelector": {"nvidia.com/gpu.present": "true"}}},
        "serve": {"verifierReplicas": 3}}
-EXTERNAL = {**BASE, "redis": {"enabled": False, "externalUrl": "redis://redis.example:6379/2"},
+EXTERNAL_REDIS_AT = {"externalRedis": {"to": [{"ipBlock": {"cidr": "10.0.3.7/32"}}], "port": 6380}}
+EXTERNAL = {**BASE, "redis": {"enabled": False, "externalUrl": "rediss://redis.example:6380/2"},
             "tenants": {"tenants": {"acme": {"api_keys": ["sha256:" + "0" * 64]}}},
-            "ingress": {"enabled": True, "host": "llm.example.com"}}
-EXTERNAL_SECRET = {**BASE, "redis": {"enabled": False, "externalUrlSecret": {"name": "ext-redis", "key": "url"}}}
+            "ingress": {"enabled": True, "host": "llm.example.com"}, "networkPolicy": EXTERNAL_REDIS_AT}
+EXTERNAL_SECRET = {**BASE, "redis": {"enabled": False, "externalUrlSecret": {"name": "ext-redis", "key": "url"}},
+                   "networkPolicy": EXTERNAL_REDIS_AT}
 NO_NETPOL = {**BASE, "networkPolicy": {"enabled": False}}
 OPS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}}
 DASHBOARD = {**BASE, "ray": {"dashboard": {"allowFrom": [OPS]}}}
@@ -169,8 +175,10 @@ def test_gpu_values_make_a_gpu_worker_group():
 
 
 def env_of(docs: list[dict]) -> dict[str, dict]:
-    head = by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
-    return {e["name"]: e for e in head["spec"]["containers"][0]["env"]}
+    """The environment of the gateway's pods (the CPU workers: ingress and scheduler replicas)."""
+    cpu = next(g for g in by_kind(docs, "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+               if g["groupName"] == "cpu")["template"]
+    return {e["name"]: e for e in cpu["spec"]["containers"][0]["env"]}
 
 
 def test_redis_in_chart_or_external():
@@ -216,6 +224,10 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
     {"metricsKey": "short"},
     {"adminKey": "short"},                                # the gateway refuses keys under 16
     {"networkPolicy": {"enabled": "yes"}},
+    {"keyPepper": "short-and-typed-in"},                  # a pepper is random: 32 characters or more
+    {"keyPepperSecret": {"name": "x", "key": ""}},
+    {"networkPolicy": {"dns": [{"everyone": True}]}},
+    {"networkPolicy": {"externalRedis": {"to": [], "port": 0}}},
     {"networkPolicy": {"prometheus": {"podSelector": {}, "namespace": "monitoring"}}},
     {"ray": {"dashboard": {"allowFrom": [{"everyone": True}]}}},
 ])
@@ -255,7 +267,18 @@ def _selects(selector: dict | None, labels: dict) -> bool:
     return (selector or {}).get("matchLabels", {}).items() <= labels.items()
 
 
-def _peer_admits(peer: dict, ns: str, labels: dict) -> bool:
+def _peer_matches(peer: dict, end: tuple) -> bool:
+    """Does a NetworkPolicyPeer match an end: ("pod", namespace, labels) or ("ip", address)? An
+    ipBlock matches addresses outside the cluster only (pods' addresses are the selectors')."""
+    if "ipBlock" in peer:
+        if end[0] != "ip":
+            return False
+        ip, block = ipaddress.ip_address(end[1]), peer["ipBlock"]
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(
+            ip in ipaddress.ip_network(c) for c in block.get("except", []))
+    if end[0] != "pod":
+        return False
+    _, ns, labels = end
     if "namespaceSelector" in peer:
         if not _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns}):
             return False
@@ -264,26 +287,48 @@ def _peer_admits(peer: dict, ns: str, labels: dict) -> bool:
     return "podSelector" not in peer or _selects(peer["podSelector"], labels)
 
 
-def reaches(docs: list[dict], ns: str, labels: dict, target: dict, port: int) -> bool:
-    """Kubernetes' NetworkPolicy semantics for ingress: a pod no policy selects takes anything; a
-    selected pod takes what any selecting policy's rules admit (peer and port)."""
-    policies = [p["spec"] for p in by_kind(docs, "NetworkPolicy") if _selects(p["spec"]["podSelector"], target)]
+def _port_matches(rule: dict, port: int, protocol: str) -> bool:
+    ports = rule.get("ports") or []
+    return not ports or any(p.get("protocol", "TCP") == protocol and p["port"] <= port <= p.get("endPort", p["port"])
+                            for p in ports)
+
+
+def allowed(docs: list[dict], direction: str, pod: dict, other: tuple, port: int, protocol: str = "TCP") -> bool:
+    """Kubernetes' NetworkPolicy semantics, one direction: a pod no policy of that type selects
+    is open; a selected pod lets through what any selecting policy's rules allow (peers and
+    ports; a rule without peers allows any). `direction` "Ingress": `other` to the pod;
+    "Egress": the pod to `other`."""
+    rules_key, peers_key = ("ingress", "from") if direction == "Ingress" else ("egress", "to")
+    policies = [p["spec"] for p in by_kind(docs, "NetworkPolicy")
+                if direction in p["spec"]["policyTypes"] and _selects(p["spec"]["podSelector"], pod)]
     if not policies:
         return True
-    for spec in policies:
-        assert spec["policyTypes"] == ["Ingress"]
-        for rule in spec.get("ingress", []):
-            ports = [p["port"] for p in rule.get("ports", [])]
-            if (not ports or port in ports) and any(_peer_admits(peer, ns, labels) for peer in rule.get("from", [])):
-                return True
-    return False
+    return any(_port_matches(rule, port, protocol)
+               and (not rule.get(peers_key) or any(_peer_matches(peer, other) for peer in rule[peers_key]))
+               for spec in policies for rule in spec.get(rules_key, []))
+
+
+def reaches(docs: list[dict], ns: str, labels: dict, target: dict, port: int) -> bool:
+    """May a pod (`ns`, `labels`) open a connection to the port of a release's pod (`target`),
+    as far as the target's ingress policies say."""
+    return allowed(docs, "Ingress", target, ("pod", ns, labels), port)
+
+
+def connects(docs: list[dict], src: tuple, dst: tuple, port: int, protocol: str = "TCP") -> bool:
+    """A connection from `src` to `dst` (each ("pod", namespace, labels) or ("ip", address)):
+    the source's egress policies and the destination's ingress policies must both allow it (the
+    chart's policies select pods of its own namespace only)."""
+    out = src[0] != "pod" or src[1] != NS or allowed(docs, "Egress", src[2], dst, port, protocol)
+    into = dst[0] != "pod" or dst[1] != NS or allowed(docs, "Ingress", dst[2], src, port, protocol)
+    return out and into
 
 
 STRANGER = (NS, {"app": "a-tenants-notebook"})               # any other pod in the release's namespace
 ELSEWHERE = ("tenant-b", {"app.kubernetes.io/name": "ingress-nginx"})    # the right label, wrong namespace
 INGRESS_CONTROLLER = ("ingress-nginx", {"app.kubernetes.io/name": "ingress-nginx"})
 PROMETHEUS = ("monitoring", {"app.kubernetes.io/name": "prometheus"})
-OPERATOR = ("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator"})
+OPERATOR = ("ray-system", {"app.kubernetes.io/name": "kuberay-operator"})
+OPERATOR_LABEL_ELSEWHERE = ("tenant-b", {"app.kubernetes.io/name": "kuberay-operator"})   # anyone can label a pod
 
 
 def test_network_policies_admit_only_who_needs_each_port():
@@ -291,22 +336,25 @@ def test_network_policies_admit_only_who_needs_each_port():
     pods = {g: t["metadata"]["labels"] for g, t in ray_pods(docs).items()}
     redis = by_kind(docs, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"]
     head, cpu, gpu = ((NS, pods[g]) for g in ("head", "cpu", "gpu"))
-    outsiders = [STRANGER, ELSEWHERE, INGRESS_CONTROLLER, PROMETHEUS, OPERATOR]
+    outsiders = [STRANGER, ELSEWHERE, INGRESS_CONTROLLER, PROMETHEUS, OPERATOR, OPERATOR_LABEL_ELSEWHERE]
 
     def who(target: dict, port: int) -> set[str]:
         names = {"head": head, "cpu": cpu, "gpu": gpu, "stranger": STRANGER, "elsewhere": ELSEWHERE,
-                 "ingress": INGRESS_CONTROLLER, "prometheus": PROMETHEUS, "operator": OPERATOR}
+                 "ingress": INGRESS_CONTROLLER, "prometheus": PROMETHEUS, "operator": OPERATOR,
+                 "operator-label-elsewhere": OPERATOR_LABEL_ELSEWHERE}
         return {n for n, (ns, labels) in names.items() if reaches(docs, ns, labels, target, port)}
 
     # Redis: the gateway's pods only (ingress and scheduler replicas run on the CPU workers; the
-    # head runs Serve's proxies and the app builder); not the GPU verifiers, not anyone else.
-    assert who(redis, 6379) == {"head", "cpu"}
+    # head runs Serve's proxies and the app builder, which need no Redis); not the GPU verifiers,
+    # not anyone else.
+    assert who(redis, 6379) == {"cpu"}
     assert who(redis, 6380) == set()
     # The gateway's ports on the head: the ingress controller; Prometheus for HTTP only; Ray's pods.
     assert who(pods["head"], 8000) == {"head", "cpu", "gpu", "ingress", "prometheus"}
     assert who(pods["head"], 9000) == {"head", "cpu", "gpu", "ingress"}
     # Ray's own ports (GCS, dashboard and Jobs API, client, raylets, workers): Ray pods; the
-    # dashboard also the KubeRay operator, which deploys the Serve config through it.
+    # dashboard also the KubeRay operator, which deploys the Serve config through it, from its
+    # own namespace (a pod wearing its label elsewhere is not it).
     assert who(pods["head"], 6379) == who(pods["head"], 10001) == {"head", "cpu", "gpu"}
     assert who(pods["head"], 8265) == {"head", "cpu", "gpu", "operator"}
     for group in ("cpu", "gpu"):
@@ -315,7 +363,8 @@ def test_network_policies_admit_only_who_needs_each_port():
 
     # External Redis: no Redis pods, no policy for them; the rest stays.
     assert {p["metadata"]["name"] for p in by_kind(render(EXTERNAL), "NetworkPolicy")} == {
-        "sg-specgate-ray", "sg-specgate-gateway", "sg-specgate-dashboard"}
+        "sg-specgate-ray", "sg-specgate-gateway", "sg-specgate-dashboard", "sg-specgate-deny-egress",
+        "sg-specgate-ray-egress", "sg-specgate-gateway-egress", "sg-specgate-head-egress"}
     # Selectors are values: another ingress controller is admitted, the default one no longer is.
     traefik = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "traefik"}},
                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "traefik"}}}
@@ -346,6 +395,80 @@ def test_the_dashboard_has_no_service_port_and_admits_only_the_operator_unless_o
     assert "authOptions" not in cluster
 
 
+def test_the_dashboard_admits_the_operator_from_its_own_namespace_only():
+    """Both selectors, always: the operator's namespace and its pods there. A label alone would
+    admit any namespace's pod wearing it; a namespace alone, every pod of it."""
+    docs = render(BASE)
+    head = ray_pods(docs)["head"]["metadata"]["labels"]
+    assert reaches(docs, *OPERATOR, head, 8265)
+    assert not reaches(docs, *OPERATOR_LABEL_ELSEWHERE, head, 8265)
+    assert not reaches(docs, "ray-system", {"app": "something-else"}, head, 8265)
+    ops = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay"}},
+           "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+    docs = render({**BASE, "networkPolicy": {"kuberayOperator": ops}})
+    assert reaches(docs, "kuberay", OPERATOR[1], head, 8265) and not reaches(docs, *OPERATOR, head, 8265)
+    # (values merge over the defaults: null is how a value removes a selector)
+    for loose in ({"namespaceSelector": None}, {"podSelector": None},
+                  {"namespaceSelector": {"matchLabels": None}}, {"podSelector": {"matchLabels": None}}):
+        with pytest.raises(helm.HelmError, match="kuberayOperator needs a namespaceSelector and a podSelector"):
+            render({**BASE, "networkPolicy": {"kuberayOperator": loose}})
+
+
+DNS = ("kube-system", {"k8s-app": "kube-dns"})
+API_SERVER, METADATA, INTERNET = ("ip", "10.96.0.1"), ("ip", "169.254.169.254"), ("ip", "93.184.216.34")
+
+
+def test_egress_is_denied_by_default_and_each_pod_goes_only_where_it_must():
+    docs = render(GPU)
+    pods = {g: ("pod", NS, t["metadata"]["labels"]) for g, t in ray_pods(docs).items()}
+    redis = ("pod", NS, by_kind(docs, "StatefulSet")[0]["spec"]["template"]["metadata"]["labels"])
+    head, cpu, gpu = pods["head"], pods["cpu"], pods["gpu"]
+    dns, stranger = ("pod", *DNS), ("pod", *STRANGER)
+    # every pod of the release is under an egress policy: nothing unnamed gets out
+    for end in (head, cpu, gpu, redis):
+        assert not connects(docs, end, INTERNET, 443) and not connects(docs, end, METADATA, 80)
+        assert not connects(docs, end, stranger, 8080) and not connects(docs, end, ("pod", *PROMETHEUS), 9090)
+    # DNS: Ray's pods (workers find the head, the gateway Redis, by name); Redis needs none
+    for end in (head, cpu, gpu):
+        assert connects(docs, end, dns, 53, "UDP") and connects(docs, end, dns, 53, "TCP")
+        assert not connects(docs, end, dns, 80)
+    assert not connects(docs, redis, dns, 53, "UDP")
+    # Redis: from the gateway's pods alone (both ends' policies agree)
+    assert connects(docs, cpu, redis, 6379)
+    assert not connects(docs, head, redis, 6379) and not connects(docs, gpu, redis, 6379)
+    assert not connects(docs, cpu, redis, 6380)
+    # Ray's pods to each other: GCS, raylets, object managers, workers, Serve's proxies
+    for src in (head, cpu, gpu):
+        for dst in (head, cpu, gpu):
+            for port in (6379, 6380, 8000, 9000, 10002, 52365, 60000):
+                assert connects(docs, src, dst, port), (src[2]["specgate.dev/ray-group"], dst[2], port)
+    # the Kubernetes API: the head alone (KubeRay's autoscaler sidecar); no other port there
+    assert connects(docs, head, API_SERVER, 443) and connects(docs, head, API_SERVER, 6443)
+    assert not connects(docs, head, API_SERVER, 80) and not connects(docs, cpu, API_SERVER, 443)
+    assert not connects(docs, gpu, API_SERVER, 443)
+    # the operator to the dashboard, Prometheus to HTTP: ingress, replies need no egress rule
+    assert connects(docs, ("pod", *OPERATOR), head, 8265)
+    assert connects(docs, ("pod", *PROMETHEUS), head, 8000)
+    # the API server's address is a value
+    narrowed = render({**BASE, "networkPolicy": {"kubeApiServer": [{"ipBlock": {"cidr": "10.96.0.1/32"}}]}})
+    head_n = ("pod", NS, ray_pods(narrowed)["head"]["metadata"]["labels"])
+    assert connects(narrowed, head_n, API_SERVER, 443) and not connects(narrowed, head_n, INTERNET, 443)
+
+
+def test_an_external_redis_is_reached_only_where_the_values_say_it_is():
+    for values in (EXTERNAL, EXTERNAL_SECRET):
+        docs = render(values)
+        pods = {g: ("pod", NS, t["metadata"]["labels"]) for g, t in ray_pods(docs).items()}
+        assert connects(docs, pods["cpu"], ("ip", "10.0.3.7"), 6380)
+        assert not connects(docs, pods["cpu"], ("ip", "10.0.3.7"), 6379)
+        assert not connects(docs, pods["cpu"], ("ip", "10.0.3.8"), 6380)
+        assert not connects(docs, pods["head"], ("ip", "10.0.3.7"), 6380)
+    with pytest.raises(helm.HelmError, match="networkPolicy.externalRedis.to is required"):
+        render({**BASE, "redis": {"enabled": False, "externalUrl": "redis://r.example:6379/0"}})
+    assert render({**BASE, "redis": {"enabled": False, "externalUrl": "redis://r.example:6379/0"},
+                   "networkPolicy": {"enabled": False}})          # no policies: nothing to name
+
+
 def redis_memory_mi(quantity: str) -> float:
     """Redis's "384mb" (2^20 bytes each) or Kubernetes' "512Mi"/"1Gi", in MiB."""
     number, unit = re.fullmatch(r"([0-9]+)(mb|Mi|Gi)", quantity).groups()
@@ -361,7 +484,7 @@ def test_redis_has_a_generated_password_from_a_secret_and_never_evicts():
     assert creds["redis-url"] == f"redis://:{password}@sg-specgate-redis:6379/0"
     assert creds["auth.conf"] == f"requirepass {password}\n"
     # The gateway connects with the URL from that Secret.
-    for group in ("head", "cpu"):
+    for group in ("cpu",):
         assert env_by_group(docs)[group]["SPECGATE_REDIS_URL"] == {
             "name": "SPECGATE_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": "sg-specgate-redis", "key": "redis-url"}}}
     # Redis reads the password from the Secret's file; its probe's redis-cli from the Secret too.
@@ -403,7 +526,8 @@ def test_an_external_redis_url_comes_only_from_a_secret():
         render({**BASE, "redis": {"enabled": False}})
 
 
-SECRET_ENV = {"SPECGATE_ADMIN_KEY", "SPECGATE_METRICS_KEY", "SPECGATE_REDIS_URL", "REDISCLI_AUTH"}
+SECRET_ENV = {"SPECGATE_ADMIN_KEY", "SPECGATE_METRICS_KEY", "SPECGATE_KEY_PEPPER", "SPECGATE_REDIS_URL",
+              "REDISCLI_AUTH"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -422,16 +546,25 @@ def test_no_secret_reaches_a_pod_in_plain_text(case):
 
 
 def test_only_the_gateways_pods_get_the_keys():
+    """The CPU workers run the ingress and scheduler replicas, which read the secrets
+    (gateway/ray_serve/replica_secrets.py); the head (Ray's control plane, Serve's proxies, the
+    app builder) and the GPU workers (verifiers) need none, so have none: Ray passes them none
+    either, since no secret is in what Serve keeps."""
     docs = render({**GPU, "tenants": EXTERNAL["tenants"]})
     env = env_by_group(docs)
     pods = ray_pods(docs)
-    for group in ("head", "cpu"):                           # Serve's proxies and app builder; ingress, scheduler
-        assert SECRET_ENV - {"REDISCLI_AUTH"} <= set(env[group])
-        assert env[group]["SPECGATE_ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "sg-specgate-secret", "key": "admin-key"}
-        assert {m["mountPath"] for m in pods[group]["spec"]["containers"][0]["volumeMounts"]} == {"/tmp", "/etc/specgate"}
-    assert not SECRET_ENV & set(env["gpu"]) and "SPECGATE_TENANTS_FILE" not in env["gpu"]   # verifiers only
-    assert {v["name"] for v in pods["gpu"]["spec"]["volumes"]} == {"tmp"}
-    assert "specgate.dev/gateway" not in pods["gpu"]["metadata"]["labels"]
+    refs = {name: env["cpu"][name]["valueFrom"]["secretKeyRef"] for name in SECRET_ENV - {"REDISCLI_AUTH"}}
+    assert refs == {"SPECGATE_ADMIN_KEY": {"name": "sg-specgate-secret", "key": "admin-key"},
+                    "SPECGATE_METRICS_KEY": {"name": "sg-specgate-metrics", "key": "metrics-key"},
+                    "SPECGATE_KEY_PEPPER": {"name": "sg-specgate-key-pepper", "key": "key-pepper"},
+                    "SPECGATE_REDIS_URL": {"name": "sg-specgate-redis", "key": "redis-url"}}
+    assert {m["mountPath"] for m in pods["cpu"]["spec"]["containers"][0]["volumeMounts"]} == {"/tmp", "/etc/specgate"}
+    assert pods["cpu"]["metadata"]["labels"]["specgate.dev/gateway"] == "true"
+    for group in ("head", "gpu"):
+        assert not SECRET_ENV & set(env[group]) and "SPECGATE_TENANTS_FILE" not in env[group], group
+        assert {v["name"] for v in pods[group]["spec"]["volumes"]} == {"tmp"}, group
+        assert "specgate.dev/gateway" not in pods[group]["metadata"]["labels"], group
+        assert env[group]["SPECGATE_MODEL"]["value"] == "smollm2-135m"           # settings, yes
 
 
 def test_prometheus_scrapes_with_the_metrics_key_not_the_admin_key():
@@ -440,8 +573,7 @@ def test_prometheus_scrapes_with_the_metrics_key_not_the_admin_key():
     assert credentials == {"name": "sg-specgate-metrics", "key": "metrics-key"}
     metrics_key = secrets(docs)["sg-specgate-metrics"]["metrics-key"]
     assert len(metrics_key) >= 32 and metrics_key != BASE["adminKey"]
-    for group in ("head", "cpu"):
-        assert env_by_group(docs)[group]["SPECGATE_METRICS_KEY"]["valueFrom"]["secretKeyRef"] == credentials
+    assert env_by_group(docs)["cpu"]["SPECGATE_METRICS_KEY"]["valueFrom"]["secretKeyRef"] == credentials
     given = "m" * 24
     docs = render({**BASE, "metricsKey": given, "existingSecret": "ops-keys"})   # also with an existing admin Secret
     assert secrets(docs)["sg-specgate-metrics"] == {"metrics-key": given}
@@ -528,7 +660,8 @@ def upgrade(config, values: dict) -> dict[str, dict]:
 
 
 def test_generated_secrets_are_kept_across_upgrades():
-    kept = {"sg-specgate-redis": {"redis-password": "k" * 40}, "sg-specgate-metrics": {"metrics-key": "m" * 40}}
+    kept = {"sg-specgate-redis": {"redis-password": "k" * 40}, "sg-specgate-metrics": {"metrics-key": "m" * 40},
+            "sg-specgate-key-pepper": {"key-pepper": "q" * 40}}
     with live_secrets(kept) as cluster:
         after = upgrade(cluster, BASE)
         # The live values stay, and what is built from the password is built from the kept one:
@@ -537,6 +670,7 @@ def test_generated_secrets_are_kept_across_upgrades():
                                               "redis-url": f"redis://:{'k' * 40}@sg-specgate-redis:6379/0",
                                               "auth.conf": f"requirepass {'k' * 40}\n"}
         assert after["sg-specgate-metrics"] == {"metrics-key": "m" * 40}
+        assert after["sg-specgate-key-pepper"] == {"key-pepper": "q" * 40}     # else every key is lost
         # Values given win (a deliberate rotation).
         rotated = upgrade(cluster, {**BASE, "metricsKey": "n" * 24, "redis": {"password": "p" * 24}})
         assert rotated["sg-specgate-metrics"]["metrics-key"] == "n" * 24
@@ -545,6 +679,23 @@ def test_generated_secrets_are_kept_across_upgrades():
         fresh = upgrade(cluster, BASE)
         assert len(fresh["sg-specgate-redis"]["redis-password"]) == 40
         assert fresh["sg-specgate-redis"]["redis-password"] != "k" * 40
+        assert len(fresh["sg-specgate-key-pepper"]["key-pepper"]) >= 32
+
+
+def test_the_key_pepper_is_generated_kept_through_an_uninstall_or_taken_from_a_secret():
+    """The pepper outlives the release as Redis's volume does: Helm never deletes its Secret
+    (a new pepper would make every stored key unknown). An existing Secret may hold it instead."""
+    docs = render(BASE)
+    (secret,) = [d for d in by_kind(docs, "Secret") if d["metadata"]["name"] == "sg-specgate-key-pepper"]
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    pepper = secret["stringData"]["key-pepper"]
+    assert len(pepper) >= 32 and pepper.isalnum()
+    assert Settings(key_pepper=pepper).key_pepper.get_secret_value() == pepper     # the gateway takes it
+    given = "p" * 40
+    assert secrets(render({**BASE, "keyPepper": given}))["sg-specgate-key-pepper"] == {"key-pepper": given}
+    docs = render({**BASE, "keyPepperSecret": {"name": "ops-pepper", "key": "pepper"}})
+    assert "sg-specgate-key-pepper" not in secrets(docs)
+    assert env_of(docs)["SPECGATE_KEY_PEPPER"]["valueFrom"]["secretKeyRef"] == {"name": "ops-pepper", "key": "pepper"}
 
 
 def test_a_real_redis_runs_the_charts_redis_as_configured(tmp_path):

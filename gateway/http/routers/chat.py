@@ -61,12 +61,13 @@ async def create_chat_completion(request: Request, tenant: TenantDep, service: S
     return sse_response(sse_events(streams, chunk=chunks.chunk, final=chunks.final,
                                    openings=chunks.openings(),
                                    usage=chunks.usage if view.usage else None,
-                                   ids=ChatIds() if why is None else None))
+                                   ids=ChatIds() if why is None else None),
+                        settings.stream_keepalive_s)
 
 
 @router.get("/v1/chat/completions/{request_id}/stream")
 async def resume_chat_completion(request_id: str, tenant: TenantDep, replayer: ReplayerDep,
-                                 after: str | None = None,
+                                 settings: SettingsDep, after: str | None = None,
                                  last_event_id: Annotated[str | None, Header()] = None) -> Any:
     # the header wins: an EventSource reconnecting sends the newest id, to the same URL
     resume = resume_from(last_event_id if last_event_id is not None else after)
@@ -81,4 +82,5 @@ async def resume_chat_completion(request_id: str, tenant: TenantDep, replayer: R
     return sse_response(sse_events([stream], chunk=chunks.chunk, final=chunks.final,
                                    openings=chunks.openings() if resume.opening else (),
                                    usage=chunks.usage if view.usage and resume.usage else None,
-                                   ids=ChatIds(resume.cursor.chars or 0)))
+                                   ids=ChatIds(resume.cursor.chars or 0)),
+                        settings.stream_keepalive_s)

@@ -45,4 +45,5 @@ async def create_completion(request: Request, tenant: TenantDep, service: Servic
                 "choices": [], "usage": bodies.usage(outs)}
 
     return sse_response(sse_events(streams, chunk=chunk, final=final,
-                                   usage=usage if body.include_usage else None))
+                                   usage=usage if body.include_usage else None),
+                        settings.stream_keepalive_s)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway import errors
 from gateway.errors import ApiError
-from gateway.http.deps import TenantDep, json_body, sse_response, until_disconnected
+from gateway.http.deps import SettingsDep, TenantDep, json_body, sse_response, until_disconnected
 from gateway.responses.request import ResponseRequest
 from gateway.responses.service import ResponseService
 
@@ -33,7 +33,7 @@ async def get_responses(request: Request) -> ResponseService:
 ResponsesDep = Annotated[ResponseService, Depends(get_responses)]
 
 
-def _sse(events: AsyncIterator[dict]) -> Any:
+def _sse(events: AsyncIterator[dict], keepalive_s: float) -> Any:
     async def lines() -> AsyncIterator[str]:
         try:
             async for ev in events:
@@ -46,7 +46,7 @@ def _sse(events: AsyncIterator[dict]) -> Any:
             yield _error_event(ApiError(500, "internal server error", code="internal_error"))
         finally:
             await events.aclose()
-    return sse_response(lines())
+    return sse_response(lines(), keepalive_s)
 
 
 def _error_event(e: ApiError) -> str:
@@ -57,9 +57,9 @@ def _error_event(e: ApiError) -> str:
 
 @router.post("/v1/responses", openapi_extra=_OPENAPI)
 async def create_response(request: Request, tenant: TenantDep, responses: ResponsesDep,
-                          body: Body) -> Any:
+                          settings: SettingsDep, body: Body) -> Any:
     if body.stream:
-        return _sse(await responses.create(tenant, body))
+        return _sse(await responses.create(tenant, body), settings.stream_keepalive_s)
     if body.background:
         return await responses.create(tenant, body)
     return await until_disconnected(request, responses.create(tenant, body))
@@ -67,13 +67,14 @@ async def create_response(request: Request, tenant: TenantDep, responses: Respon
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, tenant: TenantDep, responses: ResponsesDep,
-                       stream: bool = False, starting_after: int | None = None) -> Any:
+                       settings: SettingsDep, stream: bool = False,
+                       starting_after: int | None = None) -> Any:
     if starting_after is not None and not stream:
         raise errors.invalid("starting_after needs stream=true", "starting_after")
     if starting_after is not None and starting_after < -1:
         raise errors.invalid("starting_after must be >= -1", "starting_after")
     got = await responses.retrieve(tenant, response_id, stream=stream, starting_after=starting_after)
-    return _sse(got) if stream else got
+    return _sse(got, settings.stream_keepalive_s) if stream else got
 
 
 @router.post("/v1/responses/{response_id}/cancel")

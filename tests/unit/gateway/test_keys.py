@@ -9,8 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.builders.embedded import build_embedded
-from gateway.builders.ray_app import replica_settings, verifier_settings
+from gateway.builders.ray_app import verifier_settings
 from gateway.http.server import background_server
+from gateway.ray_serve.replica_secrets import public_settings
 from gateway.settings import Settings
 from gateway.tenancy.records import MIN_KEY_CHARS, Tenant, hash_key
 
@@ -111,25 +112,17 @@ def test_the_metrics_key_cannot_become_a_tenants_key(gateway):
     assert r.status_code == 409 and r.json()["error"]["code"] == "metrics_key_conflict"
 
 
-def test_ray_replicas_get_the_keys_themselves():
-    """Ray mode passes settings to its replicas as JSON; a SecretStr dumped as "**********"
-    would be their admin and metrics key."""
-    out = replica_settings(Settings(admin_key=ADMIN_A, metrics_key=METRICS, redis_url="redis://x"))
-    assert out["admin_key"] == ADMIN_A and out["metrics_key"] == METRICS
-    assert Settings(**out).metrics_key.get_secret_value() == METRICS
-    assert "metrics_key" not in replica_settings(Settings())
-
-
 def test_verifier_replicas_get_no_secret():
-    """Verifier replicas (GPU pods in the chart) serve no client and never reach Redis: they get
-    neither key, nor the Redis URL and its password, nor the tenants file, and are built from
-    what they do get."""
-    full = replica_settings(Settings(admin_key=ADMIN_A, metrics_key=METRICS,
-                                     redis_url="redis://:pw-secret@redis:6379/0",
-                                     tenants_file="/etc/specgate/tenants.yaml"))
+    """Verifier replicas (GPU pods in the chart) serve no client and never reach Redis: their
+    arguments hold neither key, nor the Redis URL and its password, nor the tenants file, and
+    they are built from what they do get. (No replica's arguments hold a secret:
+    tests/unit/test_ray_config.py.)"""
+    full = public_settings(Settings(admin_key=ADMIN_A, metrics_key=METRICS,
+                                    redis_url="redis://:pw-secret@redis:6379/0",
+                                    tenants_file="/etc/specgate/tenants.yaml"))
     out = verifier_settings(full)
-    assert not {"admin_key", "metrics_key", "redis_url", "tenants_file"} & set(out)
-    assert ADMIN_A not in str(out) and "pw-secret" not in str(out)
+    assert not {"admin_key", "metrics_key", "key_pepper", "redis_url", "tenants_file"} & set(out)
+    assert ADMIN_A not in str(full) and "pw-secret" not in str(full)
     s = Settings(**out)
     assert (s.model, s.max_batch, s.max_tree_tokens) == (Settings().model, full["max_batch"],
                                                         full["max_tree_tokens"])

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import textwrap
+import time
 
 import pytest
 import redis
@@ -344,3 +346,178 @@ def test_every_replica_sees_one_id_per_tenant(redis_url, redis_prefix):
     assert b.authenticate("sk-acme-0000000000-1").id == a.get("acme").id
     b.put(Tenant("acme", rpm=3))
     assert a.get("acme").id == b.get("acme").id
+
+
+# ---- keys at rest: an HMAC under the server's pepper -----------------------------------------------------
+PEPPER = "pepper-" + "0123456789abcdef" * 2
+KEYS_FILE = ("tenants:\n  - {name: acme, api_keys: [sk-acme-plain-1-longkey], rpm: 5}\n"
+             "admin_keys: [sk-admin-plain-1-longkey]\n")
+
+
+def test_keys_rest_as_hmacs_under_the_pepper_not_as_their_sha256(redis_url, redis_prefix, tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(KEYS_FILE)
+    registry = TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=PEPPER)
+    rotated = registry.rotate_key("acme", grace_s=60)
+    registry.put(Tenant("beta"), ["sk-beta-plain-1-longkey"])
+    registry.add_admin_key("sk-admin-plain-2-longkey")
+    dev_registry = TenantRegistry(redis_url, redis_prefix + "dev:", pepper=PEPPER)
+    dev = dev_registry.ensure_dev_tenant()
+    keys = ["sk-acme-plain-1-longkey", rotated, "sk-beta-plain-1-longkey", "sk-admin-plain-1-longkey",
+            "sk-admin-plain-2-longkey", dev]
+    dump = _dump(redis_url, redis_prefix)
+    assert dump.count("hmac-sha256:") >= 6                  # every key, and none as its SHA-256
+    for key in keys:
+        assert key not in dump and _sha(key)[7:] not in dump
+    # and it is the pepper that finds them: the same store under another pepper finds none
+    assert registry.authenticate(rotated).name == "acme" and registry.is_admin("sk-admin-plain-2-longkey")
+    assert dev_registry.authenticate(dev).name == "dev"
+    stranger = TenantRegistry(redis_url, redis_prefix, pepper=PEPPER.upper())
+    assert all(stranger.authenticate(k) is None and not stranger.is_admin(k) for k in keys)
+
+
+def test_a_store_written_without_a_pepper_keeps_every_key_once_peppered(redis_url, redis_prefix, tmp_path):
+    """An older release's store (plain SHA-256 digests, bare fingerprints of the applied file):
+    a key still works before the migration (and is peppered at its first use); starting with
+    the file peppers the rest, keeps a rotated-out key's grace, re-applies nothing, and leaves
+    no SHA-256 digest of a key behind."""
+    path = tmp_path / "tenants.yaml"
+    path.write_text(KEYS_FILE)
+    old = TenantRegistry.from_file(path, redis_url, redis_prefix)           # no pepper
+    rotated = old.rotate_key("acme", grace_s=300)                           # the file's key in grace
+    old.put(Tenant("beta"), ["sk-beta-plain-1-longkey"])
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:       # as older releases wrote it
+        applied = r.hgetall(redis_prefix + "tenants:applied")
+        r.hset(redis_prefix + "tenants:applied", mapping={k: json.loads(v)["fp"] for k, v in applied.items()})
+        expiry = r.hgetall(redis_prefix + "tenants:expiry")
+    assert _sha("sk-beta-plain-1-longkey") in _dump(redis_url, redis_prefix)
+
+    new = TenantRegistry(redis_url, redis_prefix, pepper=PEPPER)
+    assert new.authenticate("sk-beta-plain-1-longkey").name == "beta"       # first use: peppered
+    assert _sha("sk-beta-plain-1-longkey") not in _dump(redis_url, redis_prefix)
+    new.load_config(*load_tenants_file(path))                               # a start: all of them
+    dump = _dump(redis_url, redis_prefix)
+    assert "sha256:" not in dump.replace("hmac-sha256:", "")
+    assert new.authenticate("sk-acme-plain-1-longkey").name == "acme"      # still in its grace
+    assert new.authenticate(rotated).name == "acme" and new.is_admin("sk-admin-plain-1-longkey")
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        assert sorted(r.hgetall(redis_prefix + "tenants:expiry").values()) == sorted(expiry.values())
+        records = [json.loads(v) for v in r.hgetall(redis_prefix + "tenants:applied").values()]
+    assert all(rec["fp"].startswith("hmac:") for rec in records)           # no unkeyed fingerprint
+
+
+def test_a_start_with_another_pepper_or_none_is_refused_not_a_401_for_every_key(redis_url, redis_prefix,
+                                                                                tmp_path):
+    path = tmp_path / "tenants.yaml"
+    path.write_text(KEYS_FILE)
+    TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=PEPPER)
+    for other, words in ((PEPPER.upper(), "another key pepper"), (None, "set SPECGATE_KEY_PEPPER")):
+        with pytest.raises(ValueError, match=words) as err:
+            TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=other)
+        assert PEPPER not in str(err.value)
+    again = TenantRegistry.from_file(path, redis_url, redis_prefix, pepper=PEPPER)
+    assert again.authenticate("sk-acme-plain-1-longkey").name == "acme"
+    assert PEPPER not in _dump(redis_url, redis_prefix)
+
+
+def test_a_presented_key_costs_the_same_few_redis_commands_however_many_tenants(tmp_path):
+    """O(1): authenticating is one script call whose commands do not grow with the tenants, for
+    a peppered key and for one still in its older form. Counted by the server's own command
+    statistics, on a server of this test's own."""
+    from redis_server import private_redis_server
+
+    def cost(r: redis.Redis, call) -> dict[str, int]:
+        before = r.info("commandstats")
+        call()
+        after = r.info("commandstats")
+        calls = {k: v["calls"] - before.get(k, {"calls": 0})["calls"] for k, v in after.items()}
+        return {k: n for k, n in calls.items() if n and k != "cmdstat_info"}
+
+    with private_redis_server() as url, redis.Redis.from_url(url) as r:
+        costs = []
+        for n in (5, 200):
+            prefix = f"n{n}:"
+            TenantRegistry(url, prefix).put(Tenant("legacy"), ["sk-legacy-key-000001"])   # unpeppered
+            registry = TenantRegistry(url, prefix, pepper=PEPPER)
+            for i in range(n):
+                registry.put(Tenant(f"t{i}"), [f"sk-tenant-key-{i:06d}"])
+            registry.authenticate("sk-tenant-key-000000")              # scripts loaded
+            costs.append((cost(r, lambda: registry.authenticate(f"sk-tenant-key-{n - 1:06d}")),
+                          cost(r, lambda: registry.authenticate("sk-legacy-key-000001"))))
+    assert costs[0] == costs[1]
+    peppered, legacy = costs[0]
+    assert peppered.get("cmdstat_evalsha") == 1 and sum(peppered.values()) <= 6, peppered
+    assert legacy.get("cmdstat_evalsha") == 1 and sum(legacy.values()) <= 16, legacy
+
+
+# ---- the tenants file applied again keeps what the admin API did ------------------------------------------
+def test_an_edited_tenants_file_keeps_a_rotation_and_its_grace(store, tmp_path):
+    """Rotate a key through the admin API with a grace period, edit another field of the
+    tenant's entry, start again with the file: the edit applies, and the rotated key and the
+    old key's grace stand: both keys work until the grace ends, then only the new one."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from gateway.errors import install_handlers
+    from gateway.http.routers.admin import router
+    from gateway.settings import Settings
+
+    url, prefix = store
+    path = tmp_path / "tenants.yaml"
+    path.write_text(KEYS_FILE)
+    settings = Settings(redis_url=url, store_prefix=prefix, tenants_file=path, key_pepper=PEPPER)
+    first = TenantRegistry.from_settings(settings)
+
+    def start_replica() -> TenantRegistry:
+        # in memory the registry is the store: the same one applies the file again
+        if url is None:
+            first.load_config(*load_tenants_file(path))
+            return first
+        return TenantRegistry.from_settings(settings)
+
+    app = FastAPI()
+    install_handlers(app)
+    app.state.tenants, app.state.settings = first, settings
+    app.state.service = app.state.store_probe = None
+    app.include_router(router)
+    grace_s, t0 = 10.0, time.monotonic()        # the deadline: between t0 + grace_s and t1 + grace_s
+    resp = TestClient(app).post(f"/admin/tenants/acme/rotate-key?grace_s={grace_s}",
+                                headers={"Authorization": "Bearer sk-admin-plain-1-longkey"})
+    assert resp.status_code == 200, resp.text
+    rotated, t1 = resp.json()["api_key"], time.monotonic()
+    path.write_text(KEYS_FILE.replace("rpm: 5", "rpm: 7"))
+    replica = start_replica()
+    old = replica.authenticate("sk-acme-plain-1-longkey")
+    assert replica.authenticate(rotated).rpm == 7                # the edit applied
+    if time.monotonic() < t0 + grace_s - 0.5:    # (a machine too loaded to get here in time proves nothing)
+        assert old is not None and old.rpm == 7
+    while replica.authenticate("sk-acme-plain-1-longkey") is not None:
+        assert time.monotonic() < t1 + grace_s + 30, "the old key outlived its grace"
+        time.sleep(0.2)
+    assert time.monotonic() >= t0 + grace_s - 0.5                # not cut short
+    assert replica.authenticate(rotated).name == "acme"
+    assert start_replica().authenticate("sk-acme-plain-1-longkey") is None    # and stays gone
+
+
+def test_the_file_gives_and_takes_only_the_keys_its_edit_adds_and_removes(store, tmp_path):
+    url, prefix = store
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-a-0000000001, sk-acme-b-0000000001]}\n")
+    registry = TenantRegistry.from_file(path, url, prefix, pepper=PEPPER)
+    api_key = registry.rotate_key("acme", grace_s=600)          # a and b in their grace
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-a-0000000001, sk-acme-c-0000000001]}\n")
+    registry.load_config(*load_tenants_file(path))
+    assert registry.authenticate("sk-acme-c-0000000001").name == "acme"       # added: given
+    assert registry.authenticate(api_key).name == "acme"                     # the API's: kept
+    assert registry.authenticate("sk-acme-a-0000000001").name == "acme"      # kept, in its grace
+    assert registry.authenticate("sk-acme-b-0000000001").name == "acme"      # removed, but in its grace
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-a-0000000001]}\n")
+    registry.load_config(*load_tenants_file(path))
+    assert registry.authenticate("sk-acme-c-0000000001") is None             # removed, no grace: gone
+    assert registry.authenticate(api_key).name == "acme"
+    registry.put(Tenant("gamma"), ["sk-beta-0000000001"])
+    path.write_text("tenants:\n  - {name: acme, api_keys: [sk-acme-a-0000000001]}\n"
+                    "  - {name: beta, api_keys: [sk-beta-0000000001]}\n")
+    with pytest.raises(ValueError, match="another tenant"):                   # conflicts still refused
+        registry.load_config(*load_tenants_file(path))
+    assert registry.get("beta") is None and registry.authenticate("sk-beta-0000000001").name == "gamma"

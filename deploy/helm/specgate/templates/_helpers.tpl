@@ -60,6 +60,20 @@ each render generates anew). .root, .secret (the Secret's name), .key, .given (t
 {{- printf "%s-metrics" (include "specgate.fullname" .) -}}
 {{- end -}}
 
+{{/* Where the key pepper lives: an existing Secret (keyPepperSecret), or the one this chart makes
+(secret-pepper.yaml). Its name, then its key. */}}
+{{- define "specgate.pepperSecretName" -}}
+{{- default (printf "%s-key-pepper" (include "specgate.fullname" .)) .Values.keyPepperSecret.name -}}
+{{- end -}}
+
+{{- define "specgate.pepperSecretKey" -}}
+{{- if .Values.keyPepperSecret.name -}}
+{{- .Values.keyPepperSecret.key | default "key-pepper" -}}
+{{- else -}}
+key-pepper
+{{- end -}}
+{{- end -}}
+
 {{/* Where the Redis URL (with its password) lives: an existing Secret (external Redis), or the one
 this chart makes (secret-redis.yaml). Its name, then its key. */}}
 {{- define "specgate.redisUrlSecretName" -}}
@@ -78,11 +92,24 @@ redis-url
 {{- end -}}
 {{- end -}}
 
-{{/* The gateway's pods (Serve's proxies and the app builder on the head; ingress and scheduler
-replicas on the CPU workers): the only Ray pods with keys and the Redis URL, and the only pods the
-Redis NetworkPolicy admits. */}}
+{{/* The gateway's pods: the CPU workers, where the ingress and scheduler replicas run (the head,
+num-cpus 0, runs Ray's control plane, Serve's proxies and the app builder, none of which needs a
+secret). The only pods with the keys and the Redis URL, and the only ones the Redis
+NetworkPolicy admits. */}}
 {{- define "specgate.gatewayLabel" -}}
 specgate.dev/gateway: "true"
+{{- end -}}
+
+{{/* The KubeRay operator as a NetworkPolicy peer: its pods in its own namespace, never any
+namespace's pods with the operator's label (anyone can label a pod). */}}
+{{- define "specgate.operatorPeer" -}}
+{{- $peer := .Values.networkPolicy.kuberayOperator -}}
+{{- $ns := or (dig "namespaceSelector" "matchLabels" (dict) $peer) (dig "namespaceSelector" "matchExpressions" (list) $peer) -}}
+{{- $pods := or (dig "podSelector" "matchLabels" (dict) $peer) (dig "podSelector" "matchExpressions" (list) $peer) -}}
+{{- if not (and $ns $pods) -}}
+{{- fail "networkPolicy.kuberayOperator needs a namespaceSelector and a podSelector that each select something: the operator's own namespace, and its pods there" -}}
+{{- end -}}
+{{- toYaml $peer -}}
 {{- end -}}
 
 {{/* Every Ray pod of this release (head and workers), for the NetworkPolicies. */}}
@@ -92,11 +119,14 @@ app.kubernetes.io/component: ray
 {{- end -}}
 
 {{/* The SPECGATE_* environment of every Ray pod: Serve replicas read their settings from it. Secrets
-(keys, the Redis URL) only in the gateway's pods (.gateway), and only through secretKeyRef.
-NOTE: gateway.builders.ray_app reads this environment where Serve runs the app builder (the head)
-and passes the settings it read to the replicas as arguments; verifier replicas (the GPU pods') get
-them less the keys, the Redis URL and the tenants file (`verifier_settings`), so no secret reaches
-a GPU pod through Ray either. */}}
+(the keys, the key pepper, the Redis URL) only in the gateway's pods (.gateway), and only through
+secretKeyRef.
+NOTE: no secret ever passes through Ray: gateway.builders.ray_app builds the app from the Serve
+config and the non-secret settings of the environment where Serve runs the builder, and each
+replica reads the secrets it needs from its own pod's environment (ingress: all; scheduler: the
+Redis URL; verifiers and draft workers: none, even on a CPU worker;
+gateway/ray_serve/replica_secrets.py). Serve keeps deployments' arguments where every Ray pod can
+read them; a GPU pod has no secret to read anywhere. */}}
 {{- define "specgate.env" -}}
 {{- $ := .root -}}
 - name: SPECGATE_MODEL
@@ -115,6 +145,9 @@ a GPU pod through Ray either. */}}
 - name: SPECGATE_METRICS_KEY
   valueFrom:
     secretKeyRef: {name: {{ include "specgate.metricsSecretName" $ }}, key: metrics-key}
+- name: SPECGATE_KEY_PEPPER
+  valueFrom:
+    secretKeyRef: {name: {{ include "specgate.pepperSecretName" $ }}, key: {{ include "specgate.pepperSecretKey" $ }}}
 {{- if or $.Values.tenants $.Values.existingSecret }}
 - name: SPECGATE_TENANTS_FILE
   value: /etc/specgate/tenants.yaml
