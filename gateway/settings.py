@@ -93,6 +93,23 @@ class Settings(BaseSettings):
     step_profile: Path | None = None
     max_live: int = Field(4096, ge=1)          # queued + running: more is 503
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
+    # structured outputs: caps on a schema's size and shape, checked before any compile (400
+    # schema_too_complex naming the cap; workers/speculation/schema_caps.py says why each)
+    schema_max_bytes: int = Field(131_072, ge=1)
+    schema_max_depth: int = Field(20, ge=1, le=64)           # levels of subschemas
+    schema_max_properties: int = Field(1_000, ge=1)         # in the whole schema
+    schema_max_enum_values: int = Field(1_000, ge=1)        # enum members and consts, in all
+    schema_max_enum_chars: int = Field(15_000, ge=1)        # their characters, in all
+    schema_max_pattern_chars: int = Field(1_000, ge=1)      # one pattern
+    schema_max_repeat: int = Field(100, ge=1)               # n in a pattern's {m,n}
+    schema_max_items: int = Field(1_000, ge=0)              # minItems, maxItems
+    # compiles run in these many processes per gateway (Ray: per scheduler), each ended past the
+    # time limit (400 schema_too_complex); a tenant may have this many compiling at once (429)
+    grammar_compile_workers: int = Field(2, ge=1, le=64)
+    grammar_compile_timeout_s: float = Field(5.0, gt=0)
+    grammar_compiles_per_tenant: int = Field(1, ge=1)
+    # Ray: the largest compiled grammar the scheduler ships to a verifier replica with a prefill
+    grammar_max_shipped_mb: float = Field(16.0, gt=0)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:

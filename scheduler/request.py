@@ -215,7 +215,9 @@ class RequestStats:
         return finish_reason(self.status, self.cause)
 
 
-@dataclass(slots=True, eq=False)
+# weakref_slot: what the gateway holds for a request (its compiled grammar) is let go when the
+# request object goes, on whatever path it ends (gateway/service/constraint.py `hold_for`)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Request:
     """The full record: the policy's `stats` plus what the drafters and the verifier need.
 

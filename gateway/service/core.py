@@ -15,6 +15,7 @@ from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.service import fields
 from gateway.service.admission import Admission
+from gateway.service.constraint import GrammarLimits
 from gateway.service.prepare import RequestPreparer
 from gateway.service.stream import RequestStream, StreamParts
 from gateway.service.tenant_sync import TenantSync
@@ -37,11 +38,12 @@ class GenerationService:
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id,
-                 length_oracle: LengthOracle | None = None, grammars: Any = None):
+                 length_oracle: LengthOracle | None = None, grammars: Any = None,
+                 grammar_limits: GrammarLimits | None = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
-        True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`: the
-        preparer's (gateway/service/prepare.py)."""
+        True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`,
+        `grammar_limits`: the preparer's (gateway/service/prepare.py)."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -54,7 +56,8 @@ class GenerationService:
         self.started_s = int(time.time())      # the models' "created" time
         self.preparer = RequestPreparer(tokenizer, models=models, stop_token_ids=self.stop_token_ids,
                                         drafters=drafters, request_id=request_id,
-                                        length_oracle=length_oracle, grammars=grammars)
+                                        length_oracle=length_oracle, grammars=grammars,
+                                        grammar_limits=grammar_limits)
         self.tenants = TenantSync(step_loop, self.metrics)
         grants = GrantKeeper(limiter) if limiter is not None else None
         self.admission = Admission(step_loop, self.preparer, limiter=limiter, grants=grants,

@@ -8,7 +8,7 @@ context and `max_prompt_tokens` (413), and max_tokens by the room left (400). Th
 `Prepared`: the `scheduler.request.Request` with its sampling params, stops and drafter.
 
 Deterministic given its input, the tenant, the context and the clock's reading; the one state
-kept is the compiled constraints (a cache).
+kept is the compiled constraints (a cache; gateway/service/constraint.py checks and holds them).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from gateway import errors, tool_calls
 from gateway.errors import ApiError
 from gateway.service import fields
+from gateway.service.constraint import ConstraintCheck, GrammarLimits, hold_for
 from gateway.service.types import GenerateInput, Prepared, new_request_id
 from gateway.tenancy.records import Tenant
 from gateway.text import max_token_chars
@@ -31,21 +32,24 @@ log = logging.getLogger(__name__)
 class RequestPreparer:
     def __init__(self, tokenizer: Any, *, models: Sequence[str], stop_token_ids: tuple[int, ...],
                  drafters: Sequence[str], request_id: Callable[[str], str] = new_request_id,
-                 length_oracle: LengthOracle | None = None, grammars: Any = None) -> None:
+                 length_oracle: LengthOracle | None = None, grammars: Any = None,
+                 grammar_limits: GrammarLimits | None = None) -> None:
         """`models`: the ids served; `drafters`: the drafter names this deployment serves;
         `request_id(kind)` names requests ("cmpl", "chatcmpl"); `length_oracle`: measurement
         only, every known prompt's true length as its prediction (scheduler/length_oracle.py);
         `grammars`: the tokenizer's compiled constraints (workers.speculation.grammar.Grammars),
         the worker's own when it runs in this process, so each schema compiles once; None: built
-        from the tokenizer at the first constrained request."""
+        from the tokenizer at the first constrained request; `grammar_limits`: what a schema may
+        ask of the compiler (gateway/service/constraint.py)."""
         self.tokenizer = tokenizer
         self.models = tuple(models)
         self.stop_token_ids = stop_token_ids
         self.drafters = tuple(drafters)
         self.request_id = request_id
         self.length_oracle = length_oracle
-        self._grammars = grammars
         self.vocab_size = len(tokenizer)
+        self.constraints = ConstraintCheck(tokenizer, self.vocab_size, stop_token_ids, grammars=grammars,
+                                           limits=grammar_limits)
         self.max_token_chars = max_token_chars(tokenizer)
         # whether the chat template writes tools itself, else gateway/tool_calls.py's fallback format
         self.template_tools = tool_calls.template_renders_tools(tokenizer)
@@ -62,7 +66,7 @@ class RequestPreparer:
         except tool_calls.ToolError as exc:
             raise errors.invalid(str(exc), exc.param) from None
         sampling = fields.sampling(inp, self.vocab_size)
-        self._check_constraint(sampling.constraint)
+        pin = self.constraints.check(sampling.constraint, tenant.name)
         stops = fields.stops(inp.stop)
         asked = fields.max_tokens(inp)
         drafter, max_tree_tokens = fields.speculation(inp, tenant.speculation, self.drafters)
@@ -82,31 +86,8 @@ class RequestPreparer:
         req = Request(stats, prompt_ids=list(ids), sampling=sampling,
                       stop_token_ids=self.stop_token_ids, stop=stops, drafter=drafter,
                       meta={**(inp.meta or {}), **({"detached": True} if inp.detached else {})})
+        hold_for(req, pin)              # its grammar stays compiled until its last prefill
         return Prepared(req, tenant, inp.model, stops)
-
-    def _check_constraint(self, constraint: str | None) -> None:
-        """Compile a request's constraint here (cached), so that a schema the grammar engine
-        refuses is a 400 naming response_format, never an error inside the step loop."""
-        if constraint is None:
-            return
-        # the grammar engine (xgrammar) takes a while to import: only at the first constrained
-        # request, and never in a process that serves none
-        from workers.speculation.grammar import ConstraintError, Grammars
-
-        if self._grammars is None:
-            try:
-                self._grammars = Grammars.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_token_ids)
-            except ValueError:
-                raise errors.invalid("this deployment serves no structured outputs (its model has no "
-                                     "stop token)", "response_format") from None
-        try:
-            self._grammars.compiled(constraint)
-        except ConstraintError as e:
-            raise errors.invalid(f"response_format: {e}", "response_format") from None
-        except Exception:            # a tokenizer the engine cannot read (the fake worker's)
-            log.exception("compiling a constraint failed")
-            raise errors.invalid("this deployment cannot serve structured outputs",
-                                 "response_format") from None
 
     def _check_prompt_chars(self, inp: GenerateInput, tenant: Tenant, context: int) -> None:
         """Refuse, before tokenizing it, a prompt whose characters need more tokens than the
