@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler.sizing import AlphaEstimate, learn
+from scheduler.alpha import AlphaEstimate, learn
 from workers.contract import SamplingParams
 
 
@@ -81,7 +81,7 @@ class StepRecord(NamedTuple):
     tried:     draft tokens compared on the path the acceptance walk followed (accepted, plus one
                if it stopped at a rejection); None when unknown.
     drafted, accepted: draft nodes verified and accepted (before any cut at a stop or the
-               limit): the evidence of the request's α estimate (scheduler/sizing.py).
+               limit): the evidence of the request's α estimate (scheduler/alpha.py).
     draft_s, draft_depth: seconds its drafter spent on this step's tree, and the tree's depth.
     """
     request_id: str

@@ -47,7 +47,8 @@ from scheduler.policies.aging import AgingIndex
 from scheduler.kv_budget import growth_slots, kv_homes, kv_rooms, most_room, start_slots
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
-from scheduler.sizing import AlphaEstimate, DrafterPrior, SizingConfig, StepCost, TreeSizer, pool
+from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
+from scheduler.sizing import SizingConfig, StepCost, TreeSizer
 from scheduler.state import SchedulerState
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -92,7 +93,7 @@ class PolicyConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
     sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
-    # New requests start from their (tenant, drafter)'s learned prior (sizing.DrafterPrior); off,
+    # New requests start from their (tenant, drafter)'s learned prior (alpha.DrafterPrior); off,
     # every request starts from the fixed one, its sizing independent of what ran before it.
     learn_priors: bool = True
     step_cost: StepCost | None = None      # measured cost model for goodput-aware tree budgets
@@ -171,7 +172,7 @@ class Policy:
         self.sizer = TreeSizer(c.step_cost, c.sizing)
         self._nominal_cost = c.token_budget / c.max_batch
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
-        # What each (tenant, drafter)'s requests have shown the planner (sizing.DrafterPrior): soft
+        # What each (tenant, drafter)'s requests have shown the planner (alpha.DrafterPrior): soft
         # state, relearned after a restart; a rebuild keeps it, and a caller may carry it over.
         self.priors: dict[tuple[str, str | None], DrafterPrior] = {}
         self._reset()

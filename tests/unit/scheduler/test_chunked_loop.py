@@ -276,7 +276,7 @@ def test_a_request_prefilled_ahead_of_its_turn_and_evicted_is_not_prefilled_agai
 def test_a_request_deep_into_a_long_context_gets_a_smaller_tree():
     """Its nodes' rows attend over every earlier key: past SHALLOW_CONTEXT a node must be worth
     (keys_per_row + context) ÷ (keys_per_row + SHALLOW_CONTEXT) times more."""
-    from scheduler.sizing import AlphaEstimate
+    from scheduler.alpha import AlphaEstimate
 
     def budgets(prompt_len):
         pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None)

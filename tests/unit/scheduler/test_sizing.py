@@ -1,15 +1,16 @@
-"""Tree sizing (scheduler/sizing.py): the one α estimator, the one sizing rule, and that the worker
-carries out the budget it is handed instead of sizing again."""
+"""Tree sizing (scheduler/sizing.py): the one α estimator (scheduler/alpha.py), the one sizing
+rule, and that the worker carries out the budget it is handed instead of sizing again."""
 from __future__ import annotations
 
 import doctest
 
 import pytest
 
+import scheduler.alpha as alpha
 import scheduler.sizing as sizing
+from scheduler.alpha import AlphaEstimate, observe, observe_draft_time
 from scheduler.profile import StepCostModel
-from scheduler.sizing import (AlphaEstimate, urgency, SizingConfig, TreeSizer, expected_tau, observe,
-                              observe_draft_time, size_trees)
+from scheduler.sizing import urgency, SizingConfig, TreeSizer, expected_tau, size_trees
 from scheduler.request import StepRecord
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -20,8 +21,9 @@ BATCH = StepCostModel.from_json()                      # the shipped profile, ba
 DEEP = SizingConfig(max_tree_tokens=32, max_depth=32)
 
 
-def test_doctests():
-    assert doctest.testmod(sizing).failed == 0
+@pytest.mark.parametrize("module", [alpha, sizing])
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
 
 
 @pytest.mark.parametrize("alpha, depth, tau", [
