@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from scheduler.alpha import AlphaEstimate, learn
-from scheduler.sizing import SizingConfig, StepCost, size_trees
+from scheduler.sizing import SizingConfig, size_trees
+from scheduler.step_cost import StepCost
 from workers.contract import ContextLengthError, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.stopping import cut

@@ -4,8 +4,8 @@ Everything that decides how much to speculate lives here, with one model of each
 
 - **α and drafting time** (scheduler/alpha.py): each request's estimates, learned from its own
   steps and started from what its tenant's earlier requests showed of its drafter.
-- **step cost**: `StepCost(batch, tree tokens) -> seconds`, the profile measured once at
-  start-up (workers/speculation/profiling.py, read by scheduler/profile.py).
+- **step cost**: `StepCost(batch, tree tokens) -> seconds` (scheduler/step_cost.py), the profile
+  measured once at start-up (workers/speculation/profiling.py, read by scheduler/profile.py).
 - **the sizing rule** (`size_trees`, and `TreeSizer`, its fast form for the planner): the chain
   model of speculative decoding. A chain of d draft tokens each accepted with probability α
   commits on average
@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
+from scheduler.step_cost import StepCost
 from workers.contract import NO_SPECULATION, TreeBudget
 
-__all__ = ["StepCost", "SizingConfig", "expected_tau", "size_trees", "TreeSizer", "urgency"]
-
-StepCost = Callable[[int, int], float]   # (batch size, total tree tokens) -> seconds
+__all__ = ["SizingConfig", "expected_tau", "size_trees", "TreeSizer", "urgency"]
 
 @dataclass(frozen=True)
 class SizingConfig:
@@ -178,10 +177,11 @@ def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | N
 
     With a step cost, a node must pay for itself: a flat cost gives deep trees, a cost that
     grows as fast as the tokens do gives none, and a slow drafter keeps trees shallow.
-    >>> flat = lambda b, t: 0.040 + 0.001 * t
+    >>> from scheduler.step_cost import LinearStepCost
+    >>> flat = LinearStepCost(fixed_s=0.040, per_token_s=0.001)
     >>> size_trees([0.8], 64, cost=flat, config=SizingConfig(max_tree_tokens=16, max_depth=16))
     [TreeBudget(max_nodes=10, max_depth=10)]
-    >>> size_trees([0.8], 64, cost=lambda b, t: 0.04 * t)
+    >>> size_trees([0.8], 64, cost=LinearStepCost(per_token_s=0.04))
     [TreeBudget(max_nodes=0, max_depth=0)]
     >>> size_trees([0.8], 64, cost=flat, draft_s=[0.008], config=SizingConfig(max_tree_tokens=16, max_depth=16))
     [TreeBudget(max_nodes=4, max_depth=4)]

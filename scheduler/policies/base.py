@@ -48,8 +48,9 @@ from scheduler.kv_budget import growth_slots, kv_homes, kv_rooms, most_room, sta
 from scheduler.policies.fairness import TenantFairness
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
-from scheduler.sizing import SizingConfig, StepCost, TreeSizer
+from scheduler.sizing import SizingConfig, TreeSizer
 from scheduler.state import SchedulerState
+from scheduler.step_cost import StepCost
 from workers.contract import NO_SPECULATION, TreeBudget
 
 BAND = 1e12   # keys of the form band · BAND + value order by band first (levels, perceptible)
@@ -106,7 +107,7 @@ class PolicyConfig:
     # attention over this many keys costs about what one row's linears do: a chunk of k tokens
     # after o tokens of context counts k × (1 + o / this) against prefill_chunk_tokens, so a
     # step with a chunk costs about the same early and late in a long prompt. None: the step
-    # cost's measured chunk fit (`StepCostModel.keys_per_row`), else DEFAULT_KEYS_PER_ROW
+    # cost's measured chunk fit (`StepCost.keys_per_row`), else DEFAULT_KEYS_PER_ROW
     prefill_keys_per_row: float | None = None
     # KV slots every live request together may hold (the worker's KV budget in slots); None: no
     # byte limit. The planner defers starts and preempts by it (`_fit_kv`, scheduler/kv_budget.py),
@@ -165,8 +166,8 @@ class Policy:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0: whole prefills)")
         if c.prefill_keys_per_row is not None and not c.prefill_keys_per_row > 0:
             raise ValueError("prefill_keys_per_row must be > 0")
-        self.keys_per_row = (c.prefill_keys_per_row
-                             or getattr(c.step_cost, "keys_per_row", None) or DEFAULT_KEYS_PER_ROW)
+        measured = c.step_cost.keys_per_row if c.step_cost is not None else None
+        self.keys_per_row = c.prefill_keys_per_row or measured or DEFAULT_KEYS_PER_ROW
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
         self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
         self.sizer = TreeSizer(c.step_cost, c.sizing)
@@ -536,16 +537,14 @@ class Policy:
             return None
         # the step loop prefills each new request in a pass of its own (batch 1), then steps;
         # with chunks, a step prefills at most its budget
-        prefill = getattr(cost, "prefill", None) or (lambda t: cost(1, t))
         chunk = self.config.prefill_chunk_tokens
         if chunk:
-            charge = getattr(cost, "chunk", None)
             decoding = sum(1 for r in chosen if not requests[r].unprefilled)
             most = min(sum(prompts), chunk_budget(chunk, self.config.token_budget, decoding,
                                                   len(chosen) - decoding))
-            extra = charge(most, 0) if charge else prefill(most)
+            extra = cost.chunk(most, 0)
         else:
-            extra = sum(prefill(p) for p in prompts)
+            extra = sum(cost.prefill(p) for p in prompts)
         est = cost(len(chosen), self.config.token_budget) + extra
         return est if est > state.step_s_max else None
 

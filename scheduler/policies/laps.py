@@ -284,6 +284,6 @@ class LAPS(Policy):
 
     def prefill_steps(self, s: RequestStats) -> float:
         cost = self.config.step_cost
-        if cost is None or not hasattr(cost, "prefill"):
+        if cost is None:
             return 0.0
         return prefill_steps(cost, s.prompt_len, self.config.max_batch)

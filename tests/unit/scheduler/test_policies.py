@@ -14,9 +14,10 @@ def build_empty():
 from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
 from scheduler.policies.length_model import mean_beyond
 from scheduler.request import Status, StepRecord
+from scheduler.step_cost import LinearStepCost
 
 NO_AGING = dict(aging_bound_s=None)
-FLAT_STEP = lambda batch, tokens: 0.1          # noqa: E731  a step costs 0.1 s, whatever it holds
+FLAT_STEP = LinearStepCost(fixed_s=0.1)         # a step costs 0.1 s, whatever it holds
 
 
 def order(policy, requests, now=100.0):
