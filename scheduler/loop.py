@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Protocol, Sequence, Union
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
 from scheduler.length_learner import LengthLearner, better
-from scheduler.policies.base import Policy
+from scheduler.policies.planner import BatchPlanner
 from scheduler.request import Request, RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
 from scheduler.store import MemoryStore, StateStore, StepWrite
@@ -96,7 +96,7 @@ Sink = Callable[[Event], None]
 
 
 class StepLoop:
-    def __init__(self, policy: Policy, worker: Worker, store: StateStore | None = None, *,
+    def __init__(self, policy: BatchPlanner, worker: Worker, store: StateStore | None = None, *,
                  admission: AdmissionControl | None = None, max_resident: int = 32,
                  clock: Callable[[], float] = time.time, lengths: LengthLearner | None = None,
                  kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None):

@@ -72,7 +72,7 @@ def finish_reason(status: Status, cause: str | None = None) -> str | None:
 
 
 class StepRecord(NamedTuple):
-    """What one step did for one request, as the step loop reports it to `Policy.update`.
+    """What one step did for one request, as the step loop reports it to `BatchPlanner.update`.
 
     verified:  tree tokens the verifier processed for it (1 root position + draft nodes), the unit
                of attained service: rejected drafts count, speculation that fails is not free.

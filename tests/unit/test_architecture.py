@@ -140,7 +140,7 @@ def test_the_rules_catch_what_they_forbid():
     """The graph holds the arrows it should, and a planted upward arrow and a planted circle
     are caught."""
     assert "workers.contract" in GRAPH["scheduler.loop"]
-    assert "scheduler.sizing" in GRAPH["scheduler.policies.base"]
+    assert "scheduler.sizing" in GRAPH["scheduler.policies.step_budget"]
     assert "gateway.builders.embedded" in GRAPH["gateway.cli.serve"]
     planted = {**GRAPH, "workers.speculation.tree": GRAPH["workers.speculation.tree"] | {"scheduler.sizing"}}
     assert upward(planted) == ["workers.speculation.tree -> scheduler.sizing"]
