@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     max_tree_tokens: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
     # prompt tokens a step prefills, per request waiting for its context, beside the trees
-    # (chunked prefill, `scheduler.policies.base.chunk_budget`); 0: whole, alone
+    # (chunked prefill, `scheduler.policies.step_budget.chunk_budget`); 0: whole, alone
     prefill_chunk_tokens: int = Field(24, ge=0)
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     # of the prefix cache, the most one tenant may hold (so one tenant cannot flush the others')

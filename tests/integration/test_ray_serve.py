@@ -188,7 +188,7 @@ def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, em
     expected = answers(embedded_url, str(model_dir))
     assert answers(url, str(model_dir)) == expected
     # A tenant new to the planner: its first request starts with no pooled evidence about the
-    # drafter (scheduler/sizing.py DrafterPrior), so the planner probes it and the draft worker
+    # drafter (scheduler/alpha.py DrafterPrior), so the planner probes it and the draft worker
     # is asked, whatever t1's earlier requests taught the planner of this drafter's cost.
     with httpx.Client(base_url=url, timeout=60) as h:
         fresh = h.post("/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"},
