@@ -1,7 +1,10 @@
 """The generation service: what REST and gRPC both call. No HTTP in here.
 
 One request, in order:
-    precheck  the tenant's rate limits as they stand (429 with Retry-After),
+    arrive    called by the front as the request arrives, before its body is read: one unit of
+              the tenant's requests per minute, whatever becomes of the request (429 if none is
+              left), so that a refused request is not free;
+    precheck  the tenant's token and concurrency limits as they stand (429 with Retry-After),
               before any work on its prompt: a tenant over its limits costs no tokenization;
     measure   the model (404 unknown, 403 not allowed), then the request's one measure against
               the caps (`sizes`: 413 for a prompt, tools and tool calls included, that cannot fit
@@ -10,7 +13,7 @@ One request, in order:
     check     the fields (400, naming the field), the constraint (compiled);
     tokenize  prompt or messages (chat template; one it refuses is a 400) → ids; the context and
               the tenant's `max_prompt_tokens` bound the prompt (413);
-    limit     the tenant's rate and token limits, charged (429 with Retry-After; 400 for a
+    limit     the tenant's token and concurrency limits, charged (429 with Retry-After; 400 for a
               request larger than the tenant's whole TPM, which waiting cannot help);
     submit    to the step loop, with the tenant's priority, weight and speculation policy
               (a full queue: 429 for the tenant's own queue, 503 for the scheduler's);
@@ -18,7 +21,8 @@ One request, in order:
               detokenizer and the stop-string matcher; a stop string ends the request early.
 
 Its rooms: `types` (the data in and out), `sizes`, `fields` and `prepare` (measure, check and
-tokenize: API input → scheduler request, nothing charged), `admission` (precheck, limit, submit), `stream` (the
+tokenize: API input → scheduler request, nothing charged), `admission` (arrive, precheck, limit,
+submit), `stream` (the
 loop's events as a client's stream), `tenant_sync` (the loop's and the metrics' view of
 tenants), and `core`, the `GenerationService` façade over them.
 

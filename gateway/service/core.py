@@ -104,6 +104,14 @@ class GenerationService:
             await stream.aclose()
         raise AssertionError("a stream ends with its GenerateOutput")
 
+    async def arrive(self, tenant: Tenant) -> None:
+        """A request of `tenant` has arrived at a front (its key known, its body not yet read):
+        charge it to the tenant's requests per minute, or refuse it (429 `rpm_exceeded`). The
+        fronts call it first, so every later refusal of the request is charged too
+        (gateway/tenancy/limits.py). Off the event loop when the limits live in Redis; a store
+        that is down is a 503."""
+        await errors.store_call(self.admission.limits_remote, self.admission.arrive, tenant)
+
     async def open_stream(self, inp: GenerateInput) -> RequestStream:
         """`stream`, awaitable, with the checks, tokenization and the limiter on a worker thread
         (gateway/service/__init__.py): the call the routers make, so a remote service (Ray mode's
