@@ -121,8 +121,9 @@ async def _serve(emb: Embedded, server: Any) -> None:
 
 
 async def start_grpc(emb: Embedded) -> GrpcServer:
-    """The gRPC front on `grpc_port` (unset: a free port), over the HTTP front's service, tenants and state, with its
-    body cap: a message larger than `max_body_bytes` is refused as a REST body is."""
+    """The gRPC front on `grpc_port` (unset: a free port), over the HTTP front's service,
+    tenants and state, with its body cap: a message larger than `max_body_bytes` is refused as a
+    REST body is."""
     s = emb.settings
     return await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port or 0,
                                    host=s.host, replayer=emb.replayer,

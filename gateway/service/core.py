@@ -34,6 +34,7 @@ from scheduler.loop import StepLoop
 
 log = logging.getLogger(__name__)
 
+
 class GenerationService:
     def __init__(self, step_loop: StepLoop, tokenizer: Any, *, models: Sequence[str],
                  limiter: Limiter | None = None, metrics: GatewayMetrics | None = None,

@@ -146,7 +146,8 @@ def test_grpc_through_serves_proxy_answers_as_rest_does(ray_app, model_dir):
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert f"larger than {cap} bytes" in err.value.details()
         with pytest.raises(grpc.RpcError) as err:
-            stub.Generate(pb.GenerateRequest(model=model, prompt="x" * (2 * cap + 1)), metadata=auth, timeout=60)
+            stub.Generate(pb.GenerateRequest(model=model, prompt="x" * (2 * cap + 1)), metadata=auth,
+                          timeout=60)
         assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -264,7 +265,8 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
         assert h.post("/admin/tenants", headers=admin, json={
             "name": "metered", "api_keys": ["sk-ray-metered-0123456789"], "rpm": 2}).status_code == 201
         metered = {"Authorization": "Bearer sk-ray-metered-0123456789"}
-        assert h.post("/v1/completions", headers=metered, json={"model": "gpt-x", "prompt": "hi"}).status_code == 404
+        r = h.post("/v1/completions", headers=metered, json={"model": "gpt-x", "prompt": "hi"})
+        assert r.status_code == 404
         assert h.post("/v1/completions", headers=metered, content=b"{not json").status_code == 400
         r = h.post("/v1/completions", headers=metered, json={"model": str(model_dir), "prompt": "hi"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "rpm_exceeded"
