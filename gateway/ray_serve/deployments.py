@@ -308,6 +308,11 @@ class SchedulerServer:
     def ready(self) -> bool:
         return self.embedded.service.ready()
 
+    def count_refusal(self, tenant: str, kind: str) -> None:
+        """An ingress replica refused a request of `tenant` by its `kind` of rate limit (its
+        rpm, as the request arrived): counted here, where /metrics reads from."""
+        self.embedded.service.metrics.refused(tenant, kind, "rate_limited")
+
     def tokenizer(self) -> Any:
         """The tokenizer requests are tokenized with, for the ingress replicas (they load no
         model code of their own: gateway/ray_serve/ingress.py)."""
