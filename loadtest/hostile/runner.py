@@ -84,6 +84,8 @@ def _with_target(args: argparse.Namespace, body: Any) -> dict[str, Any]:
         return body(tg.Target(args.url.rstrip("/"), args.victim_key, args.attacker_key,
                               args.admin_key, args.grpc_target, None, args.redis_url))
     quotas = tg.Quotas(args.rpm, args.tpm, args.max_concurrent)
+    _say("starting specgate serve" + (" over Redis" if args.redis_url else "")
+         + (" on the fake worker" if args.fake_step_ms is not None else ""))
     with tg.served(model=args.model, redis_url=args.redis_url, quotas=quotas,
                    fake_step_ms=args.fake_step_ms) as target:
         return body(target)
@@ -94,6 +96,7 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
     """The run against `target` (module docstring); returns the report."""
     import multiprocessing
 
+    _say(f"gateway ready at {target.url}")
     model = _model_id(target)
     spec = replace(spec, url=target.url, key=target.attacker_key, model=model,
                    grpc_target=target.grpc_target,
@@ -110,19 +113,24 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
             thread.start()
         try:
             time.sleep(min(WARMUP_S, args.window_s))      # first requests' one-time costs
+            _say(f"baseline: {args.window_s:g} s of the victim alone")
             phases.append(_quiet("baseline", args.window_s, target))
             for name in patterns:
-                print(f"hostile: {name} for {args.window_s:g} s", file=sys.stderr, flush=True)
+                _say(f"{name}: {args.window_s:g} s")
                 result: AttackResult = attacker.submit(run_attack, replace(spec, pattern=name)).result()
                 phases.append(_settle(result, target, victim, probe, args.drain_s,
                                       targets.health_ms))
+                _say(f"{name}: {len(result.outcomes)} attacker requests; the gateway idle "
+                     f"{phases[-1].settled - phases[-1].ended:.1f} s after the window")
+            _say(f"after: {args.window_s:g} s of the victim alone")
             phases.append(_quiet("after", args.window_s, target))
         finally:
             victim.stop(timeout=180)
             probe.stop()
             sampler.stop()
     settings = {"url": target.url if args.url else "started: specgate serve",
-                "model": model, "redis": bool(target.redis_url), "patterns": patterns,
+                "model": model, "redis": bool(target.redis_url),
+                "store_prefix": target.store_prefix, "patterns": patterns,
                 "window_s": args.window_s, "quotas": {"rpm": args.rpm, "tpm": args.tpm,
                                                       "max_concurrent": args.max_concurrent},
                 "attacker": {"concurrency": spec.concurrency, "followers": spec.followers,
@@ -132,6 +140,10 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
                            "max_tokens": args.victim_max_tokens},
                 "fake_worker": args.fake_step_ms is not None}
     return build_report(phases, victim.samples, probe.probes, sampler.samples, targets, settings)
+
+
+def _say(text: str) -> None:
+    print(f"hostile {time.strftime('%H:%M:%S')}: {text}", file=sys.stderr, flush=True)
 
 
 def _quiet(name: str, window_s: float, target: tg.Target) -> Phase:

@@ -258,3 +258,24 @@ def test_a_short_run_on_the_fake_worker(tmp_path):
     assert set(grpc["kinds"]) == {"grpc_0", "grpc_1", "grpc_2", "grpc_3"}
     assert rep["victim_overall"]["lost"] == 0 and rep["victim_overall"]["statuses"] == {
         "200": rep["victim_overall"]["requests"]}
+
+
+def test_redis_mode_samples_used_memory_and_leaves_no_keys(tmp_path, redis_url):
+    """Over Redis, the watermark is judged on sampled used_memory, and the run's keys (stored
+    responses live for 30 days) are deleted once the gateway stops."""
+    import redis
+
+    from loadtest.hostile import run
+
+    out = tmp_path / "hostile.json"
+    assert run(_args(["--fake-step-ms", "5", "--patterns", "stored", "--window-s", "2",
+                      "--redis-url", redis_url, "--redis-watermark-mb", "4096",
+                      "--json", str(out)])) == 0
+    rep = json.loads(out.read_text())
+    stored = rep["phases"]["stored"]
+    assert stored["memory"]["redis_used_memory"]["peak"] > 0
+    assert stored["targets"]["redis_watermark"] == "PASS"
+    prefix = rep["settings"]["store_prefix"]
+    assert prefix.startswith("specgate-hostile-")
+    with redis.Redis.from_url(redis_url) as client:
+        assert not list(client.scan_iter(match=prefix + "*", count=1000))
