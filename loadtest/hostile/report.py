@@ -20,7 +20,7 @@ Targets, each PASS, FAIL or n/a (nothing to judge):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from loadtest.hostile.records import MemorySample, Outcome, Probe, VictimSample
 from loadtest.loadgen import quantile
@@ -112,11 +112,12 @@ def attacker_summary(outcomes: Sequence[Outcome]) -> dict[str, Any]:
 def memory_summary(samples: Sequence[MemorySample], before: MemorySample | None) -> dict[str, Any]:
     """Redis used_memory and the gateway's RSS: at the phase's start (the last sample before it)
     and their peak within it."""
-    def of(attr: str) -> dict[str, int | None]:
-        values = [v for s in samples if (v := getattr(s, attr)) is not None]
-        return {"start": getattr(before, attr) if before is not None else None,
+    def of(read: Callable[[MemorySample], int | None]) -> dict[str, int | None]:
+        values = [v for s in samples if (v := read(s)) is not None]
+        return {"start": read(before) if before is not None else None,
                 "peak": max(values, default=None)}
-    return {"redis_used_memory": of("redis_used_memory"), "rss_bytes": of("rss_bytes")}
+    return {"redis_used_memory": of(lambda s: s.redis_used_memory),
+            "rss_bytes": of(lambda s: s.rss_bytes)}
 
 
 def verdicts(p: dict[str, Any], baseline: dict[str, Any] | None, targets: Targets) -> dict[str, str]:

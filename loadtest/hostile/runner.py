@@ -12,7 +12,7 @@ from typing import Any
 
 from loadtest.hostile import target as tg
 from loadtest.hostile.attacks import PATTERNS, AttackResult, AttackSpec, run_attack
-from loadtest.hostile.report import Phase, Targets, build_report, summary
+from loadtest.hostile.report import Phase, Targets, build_report, health_summary, summary
 from loadtest.hostile.victim import HealthProbe, MemorySampler, Victim
 from loadtest.results import write_result
 
@@ -115,11 +115,11 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
             time.sleep(min(WARMUP_S, args.window_s))      # first requests' one-time costs
             _say(f"baseline: {args.window_s:g} s of the victim alone")
             phases.append(_quiet("baseline", args.window_s, target))
+            idle_ms = _idle_health_ms(probe, phases[0], targets.health_ms)
             for name in patterns:
                 _say(f"{name}: {args.window_s:g} s")
                 result: AttackResult = attacker.submit(run_attack, replace(spec, pattern=name)).result()
-                phases.append(_settle(result, target, victim, probe, args.drain_s,
-                                      targets.health_ms))
+                phases.append(_settle(result, target, victim, probe, args.drain_s, idle_ms))
                 _say(f"{name}: {len(result.outcomes)} attacker requests; the gateway idle "
                      f"{phases[-1].settled - phases[-1].ended:.1f} s after the window")
             _say(f"after: {args.window_s:g} s of the victim alone")
@@ -152,6 +152,14 @@ def _quiet(name: str, window_s: float, target: tg.Target) -> Phase:
     time.sleep(window_s)
     ended = time.monotonic()
     return Phase(name, t0, ended, ended, loop_lag=_loop_lag(target), attack=False)
+
+
+def _idle_health_ms(probe: HealthProbe, baseline: Phase, health_ms: float) -> float:
+    """What /health may take on a gateway that is idle again: the target, or twice the quiet
+    baseline's p99 where the machine is too busy for even an idle gateway to meet it."""
+    quiet = health_summary([q for q in list(probe.probes)
+                            if baseline.started <= q.t < baseline.ended])["p99"]
+    return max(health_ms, 2 * quiet) if quiet is not None else health_ms
 
 
 def _settle(result: AttackResult, target: tg.Target, victim: Victim, probe: HealthProbe,
