@@ -85,7 +85,10 @@ async def _attack(spec: AttackSpec) -> AttackResult:
     async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=spec.timeout_s) as c:
         t0 = time.monotonic()
         run = _Run(spec, c, t0 + spec.window_s, AttackResult(spec.pattern, t0, t0 + spec.window_s))
-        await _PATTERN_FNS[spec.pattern](run)
+        try:
+            await _PATTERN_FNS[spec.pattern](run)
+        except Exception as exc:        # the attacker broke, not the gateway: judge nothing
+            run.result.skip(f"the attacker failed: {exc!r}")
     return run.result
 
 
@@ -281,9 +284,12 @@ async def _idle(run: _Run) -> None:
             s.setblocking(False)
             o = Outcome("idle", time.monotonic(), cut=True)
             held.append((s, o))
-            await loop.sock_connect(s, (host, port))
-            await loop.sock_sendall(s, bodies.idle_stream(
-                run.spec.model, f"{host}:{port}", run.spec.key, run.spec.long_tokens, n))
+            try:
+                await loop.sock_connect(s, (host, port))
+                await loop.sock_sendall(s, bodies.idle_stream(
+                    run.spec.model, f"{host}:{port}", run.spec.key, run.spec.long_tokens, n))
+            except OSError as exc:                      # refused or reset: no answer
+                o.cut, o.detail = False, type(exc).__name__
         run.result.notes.append(f"{len(held)} streams opened, never read")
         await asyncio.sleep(max(0.0, run.deadline - time.monotonic()))
     finally:

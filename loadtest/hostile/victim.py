@@ -10,6 +10,7 @@ after each answer: a probe that waits on a blocked event loop shows that wait as
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from typing import Any, Callable
@@ -67,7 +68,7 @@ class Victim(_Thread):
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=self.url, limits=limits, timeout=self.timeout_s) as c:
             tasks, t0 = [], time.monotonic()
-            for n in range(1 << 62):
+            for n in itertools.count():
                 at = t0 + n * self.interval_s
                 while (wait := at - time.monotonic()) > 0 and not self._stop.is_set():
                     await asyncio.sleep(min(wait, 0.05))
