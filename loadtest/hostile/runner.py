@@ -3,6 +3,7 @@ with the gateway waited out after it, a quiet window after the last, then the re
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -96,6 +97,7 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
     """The run against `target` (module docstring); returns the report."""
     import multiprocessing
 
+    load_before = _load_average()
     _say(f"gateway ready at {target.url}")
     model = _model_id(target)
     spec = replace(spec, url=target.url, key=target.attacker_key, model=model,
@@ -138,8 +140,18 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
                              "byte_token": spec.byte_token},
                 "victim": {"interval_s": args.victim_interval_s,
                            "max_tokens": args.victim_max_tokens},
-                "fake_worker": args.fake_step_ms is not None}
+                "fake_worker": args.fake_step_ms is not None,
+                # the machine's 1-minute load average as the run began and ended: on shared cores
+                # other work slows the baseline and the attacks alike, and this says how much
+                "load_average": [load_before, _load_average()]}
     return build_report(phases, victim.samples, probe.probes, sampler.samples, targets, settings)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def _say(text: str) -> None:
