@@ -294,8 +294,8 @@ def hostile(doc: Doc) -> list[str]:
                      ", ".join(f"{k}: {n}" for k, n in a["statuses"].items()) or DASH,
                      ", ".join(a["codes"]) or DASH,
                      " ".join([p.get("verdict", "quiet"), *failed])))
-    return [*settings_line({k: doc["settings"].get(k) for k in ("model", "redis", "window_s",
-                                                                 "quotas", "attacker")}),
+    return [*settings_line({k: doc["settings"].get(k) for k in (
+                "model", "redis", "window_s", "quotas", "attacker", "load_average")}),
             *table(("phase", "victim TTFT p99 ms (× baseline)", "victim TBT p99 ms (× baseline)",
                     "/health p99 / max ms", "victim lost", "5xx", "attacker statuses",
                     "attacker refused with", "verdict, failed targets"), rows)]

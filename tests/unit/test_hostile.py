@@ -118,6 +118,17 @@ def test_a_skipped_pattern_is_judged_on_nothing():
     assert rep["verdicts"] == {"bytes": "SKIPPED"} and "targets" not in rep["phases"]["bytes"]
 
 
+def test_the_benchmarks_page_table_shows_each_phase_and_its_failed_targets():
+    from tools.bench_tables import hostile
+
+    rep = _run(0.3, 0.02, outcomes=(Outcome("tools", 10, 11, 429, "rpm_exceeded"),))
+    lines = hostile(rep)
+    tools = next(line for line in lines if line.startswith("| tools |"))
+    assert "300.0 (3.00×)" in tools and "429: 1" in tools and "rpm_exceeded" in tools
+    assert tools.endswith("FAIL victim_ttft_p99 |")
+    assert next(line for line in lines if line.startswith("| baseline |")).endswith("quiet |")
+
+
 # ---- what the gateway answered -------------------------------------------------------------------
 def test_error_codes_from_bodies_events_and_grpc():
     assert error_code(b'{"error": {"code": "rpm_exceeded", "type": "rate_limit_error"}}') == "rpm_exceeded"
