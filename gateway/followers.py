@@ -5,9 +5,10 @@ A follower (`GET /v1/chat/completions/{id}/stream`, `GET /v1/responses/{id}?stre
 `max_ongoing_requests`) and a wait on the state store for as long as the request it follows runs.
 So each is charged as a request is, before any other work on it:
 
-    enter   one request to the tenant's rpm, and one of its follower slots while it streams
-            (429 `rpm_exceeded` / `concurrency_exceeded` with Retry-After, as a generation over
-            its limits gets); `leave` gives the slot back, on every path
+    enter   one request to the tenant's rpm (`Limiter.arrive`, as every request arriving at a
+            front), then one of its follower slots while it streams (429 `rpm_exceeded` /
+            `concurrency_exceeded` with Retry-After, as a generation over its limits gets);
+            `leave` gives the slot back, on every path
     charge  one request to the tenant's rpm, no slot: a plain GET of a stored response, which
             is one read and ends at once
 
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from gateway import errors
 from gateway.errors import ApiError
@@ -38,8 +39,8 @@ from gateway.tenancy.limits import Grant, LimitExceeded, Limiter
 from gateway.tenancy.records import Tenant
 
 FOLLOW_POOL = "follow"     # the limiter's set of a tenant's follower slots
-READ_POOL = "read"         # where a plain read's grant passes through (released at once)
 DEFAULT_MAX_FOLLOWERS = 16
+T = TypeVar("T")
 
 
 class FollowerGate:
@@ -68,10 +69,15 @@ class FollowerGate:
         429 a generation over its limits gets. The slot is renewed until `leave`."""
         if self.limiter is None:
             return None
-        capped = dataclasses.replace(tenant, tpm=None, max_concurrent=self.max_per_tenant)
-        grant = await self._acquire(capped, FOLLOW_POOL)
+        grant = await self._call(self._enter, tenant)
         self.keeper.hold(grant)
         return grant
+
+    def _enter(self, tenant: Tenant) -> Grant:
+        """(Any thread.) The request charged, then a slot taken: two calls, one thread hop."""
+        self.limiter.arrive(tenant)
+        capped = dataclasses.replace(tenant, tpm=None, max_concurrent=self.max_per_tenant)
+        return self.limiter.acquire(capped, 0, pool=FOLLOW_POOL)
 
     async def leave(self, grant: Grant | None) -> None:
         """Give a follower's slot back (retried in the background while Redis does not answer;
@@ -83,14 +89,13 @@ class FollowerGate:
         """Charge one request to `tenant`'s rpm and nothing else (429 `rpm_exceeded` over it)."""
         if self.limiter is None or tenant.rpm is None:
             return
-        uncapped = dataclasses.replace(tenant, tpm=None, max_concurrent=None)
-        grant = await self._acquire(uncapped, READ_POOL)
-        await errors.store_call(self.limiter.remote, self.limiter.release, grant, 0)
+        await self._call(self.limiter.arrive, tenant)
 
-    async def _acquire(self, tenant: Tenant, pool: str) -> Grant:
+    async def _call(self, fn: Callable[[Tenant], T], tenant: Tenant) -> T:
+        """`fn(tenant)`, off the event loop when the limits live in Redis; a refusal as the
+        client's 429, Redis down as its 503."""
         try:
-            return await errors.store_call(self.limiter.remote, self.limiter.acquire, tenant, 0,
-                                           pool=pool)
+            return await errors.store_call(self.limiter.remote, fn, tenant)
         except LimitExceeded as exc:
             raise self._refused(tenant, exc) from None
 
@@ -98,8 +103,8 @@ class FollowerGate:
         """A limiter's refusal as the client's 429, counted (reason "followers" for the cap)."""
         if exc.kind == "concurrency":
             reason = "followers"
-            message = (f"Too many streams followed at once: at most {self.max_per_tenant} per "
-                       f"API key's tenant. Try again when one ends.")
+            message = (f"Too many streams followed at once: at most {self.max_per_tenant}. "
+                       f"Try again when one ends.")
         else:
             reason, message = str(exc.kind), exc.message
         if self.metrics is not None:

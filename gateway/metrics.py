@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from scheduler.loop import StepLoop, Worker
+from scheduler.loop import StepLoop
 from scheduler.request import RequestStats
+from scheduler.worker import Worker
 from workers.contract import StepResult, WorkItem
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -33,7 +34,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ServedWorker(Worker, Protocol):
-    """The step loop's worker as the gateway serves it: `scheduler.loop.Worker` plus its prefix
+    """The step loop's worker as the gateway serves it: `scheduler.worker.Worker` plus its prefix
     cache's (bytes held, capacity) for /metrics, None without one (`BatchWorker`, Ray mode's
     `VerifierPool`, `FakeWorker`)."""
 

@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     max_tree_tokens: int = Field(16, ge=0)      # per request per step (a tenant may cap lower)
     max_resident: int = Field(32, ge=1)        # requests holding KV at once
     # prompt tokens a step prefills, per request waiting for its context, beside the trees
-    # (chunked prefill, `scheduler.policies.base.chunk_budget`); 0: whole, alone
+    # (chunked prefill, `scheduler.policies.step_budget.chunk_budget`); 0: whole, alone
     prefill_chunk_tokens: int = Field(24, ge=0)
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     # of the prefix cache, the most one tenant may hold (so one tenant cannot flush the others')
@@ -97,6 +97,23 @@ class Settings(BaseSettings):
     # Resume), on every replica together: each holds a connection and an ingress slot while the
     # request it follows runs (gateway/followers.py says why this is not max_concurrent)
     max_followers_per_tenant: int = Field(16, ge=1)
+    # structured outputs: caps on a schema's size and shape, checked before any compile (400
+    # schema_too_complex naming the cap; workers/speculation/schema_caps.py says why each)
+    schema_max_bytes: int = Field(131_072, ge=1)
+    schema_max_depth: int = Field(20, ge=1, le=64)           # levels of subschemas
+    schema_max_properties: int = Field(1_000, ge=1)         # in the whole schema
+    schema_max_enum_values: int = Field(1_000, ge=1)        # enum members and consts, in all
+    schema_max_enum_chars: int = Field(15_000, ge=1)        # their characters, in all
+    schema_max_pattern_chars: int = Field(1_000, ge=1)      # one pattern
+    schema_max_repeat: int = Field(100, ge=1)               # n in a pattern's {m,n}
+    schema_max_items: int = Field(1_000, ge=0)              # minItems, maxItems
+    # compiles run in these many processes per gateway (Ray: per scheduler), each ended past the
+    # time limit (400 schema_too_complex); a tenant may have this many compiling at once (429)
+    grammar_compile_workers: int = Field(2, ge=1, le=64)
+    grammar_compile_timeout_s: float = Field(5.0, gt=0)
+    grammar_compiles_per_tenant: int = Field(1, ge=1)
+    # Ray: the largest compiled grammar the scheduler ships to a verifier replica with a prefill
+    grammar_max_shipped_mb: float = Field(16.0, gt=0)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
     # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:

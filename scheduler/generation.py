@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from scheduler.sizing import AlphaEstimate, SizingConfig, StepCost, learn, size_trees
+from scheduler.alpha import AlphaEstimate, learn
+from scheduler.sizing import SizingConfig, size_trees
+from scheduler.step_cost import StepCost
 from workers.contract import ContextLengthError, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
 from workers.stopping import cut

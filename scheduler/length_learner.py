@@ -52,6 +52,7 @@ from importlib import resources
 from typing import Sequence
 
 from scheduler.length_predictor import LengthPredictor, PredictorWeights
+from scheduler.request import RequestStats
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,20 @@ class LengthLearner:
         # that commits past several checkpoints) starts at the checkpoint it is at
         if not samples or checkpoint(committed) > checkpoint(samples[-1][1]):
             samples.append((tuple(features), committed))
+
+    def predict(self, s: RequestStats, features: Sequence[float], committed: int) -> None:
+        """Re-predict a request's remaining length from the features of its last committed token
+        (`committed` tokens into its output), keeping them as a sample (`note`). Its belief is
+        replaced only by a better one (`better`); before its first step it also gets a length
+        predicted at arrival (`RequestStats.predicted_len`, what sjf ranks by)."""
+        self.note(s.request_id, features, committed)
+        belief = self.belief(features, committed)
+        if not better(belief, s.length_belief):
+            return
+        s.length_belief = belief
+        if s.predicted_len is None and s.n_steps == 0:
+            mu, sigma, _ = belief
+            s.predicted_len = committed + max(1, round(math.exp(mu + sigma * sigma / 2)))
 
     def finish(self, request_id: str, length: int, *, censored: bool = False) -> None:
         """The request ended with `length` output tokens: on its own (a stop token or string), or

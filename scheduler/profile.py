@@ -50,13 +50,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
+from scheduler.step_cost import MIN_STEP_S, StepCost
+
 Curve = tuple[int, Sequence[float], Sequence[float]]   # (batch, tokens, step_s)
 
-MIN_STEP_S = 1e-4
 
-
-def prefill_steps(cost, prompt_len: int, batch: int) -> float:
-    """A prompt's prefill in plain steps of `batch` requests (`cost` a StepCostModel): how the
+def prefill_steps(cost: StepCost, prompt_len: int, batch: int) -> float:
+    """A prompt's prefill in plain steps of `batch` requests: how the
     scheduler weighs the prefill a request has still to come against decode steps.
 
     >>> m = StepCostModel([(1, [1, 9], [0.04, 0.08])], prefill=([100, 200], [0.2, 0.3]))
@@ -137,7 +137,9 @@ class _Grid:
         return _interp(self.batches, at, batch)
 
 
-class StepCostModel:
+class StepCostModel(StepCost):
+    """The measured profile (module docstring), as `scheduler.step_cost.StepCost` declares it."""
+
     def __init__(self, curves: Sequence[Curve], source: str = "",
                  prefill: tuple[Sequence[float], Sequence[float]] | None = None, *,
                  context: int | None = None,
@@ -233,13 +235,10 @@ class StepCostModel:
         >>> round(p.chunk(50, 100), 3), p.keys_per_row is None
         (0.05, True)
         """
-        if tokens <= 0:
-            return 0.0
-        if self._chunk is not None:
-            row_s, key_s = self._chunk
-            return row_s * tokens + key_s * tokens * (offset + (tokens - 1) / 2)
-        # the curve's slope, not prefill(tokens): a pass's fixed cost is the step's already
-        return max(self.prefill(offset + tokens) - self.prefill(offset), MIN_STEP_S)
+        if tokens <= 0 or self._chunk is None:
+            return super().chunk(tokens, offset)      # the prefill curve's slope
+        row_s, key_s = self._chunk
+        return row_s * tokens + key_s * tokens * (offset + (tokens - 1) / 2)
 
     @property
     def keys_per_row(self) -> float | None:

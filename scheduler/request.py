@@ -19,8 +19,9 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from scheduler.sizing import AlphaEstimate, learn
-from workers.contract import SamplingParams
+from scheduler.alpha import AlphaEstimate, learn
+from workers.contract import SamplingParams, StepResult
+from workers.stopping import cut
 
 
 class Status(str, enum.Enum):
@@ -72,7 +73,7 @@ def finish_reason(status: Status, cause: str | None = None) -> str | None:
 
 
 class StepRecord(NamedTuple):
-    """What one step did for one request, as the step loop reports it to `Policy.update`.
+    """What one step did for one request, as the step loop reports it to `BatchPlanner.update`.
 
     verified:  tree tokens the verifier processed for it (1 root position + draft nodes), the unit
                of attained service: rejected drafts count, speculation that fails is not free.
@@ -81,7 +82,7 @@ class StepRecord(NamedTuple):
     tried:     draft tokens compared on the path the acceptance walk followed (accepted, plus one
                if it stopped at a rejection); None when unknown.
     drafted, accepted: draft nodes verified and accepted (before any cut at a stop or the
-               limit): the evidence of the request's α estimate (scheduler/sizing.py).
+               limit): the evidence of the request's α estimate (scheduler/alpha.py).
     draft_s, draft_depth: seconds its drafter spent on this step's tree, and the tree's depth.
     """
     request_id: str
@@ -205,6 +206,14 @@ class RequestStats:
         self.status = Status.RUNNING
 
 
+    def requeue(self) -> None:
+        """The loop that held it is gone (a restart, a dead replica): no batch runs it any more
+        and it holds no KV; it is prefilled with prompt + committed output when next planned."""
+        if self.status is Status.RUNNING:
+            self.status = Status.PREEMPTED
+        self.prefill_left = None
+        self.kv_tokens, self.kv_home = 0, None
+
     def end(self, status: Status, cause: str | None, now: float) -> None:
         if not status.terminal:
             raise ValueError(f"{status} is not a terminal state")
@@ -215,7 +224,9 @@ class RequestStats:
         return finish_reason(self.status, self.cause)
 
 
-@dataclass(slots=True, eq=False)
+# weakref_slot: what the gateway holds for a request (its compiled grammar) is let go when the
+# request object goes, on whatever path it ends (gateway/service/constraint.py `hold_for`)
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class Request:
     """The full record: the policy's `stats` plus what the drafters and the verifier need.
 
@@ -238,3 +249,14 @@ class Request:
     @property
     def request_id(self) -> str:
         return self.stats.request_id
+
+    def commit(self, res: StepResult, limit: int) -> tuple[list[int], StepRecord]:
+        """Append the tokens a step committed for this request, cut at a stop token or at its
+        output `limit` (`workers.stopping.cut`); returns them and the step's record."""
+        tokens, cause = cut(res.tokens, produced=len(self.output_ids), limit=limit,
+                            stop_token_ids=self.stop_token_ids)
+        self.output_ids.extend(tokens)
+        # The path tried: accepted drafts, plus the one rejected where the walk stopped.
+        tried = res.accepted + (1 if res.drafted > res.accepted else 0) if res.drafted else 0
+        return tokens, StepRecord(self.request_id, res.tree_tokens, len(tokens), cause, tried,
+                                  res.drafted, res.accepted, res.draft_s, res.draft_depth)

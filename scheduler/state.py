@@ -1,7 +1,7 @@
 """The scheduler state a policy plans over: live requests, the current batch, tenant accounts.
 
 This is the data a state store persists (memory or Redis). A policy's own indexes (heaps) are
-derived from it and can be rebuilt from it (`Policy.rebuild`), e.g. after a restart.
+derived from it and can be rebuilt from it (`BatchPlanner.rebuild`), e.g. after a restart.
 """
 from __future__ import annotations
 

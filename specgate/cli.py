@@ -62,6 +62,8 @@ COMMANDS: tuple[Command, ...] = (
             "(`specgate loadtest compare --help`: one server per policy)"),
     Command(("loadtest", "compare"), "loadtest.compare",
             "the same open-loop load against one server per policy"),
+    Command(("loadtest", "hostile"), "loadtest.hostile",
+            "an adversarial load test: one tenant attacks in 7 patterns beside another's steady chat"),
     Command(("soak",), "loadtest.soak",
             "mixed load for N minutes: RSS, fds, Redis memory, latency drift"),
     Command(("sim",), "tools.sim", "discrete-event simulation of the scheduling policies"),

@@ -212,6 +212,32 @@ BENCHES: tuple[Bench, ...] = (
           "chunked prefill keeps whole prefill's capacity and lowers the p99 gap between "
           "tokens, since a step prefills a chunk for each request waiting for its context.",
           ("results/loadtest_compare*.json",), t.compare),
+    Bench("loadtest hostile",
+          "specgate loadtest hostile --window-s 20 --json results/loadtest_hostile_before.json",
+          "Whether one tenant can hurt another (issue 50): a victim tenant sends a short streamed "
+          "chat every half second while an attacker, within its own generous quotas, runs seven "
+          "patterns in turn (huge tool lists, costly JSON schemas, byte-token output replayed, "
+          "a flood of stored responses, many followers of one stream, gRPC messages past the "
+          "HTTP body cap, streams never read), the gateway waited out after each. Per pattern: "
+          "the victim's p99 TTFT and time between tokens against its quiet baseline of the same "
+          "run, /health latency probed every ~100 ms, status codes by tenant and the codes the "
+          "attacker was refused with, Redis and RSS memory, whether any victim request lost "
+          "anything, and PASS/FAIL against the targets (p99s within 1.5× the baseline, /health "
+          "p99 within 100 ms, no 5xx, refusals naming their cap, Redis under its watermark, "
+          "nothing lost). `--redis-url` runs it in Redis mode.",
+          "Before issue 50's changes every pattern fails at least one target. The tools bomb "
+          "and the schema bomb stall the event loop itself: /health waits seconds and the "
+          "victim's first token comes tens of times later than in the baseline. The flood of "
+          "stored responses and the streams never read fill the batch with the attacker's work "
+          "and delay the victim's first token several-fold; byte-token replays and followers "
+          "slow it less. Large gRPC messages leave the victim alone, but gRPC takes messages up "
+          "to its own 4 MiB limit, twice the HTTP body cap, and refuses larger ones with "
+          "RESOURCE_EXHAUSTED and no error code. The attacker's refusals are otherwise 4xx "
+          "naming their cap (413 context_length_exceeded, 429 concurrency_exceeded), and no "
+          "request got a 5xx. On these busy shared cores the quiet baseline's own /health p99 "
+          "is above 100 ms (see the load average in the settings), so that target fails "
+          "throughout; the ratios are what compare across runs.",
+          ("results/loadtest_hostile*.json",), t.hostile),
     Bench("soak", "specgate soak --minutes 10 --rate 1 --json results/soak.json",
           "Mixed load for N minutes after a warm-up that lasts until the prefix cache stops "
           "filling: the gateway's RSS, open fds, Redis memory and latency per window, with a "

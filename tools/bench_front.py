@@ -130,7 +130,7 @@ def _chat(c: Any, key: str, model: str, text: str) -> tuple[int, dict]:
 
 def tokenized_bound(model: str | None) -> int:
     """The longest prompt, in characters, the gateway still tokenizes: (context − 1) tokens of
-    the tokenizer's longest token (gateway/service/prepare.py `_check_prompt_chars`), less a margin."""
+    the tokenizer's longest token (gateway/service/sizes.py `check`), less a margin."""
     from transformers import AutoConfig
 
     from gateway.text import max_token_chars

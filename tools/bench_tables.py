@@ -280,6 +280,27 @@ def compare(doc: Doc) -> list[str]:
     return out
 
 
+def hostile(doc: Doc) -> list[str]:
+    """`loadtest hostile`: per phase, the victim's p99s against the baseline, /health, what the
+    attacker got, and PASS/FAIL with the targets that failed."""
+    rows = []
+    for name, p in doc["phases"].items():
+        v, r, h, a = p["victim"], p["ratios"], p["health_ms"], p["attacker"]
+        failed = [t for t, verdict in p.get("targets", {}).items() if verdict == "FAIL"]
+        rows.append((name, f"{ms(v['ttft_s']['p99'])} ({times(r['ttft_p99'], 2)})",
+                     f"{ms(v['tbt_s']['p99'])} ({times(r['tbt_p99'], 2)})",
+                     f"{num(h['p99'], 0)} / {num(h['max'], 0)}",
+                     num(p["victim_until_settled"]["lost"]), num(p["server_errors"]),
+                     ", ".join(f"{k}: {n}" for k, n in a["statuses"].items()) or DASH,
+                     ", ".join(a["codes"]) or DASH,
+                     " ".join([p.get("verdict", "quiet"), *failed])))
+    return [*settings_line({k: doc["settings"].get(k) for k in (
+                "model", "redis", "window_s", "quotas", "attacker", "load_average")}),
+            *table(("phase", "victim TTFT p99 ms (× baseline)", "victim TBT p99 ms (× baseline)",
+                    "/health p99 / max ms", "victim lost", "5xx", "attacker statuses",
+                    "attacker refused with", "verdict, failed targets"), rows)]
+
+
 def sim(doc: Doc) -> list[str]:
     """`specgate sim --json`: per policy, latency and its split into waiting and time in steps."""
     rows = [(name, num(p["mean_latency_s"]), num(p.get("p50_latency_s")), num(p["p99_latency_s"], 1),

@@ -298,7 +298,7 @@ def fit_acceptance(history: Iterable[tuple[int, int, int, int]]) -> Acceptance:
 
     - coverage: steps that proposed ÷ steps that could (budget depth > 0);
     - α: accepted tokens are successes; a step whose accepted path stopped before its tree's
-      depth is one failure (the rule of `scheduler.sizing.observe`);
+      depth is one failure (the rule of `scheduler.alpha.observe`);
     - reach: levels past the first are successes; a proposal that stopped before the budget's
       depth is one failure.
 

@@ -23,6 +23,7 @@ from gateway.replay import Replayer
 from gateway.responses.service import ResponseService
 from gateway.responses.store import open_responses
 from gateway.service import GenerationService
+from gateway.service.constraint import GrammarLimits
 from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.records import new_api_key
@@ -134,7 +135,8 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     limiter=limiter, metrics=metrics,
                                     stop_token_ids=target.stop_token_ids,
                                     drafters=settings.drafter_names, ready_checks=checks,
-                                    length_oracle=oracle, grammars=target.grammars)
+                                    length_oracle=oracle, grammars=target.grammars,
+                                    grammar_limits=GrammarLimits.from_settings(settings))
     emb.responses = responses_service(settings, emb.service, step_loop.store, target.tokenizer)
     emb.replayer = Replayer(step_loop.store, target.tokenizer)
     emb.followers = FollowerGate(limiter, settings.max_followers_per_tenant, metrics=metrics)

@@ -74,7 +74,7 @@ def batch_worker(settings: Settings, rt: Runtime, drafters: dict | None = None) 
                            prefix_cache_tenant_share=settings.prefix_cache_tenant_share)
     verifier.features = settings.length_predictor     # the length predictor reads them
     return BatchWorker(verifier, default_drafter=settings.drafter_names[0], drafters=drafters,
-                       grammar=rt.grammar_drafter())
+                       grammar=rt.grammar_drafter(), grammars=rt.grammars)
 
 
 def planner_step_cost(settings: Settings, rt: Runtime | None, measured: dict | None = None) -> StepCostModel:

@@ -22,7 +22,7 @@ import uvicorn
 from gateway.assembly.serving import Embedded
 from gateway.assembly.target import freeze_heap
 from gateway.builders.embedded import build_embedded
-from gateway.grpc_api.server import start_grpc_server
+from gateway.grpc_api.server import GrpcServer, start_grpc_server
 from gateway.http.server import run_on, uvicorn_config
 from gateway.settings import Settings
 
@@ -109,11 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(emb: Embedded, server: Any) -> None:
     s = emb.settings
-    grpc = None
-    if s.grpc_port is not None:
-        grpc = await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port,
-                                       host=s.host, replayer=emb.replayer,
-                                       keepalive_s=s.stream_keepalive_s, followers=emb.followers)
+    grpc = await start_grpc(emb) if s.grpc_port is not None else None
     print(f"specgate: serving {s.model_id} on http://{s.host}:{s.port}"
           + (f" and gRPC {s.host}:{grpc.port}" if grpc else "")
           + f" (policy {s.policy}, drafters {s.drafters})", file=sys.stderr)
@@ -124,3 +120,12 @@ async def _serve(emb: Embedded, server: Any) -> None:
             await grpc.stop()
 
 
+async def start_grpc(emb: Embedded) -> GrpcServer:
+    """The gRPC front on `grpc_port` (unset: a free port), over the HTTP front's service,
+    tenants and state, with its body cap: a message larger than `max_body_bytes` is refused as a
+    REST body is."""
+    s = emb.settings
+    return await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port or 0,
+                                   host=s.host, replayer=emb.replayer,
+                                   max_message_bytes=s.max_body_bytes,
+                                   keepalive_s=s.stream_keepalive_s, followers=emb.followers)

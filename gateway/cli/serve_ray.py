@@ -14,6 +14,7 @@ one's environment, where the replicas read them (`gateway.ray_serve.replica_secr
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -32,6 +33,7 @@ from gateway.settings import Settings
 from gateway.tenancy.tenants import TenantRegistry
 
 APP_NAME = "specgate"
+RAY_GRPC_MAX_MESSAGE = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"     # Serve's proxy's cap, in bytes
 
 
 def load_config(path: Path | None, overrides: dict[str, Any]) -> tuple[RayAppConfig, dict[str, Any]]:
@@ -91,6 +93,10 @@ def run(args: Any, overrides: dict[str, Any]) -> int:
         print(f"specgate serve --ray: {e}", file=sys.stderr)
         return 2
     dev_key = tenants.ensure_dev_tenant()
+    # Serve's gRPC proxy takes no message-size option (`gRPCOptions`), only this variable, read
+    # where the proxy starts: the local cluster's processes inherit it from here. A REST body and
+    # a gRPC message get one cap (the ingress refuses a larger one too: gateway/grpc_api/server.py).
+    os.environ[RAY_GRPC_MAX_MESSAGE] = str(settings.max_body_bytes)
     ray.init(include_dashboard=False, logging_level="warning")
     try:
         serve.start(http_options=http, grpc_options=grpc)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol
 
 import grpc
 import pydantic
@@ -96,17 +96,18 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
-    both fronts are built from the same parts, but the service applies the limits itself (it alone
-    knows a request's token count), so gRPC and REST share one limiter through it.
-    `max_message_bytes` caps a request message (gRPC's default: 4 MiB); a larger one is refused
-    by gRPC itself with RESOURCE_EXHAUSTED. `replayer`: reads the state store for `Resume` (None:
-    Resume answers NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring;
-    0: none). `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one
-    over `limiter`)."""
-    options = [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
-    server = grpc.aio.server(options=options + keepalive_options(keepalive_s))
+    both fronts are built from the same parts, but the service applies the limits itself
+    (`GenerationService.arrive`, then its admission), so gRPC and REST share one limiter through it.
+    `max_message_bytes` caps a request message as `max_body_bytes` caps a REST body (None:
+    gRPC's default, 4 MiB): gRPC refuses a larger one itself, with RESOURCE_EXHAUSTED, before
+    it is parsed. `replayer`: reads the state store for `Resume` (None: Resume answers
+    NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring; 0: none).
+    `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one over
+    `limiter`)."""
+    server = grpc.aio.server(options=message_options(max_message_bytes) + keepalive_options(keepalive_s))
     pb_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(service, tenants, replayer, keepalive_s=keepalive_s,
+        GenerationServicer(service, tenants, replayer, max_message_bytes=max_message_bytes,
+                           keepalive_s=keepalive_s,
                            followers=followers if followers is not None else FollowerGate(limiter)),
         server)
     health_servicer = _Health(service.ready)
@@ -134,22 +135,32 @@ def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
             ("grpc.http2.max_pings_without_data", 0)]
 
 
+def message_options(max_message_bytes: int | None) -> list[tuple[str, int]]:
+    """The server's cap on a received message. Only received: what it sends is bounded by the
+    model's context, not by the client, and a cap there would fail a long completion after its
+    work was done."""
+    return [] if max_message_bytes is None else [("grpc.max_receive_message_length", max_message_bytes)]
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, tenants: TenantRegistry,
-                 replayer: Replayer | None = None, *, keepalive_s: float = KEEPALIVE_S,
-                 followers: FollowerGate | None = None):
+                 replayer: Replayer | None = None, *, max_message_bytes: int | None = None,
+                 keepalive_s: float = KEEPALIVE_S, followers: FollowerGate | None = None):
         """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND);
-        `keepalive_s`: a waiting stream's keep-alive message (0: none); `followers`: what a
-        `Resume` costs its tenant (None: nothing)."""
+        `max_message_bytes`: the request cap (`arrived_input`); `keepalive_s`: a waiting stream's
+        keep-alive message (0: none); `followers`: what a `Resume` costs its tenant (None:
+        nothing)."""
         self.service = service
         self.tenants = tenants
         self.replayer = replayer
+        self.max_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.followers = followers if followers is not None else FollowerGate(None)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            inp = await authed_input(self.tenants, request, context.invocation_metadata())
+            inp = await arrived_input(self.service, self.tenants, request,
+                                      context.invocation_metadata(), self.max_message_bytes)
             out = await self.service.generate(inp)
             return response_message(out)
         except Exception as exc:            # every failure becomes a status (see `status_of`)
@@ -163,7 +174,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stream = None
         try:
             stream = await self.service.open_stream(                            # admits, or raises
-                await authed_input(self.tenants, request, context.invocation_metadata()))
+                await arrived_input(self.service, self.tenants, request,
+                                    context.invocation_metadata(), self.max_message_bytes))
             await context.send_initial_metadata((("request-id", stream.request_id),))
             async with contextlib.aclosing(kept_alive(stream_messages(stream),
                                                       self.keepalive_s)) as messages:
@@ -207,21 +219,24 @@ async def authed_tenant(tenants: TenantRegistry, metadata: Any) -> Tenant:
     return tenant
 
 
-async def authed_input(tenants: TenantRegistry, request: pb.GenerateRequest,
-                       metadata: Any) -> GenerateInput:
-    """`grpc_input` off the event loop when tenants live in Redis (the lookup waits on the
-    network, up to the store's timeout), as REST's `current_tenant` does."""
-    if tenants.remote:
-        return await asyncio.to_thread(grpc_input, tenants, request, metadata)
-    return grpc_input(tenants, request, metadata)
+class Arrivals(Protocol):
+    """What `arrived_input` charges an arriving request to: `GenerationService`, or Ray mode's
+    `RemoteService` (the ingress's own limiter)."""
+    async def arrive(self, tenant: Tenant) -> None: ...
 
 
-def grpc_input(tenants: TenantRegistry, request: pb.GenerateRequest, metadata: Any) -> GenerateInput:
-    """The request of an authenticated tenant (401 without a known key)."""
-    tenant = tenants.authenticate(api_key(metadata))
-    if tenant is None:
-        raise errors.unauthorized()
-    return generate_input(request, tenant)
+async def arrived_input(service: Arrivals, tenants: TenantRegistry, request: pb.GenerateRequest,
+                        metadata: Any, max_bytes: int | None) -> GenerateInput:
+    """A request as it arrives, in REST's order: its size against the body cap (413, before
+    anything: in Ray mode Serve's proxy takes messages up to its own cap, so this is ours), the
+    caller's tenant (401), the request charged to the tenant's requests per minute (429; from
+    here on every refusal has cost the tenant a request), then REST's validation, off the event
+    loop (its work grows with the message)."""
+    if max_bytes is not None and request.ByteSize() > max_bytes:
+        raise errors.too_large(f"the request message is larger than {max_bytes} bytes")
+    tenant = await authed_tenant(tenants, metadata)
+    await service.arrive(tenant)
+    return await asyncio.to_thread(generate_input, request, tenant)
 
 
 async def stream_messages(stream: EventStream) -> AsyncIterator[pb.GenerateStreamResponse]:

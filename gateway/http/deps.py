@@ -2,7 +2,8 @@
 
 The app's parts live on `app.state` (set once by `build_app`); routes receive them through
 `ServiceDep`, `TenantsDep`, `MetricsDep`, `SettingsDep`. `TenantDep` authenticates the caller
-(401 otherwise), `AdminDep` requires an admin key (401 without a valid key, 403 for a tenant's
+(401 otherwise), `ArrivedTenantDep` (a generation request) also charges it to the tenant's
+requests per minute, `AdminDep` requires an admin key (401 without a valid key, 403 for a tenant's
 key or the metrics key), `MetricsReaderDep` an admin key or the metrics key. Bodies are read by
 `json_body(Model)` or `json_value`, dependencies rather than FastAPI body parameters, so
 authentication runs first and every way a body can be wrong (not UTF-8, not JSON, too deep, a
@@ -147,6 +148,18 @@ async def require_metrics_reader(request: Request, tenants: TenantsDep,
 
 
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
+
+
+async def arrived_tenant(tenant: TenantDep, service: ServiceDep) -> Tenant:
+    """The caller's tenant, its generation request charged to its requests per minute as it
+    arrives (`GenerationService.arrive`): before the body is read, so a tenant over its rpm
+    costs no parsing, and every refusal after this (a body that does not parse, a prompt too
+    large, a template that cannot render it) has cost the tenant a request."""
+    await service.arrive(tenant)
+    return tenant
+
+
+ArrivedTenantDep = Annotated[Tenant, Depends(arrived_tenant)]
 AdminDep = Annotated[None, Depends(require_admin)]
 MetricsReaderDep = Annotated[None, Depends(require_metrics_reader)]
 

@@ -6,6 +6,11 @@ verifier replica runs `gateway.assembly.target.batch_worker`; the ingress
 app over a `RemoteService`. Which of them run, how many and where is decided by the Ray builder
 alone (`gateway.builders.ray_app`).
 
+Structured outputs: the scheduler compiles each distinct grammar once (its compile processes,
+within the time limit: gateway/service/constraint.py) and ships it serialized with every prefill
+of a constrained request (`VerifierPool`); a verifier replica reads it back before taking its
+lock (`take_grammar`), so it never compiles one, and its steps never wait on one.
+
 Draft workers (a CPU deployment, scaled on its own) propose the trees: a verifier replica asks
 once per step for all its requests (`gateway.ray_serve.draft_pool.RemoteDrafter`); losing them
 costs only speculation. With `draft: null` each verifier replica drafts for its own requests.
@@ -92,6 +97,7 @@ class VerifierServer:
         return {"context_limit": self.worker.context_limit, "kv": self.worker.kv_slots(),
                 "kv_budget": kv_budget(self.worker.verifier),
                 "stop_token_ids": sorted(self.runtime.stop_token_ids), "replica": self.replica_id,
+                "vocab_size": self.runtime.forward.vocab_size,
                 "step_profile": self.step_profile,
                 "torch_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
 
@@ -117,10 +123,13 @@ class VerifierServer:
                 replica: str | None, loads: Mapping[str, int] | None = None,
                 assigned: Mapping[str, int] | None = None, avoid: Sequence[str] | None = None,
                 free: Mapping[str, float] | None = None, prefer: str | None = None,
-                release: dict | None = None, defer: bool = False) -> dict[str, Any]:
+                release: dict | None = None, defer: bool = False,
+                grammar: str | None = None) -> dict[str, Any]:
         """`loads`, `assigned`, `avoid`, `free`, `prefer`: for the router
-        (gateway/ray_serve/routing.py)."""
+        (gateway/ray_serve/routing.py); `grammar`: the request's compiled grammar, serialized
+        (read back here before the lock: steps never wait on it)."""
         self._on_critical_path()
+        take_grammar(self.runtime.grammars, sampling, grammar)
         with self._lock:
             t0 = time.perf_counter()
             self._release((release or {}).get(self.replica_id, ()))   # see VerifierPool.prefill
@@ -183,6 +192,13 @@ class VerifierServer:
         apply_releases(self.worker, entries)
 
 
+def take_grammar(grammars: Any, sampling: SamplingParams, grammar: str | None) -> None:
+    """Keep a shipped grammar (workers.speculation.grammars.Grammars.install) where the prefill
+    and the grammar drafter will look for it."""
+    if grammar is not None and sampling.constraint:
+        grammars.install(sampling.constraint, grammar)
+
+
 class DraftServer:
     """One draft replica (CPU): the drafters, for the verifier replicas' steps."""
 
@@ -222,12 +238,19 @@ class SchedulerServer:
         info = await verifier.describe.remote()
         self._tokenizer = await asyncio.to_thread(
             load_tokenizer, str(resolve_model(s.model, progress=False)), progress=False)
-        self.pool = VerifierPool(verifier, context_limit=info["context_limit"])
+        # the grammars this scheduler compiles (its compile processes) and ships to the verifier
+        # replicas; cheap until the first constrained request
+        from workers.speculation.grammars import Grammars
+
+        grammars = Grammars.from_tokenizer(self._tokenizer, info["vocab_size"], info["stop_token_ids"],
+                                           ships=True)
+        self.pool = VerifierPool(verifier, context_limit=info["context_limit"], grammars=grammars)
         self.pool.note(info["replica"], info)           # the planner knows one budget from the start
         # each verifier replica's own KV budget, refreshed every step from their answers
         kv, kv_note = replica_kv_budget(*info.get("kv_budget") or ({}, None))
         target = Target(self._tokenizer, self.pool, frozenset(info["stop_token_ids"]),
-                        planner_step_cost(s, None, info["step_profile"]), kv=kv, kv_note=kv_note)
+                        planner_step_cost(s, None, info["step_profile"]), grammars=grammars, kv=kv,
+                        kv_note=kv_note)
         # the ingress replicas apply the tenants file and the admin keys: this one holds no key
         self.embedded = await asyncio.to_thread(assemble, s, target, configure_tenants=False,
                                                 kv_budgets=self.pool.kv_budgets if kv else None)
@@ -284,6 +307,11 @@ class SchedulerServer:
 
     def ready(self) -> bool:
         return self.embedded.service.ready()
+
+    def count_refusal(self, tenant: str, kind: str) -> None:
+        """An ingress replica refused a request of `tenant` by its `kind` of rate limit (its
+        rpm, as the request arrived): counted here, where /metrics reads from."""
+        self.embedded.service.metrics.refused(tenant, kind, "rate_limited")
 
     def tokenizer(self) -> Any:
         """The tokenizer requests are tokenized with, for the ingress replicas (they load no

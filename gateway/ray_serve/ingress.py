@@ -19,13 +19,14 @@ from fastapi import FastAPI
 from gateway.assembly.replica import scheduler_prefix
 from gateway.assembly.serving import responses_service
 from gateway.followers import FollowerGate
-from gateway.grpc_api.server import (authed_input, authed_tenant, kept_alive, response_message,
+from gateway.grpc_api.server import (arrived_input, authed_tenant, kept_alive, response_message,
                                      status_of, stream_messages)
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.ray_serve.remote import RemoteService
 from gateway.ray_serve.replica_secrets import INGRESS_READS, settings_in_replica
 from gateway.replay import Cursor, Replayer
+from gateway.service import GenerateInput
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
 from scheduler.store import open_store
@@ -47,13 +48,14 @@ class IngressServer:
         # the keys, the key pepper and the Redis URL: from its node's environment, never Serve's
         self.settings = s = settings_in_replica(settings, INGRESS_READS)
         self.scheduler = scheduler
-        self.service = RemoteService(scheduler, models=[s.model_id])
         # One registry and limiter per replica, shared by REST and gRPC; the ingress replicas
         # apply the tenants file and the configured admin keys (the scheduler's opens the store
-        # alone: `assemble(..., configure_tenants=False)`).
+        # alone: `assemble(..., configure_tenants=False)`). Requests are charged to their
+        # tenant's rpm here, as they arrive.
         self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
+        self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter)
         # followers (resumes, streamed GETs of responses) are charged here, where they hold a
         # slot of this replica's (gateway/followers.py), before anything reaches the scheduler
         self.followers = FollowerGate(self.limiter, s.max_followers_per_tenant)
@@ -85,16 +87,15 @@ class IngressServer:
 
     async def Generate(self, request, grpc_context):
         try:
-            return response_message(await self.service.generate(
-                await authed_input(self.tenants, request, grpc_context.invocation_metadata())))
+            inp = await self._arrived(request, grpc_context)
+            return response_message(await self.service.generate(inp))
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
 
     async def GenerateStream(self, request, grpc_context):
         stream = None
         try:
-            stream = await self.service.open_stream(
-                await authed_input(self.tenants, request, grpc_context.invocation_metadata()))
+            stream = await self.service.open_stream(await self._arrived(request, grpc_context))
             async for message in kept_alive(stream_messages(stream), self.settings.stream_keepalive_s):
                 yield message
         except Exception as exc:
@@ -102,6 +103,12 @@ class IngressServer:
         finally:
             if stream is not None:
                 await stream.aclose()
+
+    async def _arrived(self, request, grpc_context) -> GenerateInput:
+        # Serve's proxy takes messages up to its own cap (RAY_SERVE_GRPC_MAX_MESSAGE_SIZE, which
+        # the chart sets): the body cap is applied here, before any work on the message
+        return await arrived_input(self.service, self.tenants, request,
+                                   grpc_context.invocation_metadata(), self.settings.max_body_bytes)
 
     async def Resume(self, request, grpc_context):
         try:

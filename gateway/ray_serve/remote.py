@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Sequence
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, store_call
 from gateway.service import GenerateInput, GenerateOutput, GenerationService, StreamChunk
+from gateway.service.admission import limit_refusal
+from gateway.tenancy.limits import LimitExceeded, Limiter
+from gateway.tenancy.records import Tenant
 
 
 def error_message(e: ApiError) -> tuple[str, dict]:
@@ -79,13 +82,28 @@ class RemoteService:
     """The ingress replica's side: `GenerationService`'s interface over a handle to the endpoint.
 
     `handle` is a Ray Serve `DeploymentHandle` of the scheduler deployment (methods `generate`,
-    `stream`, `ready`); `models` are the served model ids, known from the settings."""
+    `stream`, `ready`); `models` are the served model ids, known from the settings; `limiter`:
+    the ingress's own (in Redis, shared with the scheduler's), which `arrive` charges here so a
+    request over its tenant's rpm never reaches the scheduler."""
 
-    def __init__(self, handle: Any, *, models: Sequence[str], started_s: int = 0) -> None:
+    def __init__(self, handle: Any, *, models: Sequence[str], started_s: int = 0,
+                 limiter: Limiter | None = None) -> None:
         self.handle = handle
         self.models = list(models)
         self.started_s = started_s
+        self.limiter = limiter
         self._ready = False
+
+    async def arrive(self, tenant: Tenant) -> None:
+        """`GenerationService.arrive`, against the ingress's limiter; a refusal is counted in
+        the scheduler's metrics, which are the ones /metrics serves."""
+        if self.limiter is None:
+            return
+        try:
+            await store_call(self.limiter.remote, self.limiter.arrive, tenant)
+        except LimitExceeded as exc:
+            self.handle.count_refusal.remote(tenant.name, exc.kind)
+            raise limit_refusal(exc) from None
 
     def ready(self) -> bool:
         # Readiness is the scheduler's (model loaded, store reachable), asked for in `refresh`

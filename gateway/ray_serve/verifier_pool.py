@@ -17,7 +17,9 @@ The scheduler's `StepLoop` drives this exactly as it drives an in-process `Batch
   call: each frees the tenant's prefix-cache blocks and has its remote drafters tell their draft
   replica to free the tenant's suffix cache (`RemoteDrafter.drop_tenant`).
 
-Every call after the prefill names the home (`replica=`), and the router sends it there.
+Every call after the prefill names the home (`replica=`), and the router sends it there. A
+constrained request's prefill carries its compiled grammar, serialized (`grammars`: the
+scheduler's, which holds it while the request lives), so no replica compiles it.
 
 Each prefill and step answer also carries the replica's prefix-cache usage (bytes held, capacity)
 and its KV pool in slots (budget, held); the pool keeps the latest per live replica.
@@ -66,11 +68,13 @@ class _Placed:
 
 class VerifierPool:
     def __init__(self, handle: Any, *, context_limit: int,
-                 lost_errors: tuple[type[BaseException], ...] | None = None) -> None:
+                 lost_errors: tuple[type[BaseException], ...] | None = None, grammars: Any = None) -> None:
         """`handle`: a Ray Serve DeploymentHandle of the verifier deployment (see
         `gateway.ray_serve.deployments.VerifierServer`); `lost_errors`: the exceptions that mean a replica is
-        gone (default: Ray's actor-died and actor-unavailable errors)."""
+        gone (default: Ray's actor-died and actor-unavailable errors); `grammars`: the
+        compiled grammars to ship (workers.speculation.grammars.Grammars, `ships=True`)."""
         self.handle = handle
+        self.grammars = grammars
         self.context_limit = context_limit
         self.home: dict[str, str] = {}                 # request id -> replica id holding its KV
         self.calls: Counter = Counter()                # replica id -> calls sent (a metric; tests)
@@ -193,11 +197,14 @@ class VerifierPool:
             pending = {home: list(ids) for home, ids in self._releases.items()}
         free = {replica: (budget - held) / max(budget, 1)        # share of its pool free
                 for replica, (budget, held) in self.kv_budgets().items()}
+        extra = {}
+        if p.sampling.constraint and self.grammars is not None:
+            extra["grammar"] = self.grammars.serialized(p.sampling.constraint)
         answer = self.handle.prefill.remote(
             request_id, list(p.token_ids), prompt_len=p.prompt_len, sampling=p.sampling,
             max_new_tokens=p.max_new_tokens - p.committed, tenant=p.tenant, drafter=p.drafter,
             replica=None, prefer=home, loads=Counter(self.home.values()), assigned=dict(self.assigned),
-            avoid=sorted(self.dead), free=free or None, release=pending, defer=defer).result()
+            avoid=sorted(self.dead), free=free or None, release=pending, defer=defer, **extra).result()
         replica = answer["replica"]
         self.busy_s += answer["busy_s"]
         self.note(replica, answer)

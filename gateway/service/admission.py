@@ -1,9 +1,12 @@
-"""Admission: a prepared request past the tenant's limits and into the step loop.
+"""Admission: a request counted against the tenant's limits, prepared, and into the step loop.
 
-    precheck  the tenant's rate limits as they stand (429 with Retry-After), before any work on
-              its prompt: a tenant over its limits costs no tokenization;
+    arrive    (the front calls it, through `GenerationService.arrive`, before the request's body
+              is read) one unit of the tenant's requests per minute, whatever becomes of the
+              request: a refusal after this has cost the tenant a request (429 if none is left);
+    precheck  the tenant's token and concurrency limits as they stand (429 with Retry-After),
+              before any work on its prompt: a tenant over its limits costs no tokenization;
     prepare   gateway/service/prepare.py (400, 403, 404, 413);
-    acquire   the tenant's rate and token limits, charged (429 with Retry-After; 400 for a
+    acquire   the tenant's token and concurrency limits, charged (429 with Retry-After; 400 for a
               request larger than the tenant's whole TPM, which waiting cannot help);
     submit    to the step loop, with the tenant's priority, weight and speculation policy
               (a full queue: 429 for the tenant's own queue, 503 for the scheduler's).
@@ -43,7 +46,22 @@ class Admission:
     @property
     def remote(self) -> bool:
         """Whether admitting may wait on the network (a limiter or state store in Redis)."""
-        return (self.limiter is not None and self.limiter.remote) or self.step_loop.store.remote
+        return self.limits_remote or self.step_loop.store.remote
+
+    @property
+    def limits_remote(self) -> bool:
+        """Whether the limiter's calls may wait on the network (its buckets in Redis)."""
+        return self.limiter is not None and self.limiter.remote
+
+    def arrive(self, tenant: Tenant) -> None:
+        """Charge an arriving request to the tenant's requests per minute (module docstring):
+        any thread; raises ApiError (429) charging nothing when none is left."""
+        if self.limiter is None:
+            return
+        try:
+            self.limiter.arrive(tenant)
+        except LimitExceeded as exc:
+            raise self._refused(tenant.name, exc) from None
 
     def admit(self, inp: GenerateInput, tenant: Tenant) -> tuple[Prepared, Grant | None]:
         """precheck, prepare, acquire (module docstring): any thread; raises ApiError."""
@@ -89,15 +107,12 @@ class Admission:
             raise self._refused(s.tenant, exc) from None
 
     def _refused(self, tenant: str, exc: LimitExceeded) -> ApiError:
-        """A limiter's refusal as the client's 429, counted; one that can never pass (more
-        tokens than the tenant's whole TPM) as a 400 naming the limit: retrying it after
-        Retry-After would only be refused again."""
+        """A limiter's refusal as the client's answer (`limit_refusal`), counted."""
         if not exc.retryable:
             self.metrics.rejected(tenant)
-            return errors.invalid(exc.message, "max_tokens", code=f"request_exceeds_{exc.kind}")
-        self.metrics.refused(tenant, str(exc.kind), "rate_limited")
-        return errors.rate_limited(exc.message, exc.retry_after_s,
-                                   code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")
+        else:
+            self.metrics.refused(tenant, str(exc.kind), "rate_limited")
+        return limit_refusal(exc)
 
     def _submit(self, stream: RequestStream) -> None:
         prep, grant = stream.prep, stream.grant
@@ -119,3 +134,13 @@ class Admission:
             raise errors.overloaded(retry_after_s=verdict.retry_after_s, code="queue_full")
         self.metrics.admitted(req.stats.tenant, req.stats.prompt_len)
         stream.admitted = True
+
+
+def limit_refusal(exc: LimitExceeded) -> ApiError:
+    """A limiter's refusal as the client's 429, or, for one that can never pass (more tokens than
+    the tenant's whole TPM), a 400 naming the limit: retrying it after Retry-After would only be
+    refused again."""
+    if not exc.retryable:
+        return errors.invalid(exc.message, "max_tokens", code=f"request_exceeds_{exc.kind}")
+    return errors.rate_limited(exc.message, exc.retry_after_s,
+                               code=f"{exc.kind}_exceeded" if exc.kind else "rate_limit_exceeded")

@@ -1,6 +1,13 @@
 """`GenerationService`: the façade REST, gRPC, the Responses API and Ray mode's scheduler replica
 call. It holds the rooms together (prepare, admission, stream, tenant sync) and decides where
-admission runs: on the event loop for what cannot take long, on a worker thread otherwise."""
+admission runs: on a worker thread, always.
+
+NOTE: small requests were once admitted on the event loop (a thread hop costs more than
+tokenizing a short prompt). Measured on the fake worker with the default model's tokenizer, that
+bought no admissions per second and kept the loop from running anything else for as long as a
+burst of them took; and what a request costs to prepare cannot be known without measuring it,
+which for tools and schemas is itself work proportional to the request. So every request's
+measure, templating, tokenizing and compiling happen off the loop, which only awaits them."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +20,8 @@ from typing import Any, Callable, Iterable, Sequence
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
-from gateway.service import fields
 from gateway.service.admission import Admission
+from gateway.service.constraint import GrammarLimits
 from gateway.service.prepare import RequestPreparer
 from gateway.service.stream import RequestStream, StreamParts
 from gateway.service.tenant_sync import TenantSync
@@ -28,8 +35,6 @@ from scheduler.loop import StepLoop
 
 log = logging.getLogger(__name__)
 
-INLINE_CHARS = 16_384      # prompts up to this size are tokenized on the event loop (`_quick`)
-
 
 class GenerationService:
     def __init__(self, step_loop: StepLoop, tokenizer: Any, *, models: Sequence[str],
@@ -37,11 +42,12 @@ class GenerationService:
                  stop_token_ids: Iterable[int] = (), drafters: Sequence[str] = ("ngram",),
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id,
-                 length_oracle: LengthOracle | None = None, grammars: Any = None):
+                 length_oracle: LengthOracle | None = None, grammars: Any = None,
+                 grammar_limits: GrammarLimits | None = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
-        True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`: the
-        preparer's (gateway/service/prepare.py)."""
+        True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`,
+        `grammar_limits`: the preparer's (gateway/service/prepare.py)."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -54,7 +60,8 @@ class GenerationService:
         self.started_s = int(time.time())      # the models' "created" time
         self.preparer = RequestPreparer(tokenizer, models=models, stop_token_ids=self.stop_token_ids,
                                         drafters=drafters, request_id=request_id,
-                                        length_oracle=length_oracle, grammars=grammars)
+                                        length_oracle=length_oracle, grammars=grammars,
+                                        grammar_limits=grammar_limits)
         self.tenants = TenantSync(step_loop, self.metrics)
         grants = GrantKeeper(limiter) if limiter is not None else None
         self.admission = Admission(step_loop, self.preparer, limiter=limiter, grants=grants,
@@ -101,17 +108,22 @@ class GenerationService:
             await stream.aclose()
         raise AssertionError("a stream ends with its GenerateOutput")
 
+    async def arrive(self, tenant: Tenant) -> None:
+        """A request of `tenant` has arrived at a front (its key known, its body not yet read):
+        charge it to the tenant's requests per minute, or refuse it (429 `rpm_exceeded`). The
+        fronts call it first, so every later refusal of the request is charged too
+        (gateway/tenancy/limits.py). Off the event loop when the limits live in Redis; a store
+        that is down is a 503."""
+        await errors.store_call(self.admission.limits_remote, self.admission.arrive, tenant)
+
     async def open_stream(self, inp: GenerateInput) -> RequestStream:
-        """`stream`, awaitable, with the checks, tokenization and the limiter off the event loop
+        """`stream`, awaitable, with the checks, tokenization and the limiter on a worker thread
         (gateway/service/__init__.py): the call the routers make, so a remote service (Ray mode's
         `gateway.ray_serve.remote.RemoteService`) can admit the request over the network first."""
         t0 = time.perf_counter()
         if inp.tenant is None:
             raise errors.unauthorized()
-        aio = asyncio.get_running_loop()
-        if self._quick(inp):
-            return self._open(inp, inp.tenant, aio, t0)
-        return await asyncio.to_thread(self._open, inp, inp.tenant, aio, t0)
+        return await asyncio.to_thread(self._open, inp, inp.tenant, asyncio.get_running_loop(), t0)
 
     def stream(self, inp: GenerateInput) -> RequestStream:
         """Admit the request (raises ApiError) and return its event iterator. Call it on the
@@ -127,19 +139,6 @@ class GenerationService:
         stream = RequestStream(self._parts, prep, grant, aio, t0)
         self.admission.submit(stream)
         return stream
-
-    def _quick(self, inp: GenerateInput) -> bool:
-        """Admit on the event loop itself? Only when nothing can take long: a short prompt (a
-        thread hop costs more than tokenizing it), and no limiter or state store across the
-        network."""
-        if self.admission.remote:
-            return False
-        if inp.constraint is not None:
-            return False                # compiling a schema may take milliseconds (a cache miss)
-        if inp.prompt_ids is not None:
-            return len(inp.prompt_ids) <= INLINE_CHARS
-        text = fields.prompt_chars(inp)
-        return text is None or text[1] <= INLINE_CHARS
 
     # ---- detached requests ------------------------------------------------------------------------
     async def open_detached(self, inp: GenerateInput) -> str:

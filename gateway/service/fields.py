@@ -15,19 +15,6 @@ MAX_TEMPERATURE = 2.0
 MAX_LOGIT_BIAS = 300       # OpenAI's bound on logit_bias entries
 
 
-def prompt_chars(inp: GenerateInput) -> tuple[str, int] | None:
-    """(field, characters) of a text prompt or of its messages' contents; None for token ids or
-    a malformed input (tokenizing names what is wrong)."""
-    if inp.prompt_ids is not None:
-        return None
-    if isinstance(inp.prompt, str):
-        return "prompt", len(inp.prompt)
-    if isinstance(inp.messages, list):
-        return "messages", sum(len(m["content"]) for m in inp.messages
-                               if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return None
-
-
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -3,11 +3,11 @@ keeps its place ahead of everything that arrived after it, so FCFS never preempt
 aging, priority classes and tenant fairness."""
 from __future__ import annotations
 
-from scheduler.policies.base import Policy
+from scheduler.policies.ordering import Ordering
 from scheduler.request import RequestStats
 
 
-class FCFS(Policy):
+class FCFS(Ordering):
     name = "fcfs"
 
     def key(self, s: RequestStats) -> float:

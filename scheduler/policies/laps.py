@@ -80,7 +80,7 @@ the simulator".
   0.02 left the worst seeds' p99 higher, 0.05 gave up more of the mean. On the default workload
   at batch 8 it changes nothing, at batch 1 it costs a few percent of the mean.
   A shorter aging bound is the blunter tool: for about the same p99 it gives a higher mean.
-* PolicyConfig.max_resident (the step loop's KV limit; base.py): without it, LAS and LAPS-SD can
+* PolicyConfig.max_resident (the step loop's KV limit; planner.py): without it, LAS and LAPS-SD can
   start more requests than hold KV, and aging then thrashes the cache (see tools/sim.py).
 
 Newcomers (`newcomers`): "predicted" (default) ranks a request whose τ is not yet known by its
@@ -135,26 +135,33 @@ from __future__ import annotations
 
 import math
 
-from typing import Iterable
-
-from scheduler.policies.base import BAND, Policy
 from scheduler.policies.length_model import LengthModel, mean_beyond
 from scheduler.policies.levels import Levels
+from scheduler.policies.ordering import BAND, Ordering
+from scheduler.policies.plan import PolicyConfig
 from scheduler.profile import prefill_steps
-from scheduler.request import RequestStats, StepRecord
+from scheduler.request import RequestStats
 from scheduler.sizing import urgency
 from scheduler.state import SchedulerState
+from scheduler.step_cost import StepCost
 
 
-class LAPS(Policy):
+class LAPS(Ordering):
     name = "laps"
 
-    def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 128.0,
+    @classmethod
+    def build(cls, config: PolicyConfig, **options) -> LAPS:
+        """Ranked in steps, the wait credit and a newcomer's prefill read the step cost."""
+        return cls(config.step_cost, config.max_batch, **options)
+
+    def __init__(self, step_cost: StepCost | None = None, max_batch: int = 8, *,
+                 n_levels: int = 6, first_quantum: float = 128.0,
                  growth: float = 4.0, min_steps: int = 3, max_rel_stderr: float = 0.3,
                  interleave: str = "unified", overrun_factor: float = 0.5, tau_skip: int = 3,
                  lengths: str = "calibrated", wait_weight: float = 0.03,
-                 node_urgency: float = 0.0, newcomers: str = "predicted",
-                 **overrides) -> None:
+                 node_urgency: float = 0.0, newcomers: str = "predicted") -> None:
+        """`step_cost`, `max_batch`: the planner's (`PolicyConfig`); the rest, the policy's own
+        options (module docstring)."""
         if interleave not in ("strict", "unified"):
             raise ValueError(f"interleave must be 'strict' or 'unified', not {interleave!r}")
         if lengths not in ("calibrated", "predicted"):
@@ -173,14 +180,13 @@ class LAPS(Policy):
         if newcomers not in ("levels", "predicted", "min"):
             raise ValueError(f"newcomers must be 'levels', 'predicted' or 'min', not {newcomers!r}")
         self.newcomers = newcomers
-        super().__init__(config, **overrides)
-        cost, b = self.config.step_cost, self.config.max_batch
+        self.step_cost, self.max_batch = step_cost, max_batch
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
-        self._full_step_s = cost(b, b) if cost is not None else None
-
-    def _reset(self) -> None:
-        super()._reset()
+        self._full_step_s = step_cost(max_batch, max_batch) if step_cost is not None else None
         self._origin: float | None = None     # the first arrival ranked: keeps the credit small
+
+    def reset(self) -> None:
+        self._origin = None
 
     def stable(self, s: RequestStats) -> bool:
         """The perceptible test: enough steps and a small standard error of mean τ."""
@@ -230,13 +236,10 @@ class LAPS(Policy):
         if s.perceptible:
             s.predicted_remaining_s = self.remaining_steps(s) * (state.step_s or 0.0)
 
-    def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,
-               step_s: float) -> list[RequestStats]:
-        finished = super().update(state, records, now, step_s)
+    def finished(self, requests: list[RequestStats]) -> None:
         if self.lengths is not None:
-            for s in finished:
+            for s in requests:
                 self.lengths.observe(s.cache_tenant, s.predicted_len, s.committed)
-        return finished
 
     def key(self, s: RequestStats) -> float:
         return self.service_key(s) + self.wait_credit(s)
@@ -283,7 +286,6 @@ class LAPS(Policy):
         return self.wait_weight * (s.arrival_s - self._origin) / self._full_step_s
 
     def prefill_steps(self, s: RequestStats) -> float:
-        cost = self.config.step_cost
-        if cost is None or not hasattr(cost, "prefill"):
+        if self.step_cost is None:
             return 0.0
-        return prefill_steps(cost, s.prompt_len, self.config.max_batch)
+        return prefill_steps(self.step_cost, s.prompt_len, self.max_batch)

@@ -5,19 +5,18 @@ service first overall; the levels are kept so that LAS is exactly LAPS-SD withou
 switch (same levels, same quanta). No length prediction, no acceptance estimate."""
 from __future__ import annotations
 
-from scheduler.policies.base import BAND, Policy
 from scheduler.policies.levels import Levels
+from scheduler.policies.ordering import BAND, Ordering
 from scheduler.request import RequestStats
 from scheduler.state import SchedulerState
 
 
-class LAS(Policy):
+class LAS(Ordering):
     name = "las"
 
-    def __init__(self, config=None, *, n_levels: int = 6, first_quantum: float = 16.0,
-                 growth: float = 4.0, **overrides) -> None:
+    def __init__(self, *, n_levels: int = 6, first_quantum: float = 16.0,
+                 growth: float = 4.0) -> None:
         self.levels = Levels(n_levels, first_quantum, growth)
-        super().__init__(config, **overrides)
 
     def refresh(self, state: SchedulerState, s: RequestStats) -> None:
         s.level = self.levels.level_of(s.attained, s.level)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from scheduler.policies.base import Policy
+from scheduler.policies.ordering import Ordering
 from scheduler.request import RequestStats
 
 
-class SJF(Policy):
+class SJF(Ordering):
     name = "sjf"
 
     def key(self, s: RequestStats) -> float:

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from scheduler.policies.base import Policy
+from scheduler.policies.ordering import Ordering
 from scheduler.request import RequestStats
 
 
-class SRPT(Policy):
+class SRPT(Ordering):
     name = "srpt"
 
-    def __init__(self, config=None, *, oracle: Callable[[RequestStats], float],
-                 **overrides) -> None:
+    def __init__(self, *, oracle: Callable[[RequestStats], float]) -> None:
         self.oracle = oracle
-        super().__init__(config, **overrides)
 
     def key(self, s: RequestStats) -> float:
         return float(self.oracle(s))

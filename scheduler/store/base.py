@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from scheduler.request import Request, RequestStats, Status
-from scheduler.sizing import AlphaEstimate
+from scheduler.alpha import AlphaEstimate
 from workers.contract import SamplingParams
 
 Account = tuple[int, str]      # (priority class, tenant): one fairness account

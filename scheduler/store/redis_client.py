@@ -10,7 +10,7 @@ has a socket timeout and a connect timeout: a Redis that accepts connections but
 
 NOTE: no retries inside the client (`Retry(NoBackoff(), 0)`). A retried EVALSHA whose first try
 ran but whose reply was lost would run twice (`RedisStore.add` would then refuse its own request
-as a duplicate); callers that can repeat a write safely (the step loop's `_persist`, the grant
+as a duplicate); callers that can repeat a write safely (the step loop's `StoreWriter`, the grant
 keeper's release) retry themselves.
 """
 from __future__ import annotations

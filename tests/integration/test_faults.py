@@ -361,7 +361,7 @@ def test_overload_is_refused_cleanly_with_bounded_queue_and_latency(redis_url, r
 
                 async def watch():
                     while time.monotonic() < stop + 1:
-                        queued = sum(1 for m in list(loop._inbox) if m[0] == "submit")
+                        queued = sum(1 for m in list(loop.intake.inbox) if m[0] == "submit")
                         live_seen.append(len(loop.state.requests) + queued)
                         await asyncio.sleep(0.005)
 

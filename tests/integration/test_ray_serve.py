@@ -22,7 +22,7 @@ from ray import serve  # noqa: E402
 
 from gateway.builders.ray_app import build_ray_app as build  # noqa: E402
 from gateway.ray_serve.config import RayAppConfig  # noqa: E402
-from gateway.cli.serve_ray import load_config, load_grpc_options  # noqa: E402
+from gateway.cli.serve_ray import RAY_GRPC_MAX_MESSAGE, load_config, load_grpc_options  # noqa: E402
 from gateway.ray_serve.replica_secrets import redis_password  # noqa: E402
 from gateway.http.server import free_port  # noqa: E402
 from gateway.settings import Settings  # noqa: E402
@@ -66,6 +66,9 @@ def ray_app(model_dir, redis_url):
         cfg, _ = load_config(CONFIG, settings)
         cfg.ingress.autoscaling_config, cfg.ingress.num_replicas = None, 2   # fixed: 2 ingress replicas
         cfg.draft.autoscaling_config, cfg.draft.num_replicas = None, 1        # and 1 draft replica
+        # Serve's gRPC proxy caps a message by this variable, read where it starts, as `serve
+        # --ray` sets it: twice the body cap here, so that the ingress's own cap shows below it
+        env.setenv(RAY_GRPC_MAX_MESSAGE, str(2 * cfg.gateway_settings().max_body_bytes))
         ray.init(num_cpus=2, include_dashboard=False, logging_level="error", log_to_driver=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port},
@@ -146,6 +149,17 @@ def test_grpc_through_serves_proxy_answers_as_rest_does(ray_app, model_dir):
         with pytest.raises(grpc.RpcError) as err:
             stub.Generate(pb.GenerateRequest(model=model, prompt="x", temperature=-1), metadata=auth, timeout=60)
         assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
+        # a message over the body cap: Serve's proxy refuses it past its own cap (twice the body
+        # cap here), and the ingress below it, before any work on it
+        cap = cfg.gateway_settings().max_body_bytes
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(model=model, prompt="x" * (cap + 1)), metadata=auth, timeout=60)
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"larger than {cap} bytes" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(model=model, prompt="x" * (2 * cap + 1)), metadata=auth,
+                          timeout=60)
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_chat_stream_resumes_at_any_ingress_replica_from_redis(ray_app, model_dir):
@@ -188,7 +202,7 @@ def test_draft_workers_propose_and_their_loss_costs_only_speculation(ray_app, em
     expected = answers(embedded_url, str(model_dir))
     assert answers(url, str(model_dir)) == expected
     # A tenant new to the planner: its first request starts with no pooled evidence about the
-    # drafter (scheduler/sizing.py DrafterPrior), so the planner probes it and the draft worker
+    # drafter (scheduler/alpha.py DrafterPrior), so the planner probes it and the draft worker
     # is asked, whatever t1's earlier requests taught the planner of this drafter's cost.
     with httpx.Client(base_url=url, timeout=60) as h:
         fresh = h.post("/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"},
@@ -256,6 +270,27 @@ def test_refusals_keep_their_status_and_openai_body_across_ray(ray_app, model_di
         assert 0 < samples[("specgate_prefix_cache_bytes", ())] <= samples[
             ("specgate_prefix_cache_capacity_bytes", ())]
         assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [str(model_dir)]
+        # refusals count against the tenant's rpm at the ingress, and its 429 in the scheduler's
+        # metrics, which /metrics serves
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        assert h.post("/admin/tenants", headers=admin, json={
+            "name": "metered", "api_keys": ["sk-ray-metered-0123456789"], "rpm": 2}).status_code == 201
+        metered = {"Authorization": "Bearer sk-ray-metered-0123456789"}
+        r = h.post("/v1/completions", headers=metered, json={"model": "gpt-x", "prompt": "hi"})
+        assert r.status_code == 404
+        assert h.post("/v1/completions", headers=metered, content=b"{not json").status_code == 400
+        r = h.post("/v1/completions", headers=metered, json={"model": str(model_dir), "prompt": "hi"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rpm_exceeded"
+        deadline = time.monotonic() + 30
+        while True:
+            samples = {(x.name, tuple(sorted(x.labels.items()))): x.value for fam in
+                       text_string_to_metric_families(h.get("/metrics", headers=admin).text)
+                       for x in fam.samples}
+            key = ("specgate_rate_limit_refusals_total", (("reason", "rpm"), ("tenant", "metered")))
+            if samples.get(key) == 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert samples.get(key) == 1
 
 
 def test_removing_a_tenant_at_an_ingress_frees_its_caches_on_every_verifier_replica(

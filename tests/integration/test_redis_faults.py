@@ -260,7 +260,7 @@ def test_a_stream_in_flight_pauses_and_resumes_with_each_token_once(own_redis, c
     emb.tenants.put(Tenant("acme"), ["sk-acme"])
     max_tokens, pause_s = 80, 2.5
     emb.start()
-    caplog.set_level(logging.WARNING, logger="scheduler.loop")
+    caplog.set_level(logging.WARNING, logger="scheduler.store.writer")
     try:
         with background_server(emb.app, log_level="critical") as url:
             async def scenario():
@@ -293,7 +293,7 @@ def test_a_stream_in_flight_pauses_and_resumes_with_each_token_once(own_redis, c
         finally:
             store.close()
         assert emb.step_loop.store_writing() and emb.loop_alive()
-        lines = [r.getMessage() for r in caplog.records if r.name == "scheduler.loop"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "scheduler.store.writer"]
         assert sum("streams pause" in m for m in lines) == 1, lines     # reported once
         assert sum("streams resume" in m for m in lines) == 1, lines
     finally:

@@ -140,7 +140,7 @@ def test_the_rules_catch_what_they_forbid():
     """The graph holds the arrows it should, and a planted upward arrow and a planted circle
     are caught."""
     assert "workers.contract" in GRAPH["scheduler.loop"]
-    assert "scheduler.sizing" in GRAPH["scheduler.policies.base"]
+    assert "scheduler.sizing" in GRAPH["scheduler.policies.step_budget"]
     assert "gateway.builders.embedded" in GRAPH["gateway.cli.serve"]
     planted = {**GRAPH, "workers.speculation.tree": GRAPH["workers.speculation.tree"] | {"scheduler.sizing"}}
     assert upward(planted) == ["workers.speculation.tree -> scheduler.sizing"]
@@ -201,3 +201,19 @@ def test_an_ingress_replica_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]", f"an ingress replica imports torch: {out}"
+
+
+def test_scheduler_modules_and_classes_stay_small():
+    """Every scheduler module within 400 lines and every class within 250: one job each
+    (the planner's parts, the step loop's)."""
+    big = []
+    for path in sorted((ROOT / "scheduler").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines = len(text.splitlines())
+        if lines > 400:
+            big.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 250:
+                big.append(f"{path.relative_to(ROOT)}:{node.name}: "
+                           f"{node.end_lineno - node.lineno + 1} lines")
+    assert big == []

@@ -159,6 +159,21 @@ def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
             assert ports["grpc"]["port"] == port and ports["grpc"]["targetPort"] == 9000
 
 
+def test_serves_grpc_proxy_takes_messages_up_to_the_body_cap_on_every_ray_node():
+    """Serve's `grpc_options` has no message size; its proxy (on every node) reads one variable.
+    It follows `settings.max_body_bytes`, else the gateway's default body cap."""
+    from gateway.settings import Settings
+
+    for values, cap in ((GPU, Settings().max_body_bytes),
+                        ({**GPU, "settings": {"max_body_bytes": 65536}}, 65536)):
+        rs = by_kind(render(values), "RayService")[0]["spec"]["rayClusterConfig"]
+        groups = [rs["headGroupSpec"]] + rs["workerGroupSpecs"]
+        assert len(groups) == 3                                  # head, cpu and gpu workers
+        for group in groups:
+            env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+            assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"] == str(cap)
+
+
 def test_an_optional_grpc_ingress_routes_to_the_grpc_port():
     assert not [i for i in by_kind(render(BASE), "Ingress")]
     docs = render({**BASE, "ingress": {"enabled": True, "host": "api.example.com",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from workers.contract import DraftContext, Prefilled, SamplingParams, StepResult, TargetTaps, TreeBudget, WorkItem
 from workers.drafters.base import Drafter
@@ -30,6 +30,13 @@ TAP_CHUNKS = 64     # a request's pending tap chunks before they are gathered (a
 _Group = tuple[Drafter, list[tuple[int, DraftContext, TreeBudget]]]
 
 
+class GrammarHolder(Protocol):
+    """What keeps a resident request's compiled grammar (workers.speculation.grammars.Grammars):
+    `pin` returns a claim whose `release()` lets it go."""
+
+    def pin(self, constraint: str) -> Any: ...
+
+
 @dataclass
 class _Resident:
     tenant: str               # the tenant's immutable id: what caches are keyed by
@@ -41,6 +48,7 @@ class _Resident:
     # one only when it drafts (a request the planner gives no drafts would otherwise re-pack its
     # whole sink + window of taps every step)
     taps: list[TargetTaps] = field(default_factory=list)
+    grammar_pin: Any = None         # its compiled grammar, held while it is resident
 
     def add_taps(self, taps: TargetTaps) -> None:
         self.taps.append(taps)
@@ -54,15 +62,20 @@ class _Resident:
 
 class BatchWorker:
     def __init__(self, verifier: Verifier, *, default_drafter: str = "ngram",
-                 drafters: Mapping[str, Drafter] | None = None, grammar: Drafter | None = None):
+                 drafters: Mapping[str, Drafter] | None = None, grammar: Drafter | None = None,
+                 grammars: GrammarHolder | None = None):
         """`drafters`: instances by name (created from the registry on first use otherwise); one
         instance serves every request that names it, keyed by request id inside. `grammar`: the
         grammar drafter (workers/drafters/grammar.py), merged with the drafter of every request
-        that has a constraint; None: constrained requests draft with their own drafter alone."""
+        that has a constraint; None: constrained requests draft with their own drafter alone.
+        `grammars`: the compiled grammars the verifier's rules and the grammar drafter read; a
+        resident request's is held here until it leaves, so the grammar drafter's first proposal
+        (steps after the prefill) finds it however many others came meanwhile."""
         self.verifier = verifier
         self.default_drafter = default_drafter
         self._drafters: dict[str, Drafter] = dict(drafters or {})
         self.grammar = grammar
+        self.grammars = grammars
         self._with_grammar: dict[str, Drafter] = {}   # drafter name -> merged with the grammar's
         self._resident: dict[str, _Resident] = {}
         self._dropped: list[str] = []     # removed tenants' ids, for drafters created later
@@ -110,11 +123,14 @@ class BatchWorker:
         if sampling.constraint and self.grammar is not None:
             chosen = self._grammar_merged(chosen)
         self._want_taps(chosen)
+        pin = None
+        if sampling.constraint and self.grammars is not None:
+            pin = self.grammars.pin(sampling.constraint)
         done = self.verifier.prefill(request_id, token_ids, sampling, max_new_tokens, tenant, defer=defer,
                                      prompt_len=prompt_len)
         self._resident[request_id] = _Resident(tenant, list(token_ids), prompt_len, chosen,
                                                sampling.constraint,
-                                               [done.taps] if done.taps is not None else [])
+                                               [done.taps] if done.taps is not None else [], pin)
         return replace(done, taps=None)
 
     def _want_taps(self, drafter: Drafter) -> None:
@@ -143,6 +159,7 @@ class BatchWorker:
         self.verifier.release(request_id)
         if res is not None:
             res.drafter.release(request_id)
+            _unpin(res)
 
     def evict(self, request_id: str) -> None:
         """Free the KV and drafter state of a request that is not finished and will be prefilled
@@ -151,6 +168,7 @@ class BatchWorker:
         self.verifier.release(request_id)
         if res is not None:
             res.drafter.evict(request_id)
+            _unpin(res)
 
     def drop_tenant(self, tenant: str) -> None:
         """A removed tenant (its immutable id, what `prefill` got as `tenant`): its prefix-cache
@@ -223,3 +241,8 @@ class BatchWorker:
             return self._resident[request_id]
         except KeyError:
             raise KeyError(f"request {request_id!r} is not resident (not prefilled, or released)") from None
+
+
+def _unpin(res: _Resident) -> None:
+    if res.grammar_pin is not None:
+        res.grammar_pin.release()

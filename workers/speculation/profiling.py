@@ -34,7 +34,7 @@ reads every earlier key, so the pairs' differences are fitted to
 chunks by and the simulator charges mixed steps from. `specgate bench profile` measures it;
 `startup_profile` does not: the attention term only stands out of the noise thousands of keys
 deep, and getting a request there is a prefill of seconds at every start (without a measured
-fit the planner keeps its default weight, `scheduler.policies.base.DEFAULT_KEYS_PER_ROW`).
+fit the planner keeps its default weight, `scheduler.policies.step_budget.DEFAULT_KEYS_PER_ROW`).
 """
 from __future__ import annotations
 

@@ -19,8 +19,8 @@ from gateway.errors import ApiError
 from gateway.http import bodies
 from gateway.http.chat_stream import ChatChunks, ChatIds, ChatView, refusal, resume_from
 from gateway.http.choices import check_choices, generate_choices, open_choices
-from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
-                               sse_response, until_disconnected)
+from gateway.http.deps import (ArrivedTenantDep, ServiceDep, SettingsDep, TenantDep, json_body,
+                               sse_events, sse_response, until_disconnected)
 from gateway.http.followers import FollowerDep
 from gateway.replay import Replayer, not_found
 from gateway.schemas import ChatRequest
@@ -43,7 +43,7 @@ ReplayerDep = Annotated[Replayer, Depends(get_replayer)]
 
 
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI)
-async def create_chat_completion(request: Request, tenant: TenantDep, service: ServiceDep,
+async def create_chat_completion(request: Request, tenant: ArrivedTenantDep, service: ServiceDep,
                                  settings: SettingsDep, body: Body) -> Any:
     inp = body.to_input(tenant)
     n = body.choices

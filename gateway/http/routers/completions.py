@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway.http import bodies
 from gateway.http.choices import check_choices, generate_choices, open_choices
-from gateway.http.deps import (ServiceDep, SettingsDep, TenantDep, json_body, sse_events,
+from gateway.http.deps import (ArrivedTenantDep, ServiceDep, SettingsDep, json_body, sse_events,
                                sse_response, until_disconnected)
 from gateway.schemas import CompletionRequest
 
@@ -19,7 +19,7 @@ _OPENAPI = {"requestBody": {"required": True, "content": {"application/json": {
 
 
 @router.post("/v1/completions", openapi_extra=_OPENAPI)
-async def create_completion(request: Request, tenant: TenantDep, service: ServiceDep,
+async def create_completion(request: Request, tenant: ArrivedTenantDep, service: ServiceDep,
                             settings: SettingsDep, body: Body) -> Any:
     inp = body.to_input(tenant)
     n = body.choices

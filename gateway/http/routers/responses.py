@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, Request
 
 from gateway import errors
 from gateway.errors import ApiError
-from gateway.http.deps import SettingsDep, TenantDep, json_body, sse_response, until_disconnected
+from gateway.http.deps import (ArrivedTenantDep, SettingsDep, TenantDep, json_body, sse_response,
+                               until_disconnected)
 from gateway.http.followers import ResponseReaderDep
 from gateway.responses.request import ResponseRequest
 from gateway.responses.service import ResponseService
@@ -59,7 +60,7 @@ def _error_event(e: ApiError) -> str:
 
 
 @router.post("/v1/responses", openapi_extra=_OPENAPI)
-async def create_response(request: Request, tenant: TenantDep, responses: ResponsesDep,
+async def create_response(request: Request, tenant: ArrivedTenantDep, responses: ResponsesDep,
                           settings: SettingsDep, body: Body) -> Any:
     if body.stream:
         return _sse(await responses.create(tenant, body), settings.stream_keepalive_s)

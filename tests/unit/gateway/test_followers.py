@@ -16,10 +16,14 @@ import grpc
 import httpx
 import pytest
 
+from gateway.errors import ApiError
+from gateway.followers import FollowerGate
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.grpc_api.server import start_grpc_server
 from gateway.settings import Settings
+from gateway.tenancy.limits import LimitExceeded, Limiter
+from gateway.tenancy.records import Tenant
 from tests.helpers import serving
 
 MODEL = "smollm2-135m"
@@ -208,3 +212,32 @@ def test_a_grpc_resume_is_a_follower_of_the_same_cap_and_charged_to_rpm(gw):
     finally:
         emb.service.cancel(chat)
         emb.service.cancel(limited)
+
+
+def test_follower_slots_are_a_pool_of_their_own_beside_max_concurrent(store):
+    """A tenant at its `max_concurrent` (its one generation running) may still follow it, and
+    its followers take none of its generation slots: the two caps count apart, in memory and
+    in Redis, on every replica's limiter over one store."""
+    url, prefix = store
+    solo = Tenant("solo", max_concurrent=1)
+    limiters = [Limiter(url, prefix)]
+    if url is not None:
+        limiters.append(Limiter(url, prefix))                    # a second replica's
+    generation = limiters[0].acquire(solo, 10)                   # its one generation slot
+    with pytest.raises(LimitExceeded):
+        limiters[-1].acquire(solo, 10)
+
+    async def go() -> None:
+        gate, other = FollowerGate(limiters[0], 2), FollowerGate(limiters[-1], 2)
+        held = [await gate.enter(solo), await other.enter(solo)]
+        with pytest.raises(ApiError) as err:
+            await gate.enter(solo)
+        assert err.value.code == "concurrency_exceeded" and err.value.retry_after_s >= 1
+        await gate.leave(held.pop())
+        held.append(await other.enter(solo))
+        for grant in held:
+            await gate.leave(grant)
+
+    asyncio.run(go())
+    limiters[0].release(generation, 10)
+    limiters[-1].release(limiters[-1].acquire(solo, 10), 10)     # its generation slot was free

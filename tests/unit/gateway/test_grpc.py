@@ -82,11 +82,15 @@ class FakeService:
         self.hang = False
         self.finish_reason = "length"
         self.inputs: list[GenerateInput] = []
+        self.arrivals: list[Tenant] = []
         self.stream_closed = threading.Event()
         self.close_reason: str | None = None
 
     def ready(self) -> bool:
         return self.is_ready
+
+    async def arrive(self, tenant: Tenant) -> None:
+        self.arrivals.append(tenant)
 
     async def generate(self, inp: GenerateInput) -> GenerateOutput:
         self.inputs.append(inp)

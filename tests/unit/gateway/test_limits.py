@@ -1,5 +1,6 @@
 """Rate limits and concurrency caps: the pure arithmetic on hand-worked cases, then the Limiter in
-memory and in a real Redis, where two Limiter objects (two replicas) must enforce one limit."""
+memory and in a real Redis, where two Limiter objects (two replicas) must enforce one limit. A
+request's rpm is charged as it arrives (`arrive`), its tokens and slot at admission (`acquire`)."""
 from __future__ import annotations
 
 import threading
@@ -8,8 +9,8 @@ import time
 import pytest
 import redis
 
-from gateway.tenancy.limits import (CONCURRENCY_RETRY_S, WINDOW_S, Grant, LimitExceeded, Limiter, Usage,
-                            check, gcra_adjust, gcra_take)
+from gateway.tenancy.limits import (CONCURRENCY_RETRY_S, WINDOW_S, Grant, LimitExceeded, Limiter,
+                                    Usage, arrival, check, gcra_adjust, gcra_take)
 from gateway.tenancy.records import Tenant
 
 T0 = 1_000_000.0
@@ -61,21 +62,27 @@ def test_gcra_adjust():
 
 def test_check_names_the_limit_that_frees_last():
     t = Tenant("t", rpm=60, tpm=600, max_concurrent=2)
-    fresh = Usage()
-    ok = check(t, fresh, T0, 100)
-    assert ok.allowed and ok.rpm_tat == T0 + 1 and ok.tpm_tat == pytest.approx(T0 + 10)
-    rpm_full = Usage(rpm_tat=T0 + 60, tpm_tat=0.0)
-    assert (check(t, rpm_full, T0, 1).kind, check(t, rpm_full, T0, 1).retry_after_s) == ("rpm", 1.0)
-    both = Usage(rpm_tat=T0 + 60, tpm_tat=T0 + 55)          # rpm frees in 1 s, tpm in 5 s
-    v = check(t, both, T0, 100)
+    ok = check(t, Usage(), T0, 100)
+    assert ok.allowed and ok.tat == pytest.approx(T0 + 10)
+    full = Usage(tpm_tat=T0 + 55)                           # tpm frees in 5 s
+    v = check(t, full, T0, 100)
     assert (v.allowed, v.kind, v.retry_after_s) == (False, "tpm", pytest.approx(5.0))
-    assert (v.rpm_tat, v.tpm_tat) == (both.rpm_tat, both.tpm_tat)   # a refusal charges nothing
+    assert v.tat == full.tpm_tat                             # a refusal charges nothing
     busy = Usage(live=2)
     assert check(t, busy, T0, 1).kind == "concurrency"
     assert check(t, busy, T0, 1).retry_after_s == CONCURRENCY_RETRY_S
-    # rpm refusal of 0.5 s and a full concurrency cap: concurrency (1 s) is the longer wait.
-    v = check(t, Usage(rpm_tat=T0 + 59.5, live=2), T0, 1)
+    # tpm refusal of 0.5 s and a full concurrency cap: concurrency (1 s) is the longer wait.
+    v = check(t, Usage(tpm_tat=T0 + 59.95, live=2), T0, 1)
     assert (v.kind, v.retry_after_s) == ("concurrency", CONCURRENCY_RETRY_S)
+
+
+def test_arrival_takes_one_request_or_names_the_wait():
+    t = Tenant("t", rpm=60)
+    ok = arrival(t, 0.0, T0)
+    assert ok.allowed and ok.tat == T0 + 1
+    v = arrival(t, T0 + 60, T0)                              # a full minute's requests taken
+    assert (v.allowed, v.kind, v.retry_after_s, v.tat) == (False, "rpm", 1.0, T0 + 60)
+    assert arrival(Tenant("free"), T0 + 1e6, T0).allowed
 
 
 def test_check_request_larger_than_tpm_never_fits():
@@ -85,7 +92,7 @@ def test_check_request_larger_than_tpm_never_fits():
 
 
 def test_check_unlimited_tenant():
-    assert check(Tenant("t"), Usage(rpm_tat=T0 + 1e6, tpm_tat=T0 + 1e6, live=10**6), T0, 10**9).allowed
+    assert check(Tenant("t"), Usage(tpm_tat=T0 + 1e6, live=10**6), T0, 10**9).allowed
 
 
 # ---- the Limiter, in memory and in Redis --------------------------------------------------------------
@@ -100,33 +107,40 @@ def _refused(limiter: Limiter, tenant: Tenant, tokens: int = 1) -> LimitExceeded
     return err.value
 
 
+def _rpm_refused(limiter: Limiter, tenant: Tenant) -> LimitExceeded:
+    with pytest.raises(LimitExceeded) as err:
+        limiter.arrive(tenant)
+    return err.value
+
+
 def test_rpm(store):
     clock = Clock()
     limiter = _limiter(store, clock)
     t = Tenant("acme", rpm=5)
     for _ in range(5):
-        limiter.acquire(t, 10)
-    err = _refused(limiter, t)
+        limiter.arrive(t)
+    err = _rpm_refused(limiter, t)
     assert err.kind == "rpm" and err.retry_after_s == pytest.approx(12.0)
     assert err.retry_after_header == "12" and "5 requests per minute" in err.message
     clock.now += 11.9
-    assert _refused(limiter, t).retry_after_s == pytest.approx(0.1)
+    assert _rpm_refused(limiter, t).retry_after_s == pytest.approx(0.1)
     clock.now += 0.1                                      # the window moves with the clock
-    limiter.acquire(t, 10)
-    _refused(limiter, t)
+    limiter.arrive(t)
+    _rpm_refused(limiter, t)
     clock.now += 60
     for _ in range(5):
-        limiter.acquire(t, 10)
-    _refused(limiter, t)
+        limiter.arrive(t)
+    _rpm_refused(limiter, t)
+    limiter.release(limiter.acquire(t, 10), 10)           # admission takes no request of its own
 
 
 @pytest.mark.parametrize("rpm", [3, 7, 11, 13, 999])
 def test_rpm_allows_exactly_the_limit(store, rpm):
     limiter = _limiter(store, Clock())
-    t = Tenant("acme", rpm=rpm, tpm=rpm * 7)             # tokens: 7 per request, same arithmetic
+    t = Tenant("acme", rpm=rpm)
     for _ in range(rpm):
-        limiter.acquire(t, 7)
-    assert _refused(limiter, t, 0).kind == "rpm"
+        limiter.arrive(t)
+    assert _rpm_refused(limiter, t).kind == "rpm"
 
 
 def test_tpm_and_release_correction(store):
@@ -176,19 +190,25 @@ def test_a_refused_request_charges_nothing(store):
     limiter = _limiter(store, Clock())
     t = Tenant("acme", rpm=2, tpm=100, max_concurrent=1)
     g = limiter.acquire(t, 50)
-    assert _refused(limiter, t, 50).kind == "concurrency"   # refused: no request, no tokens taken
+    assert _refused(limiter, t, 50).kind == "concurrency"   # refused: no tokens taken
     limiter.release(g, 50)
-    limiter.acquire(t, 50)                                   # so the second of 2 requests still fits
-    assert _refused(limiter, t, 1).kind in ("rpm", "concurrency")
+    limiter.acquire(t, 50)                                   # so the second 50 tokens still fit
+    assert _refused(limiter, t, 1).kind == "concurrency"
+    limiter.arrive(t), limiter.arrive(t)
+    _rpm_refused(limiter, t)                                 # refused: no request taken …
+    _rpm_refused(limiter, t)                                 # … so the wait does not grow
+    assert _rpm_refused(limiter, t).retry_after_s == pytest.approx(30.0)
 
 
 def test_precheck_refuses_what_acquire_would_and_charges_nothing(store):
-    """Before a prompt is tokenized: a tenant over its rpm, its concurrency, or asking for more
-    than its tpm at all is refused as `acquire` would refuse it; a precheck that passes takes
-    nothing, so the request after it still fits."""
+    """Before a prompt is tokenized: a tenant over its tokens per minute, its concurrency, or
+    asking for more than its tpm at all is refused as `acquire` would refuse it; a precheck that
+    passes takes nothing, so the request after it still fits. Requests per minute are not its:
+    they were charged as the request arrived."""
     clock = Clock()
     limiter = _limiter(store, clock)
-    t = Tenant("acme", rpm=2, tpm=100, max_concurrent=1)
+    t = Tenant("acme", rpm=1, tpm=100, max_concurrent=1)
+    limiter.arrive(t)
     for _ in range(5):
         limiter.precheck(t, 50)                              # nothing charged: 5 × 50 > 100
     g = limiter.acquire(t, 50)
@@ -198,28 +218,34 @@ def test_precheck_refuses_what_acquire_would_and_charges_nothing(store):
     limiter.release(g, 50)
     limiter.precheck(t, 50)
     limiter.release(limiter.acquire(t, 50), 50)
-    limiter.release(limiter.acquire(Tenant("other", rpm=1), 1), 1)   # others' buckets apart
+    limiter.release(limiter.acquire(Tenant("other", tpm=1), 1), 1)   # others' buckets apart
     with pytest.raises(LimitExceeded) as err:
-        limiter.precheck(t, 1)                               # the 3rd request of rpm=2
-    assert err.value.kind == "rpm" and err.value.retry_after_s == pytest.approx(30.0)
+        limiter.precheck(t, 1)                               # 101 tokens of tpm=100
+    assert err.value.kind == "tpm" and err.value.retry_after_s == pytest.approx(0.6)
     with pytest.raises(LimitExceeded, match="Request too large"):
         limiter.precheck(Tenant("acme2", tpm=100), 101)
-    clock.now += 30
+    clock.now += 1
     limiter.precheck(t, 1)
 
 
-def test_precheck_of_an_unlimited_tenant_needs_no_store():
-    """A tenant without limits is never refused, so its precheck makes no store call: even a
-    store that is down costs it nothing."""
+def test_an_unlimited_tenant_needs_no_store():
+    """A tenant without limits is never refused, so neither its arrival nor its precheck makes a
+    store call: even a store that is down costs it nothing."""
     limiter = Limiter(None, clock=Clock())
 
     class Down:
         def usage(self, tenant, now):
             raise ConnectionError("down")
+
+        def arrive(self, tenant, now):
+            raise ConnectionError("down")
     limiter._buckets = Down()
-    limiter.precheck(Tenant("free"), 10**9)
+    limiter.precheck(Tenant("free", rpm=5), 10**9)
+    limiter.arrive(Tenant("free", tpm=5, max_concurrent=1))
     with pytest.raises(ConnectionError):
-        limiter.precheck(Tenant("metered", rpm=5), 1)
+        limiter.precheck(Tenant("metered", tpm=5), 1)
+    with pytest.raises(ConnectionError):
+        limiter.arrive(Tenant("metered", rpm=5))
 
 
 def test_an_orphaned_grant_is_corrected_after_its_lease_ran_out(store):
@@ -259,12 +285,16 @@ def test_tenants_are_isolated(store):
     limiter = _limiter(store, Clock())
     a = Tenant("a", rpm=1, tpm=10, max_concurrent=1)
     b = Tenant("b", rpm=1, tpm=10, max_concurrent=1)
+    limiter.arrive(a)
     limiter.acquire(a, 10)
     for kind_tokens in (1, 10, 0):
         _refused(limiter, a, kind_tokens)
-    grant = limiter.acquire(b, 10)                         # b is untouched by a's exhaustion
+    _rpm_refused(limiter, a)
+    limiter.arrive(b)                                      # b is untouched by a's exhaustion
+    grant = limiter.acquire(b, 10)
     assert grant.tenant == "b"
     _refused(limiter, b)
+    _rpm_refused(limiter, b)
 
 
 def test_grant_records_what_was_charged(store):
@@ -289,10 +319,10 @@ def test_two_limiters_share_rpm(redis_url, redis_prefix, sixth_on):
     limiters = _pair(redis_url, redis_prefix, Clock())
     t = Tenant("acme", rpm=5)
     for i in range(5):
-        limiters[i % 2].acquire(t, 1)
-    err = _refused(limiters[sixth_on], t)
+        limiters[i % 2].arrive(t)
+    err = _rpm_refused(limiters[sixth_on], t)
     assert err.kind == "rpm" and err.retry_after_s == pytest.approx(12.0)
-    _refused(limiters[1 - sixth_on], t)
+    _rpm_refused(limiters[1 - sixth_on], t)
 
 
 def test_two_limiters_share_tpm_and_concurrency(redis_url, redis_prefix):
@@ -328,7 +358,9 @@ def test_concurrency_is_atomic_across_replicas(redis_url, redis_prefix):
 
 def test_redis_keys_expire_and_sit_under_the_prefix(redis_url, redis_prefix):
     limiter = Limiter(redis_url, redis_prefix, clock=Clock(), lease_s=30)
-    limiter.acquire(Tenant("acme", rpm=60, tpm=600, max_concurrent=4), 100)
+    acme = Tenant("acme", rpm=60, tpm=600, max_concurrent=4)
+    limiter.arrive(acme)
+    limiter.acquire(acme, 100)
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         keys = sorted(r.scan_iter(match=redis_prefix + "*"))
         assert keys == [redis_prefix + "rl:conc:acme", redis_prefix + "rl:rpm:acme",

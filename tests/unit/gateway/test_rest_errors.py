@@ -27,6 +27,7 @@ def server():
     for tenant, key in [(Tenant("alpha"), "sk-alpha"),
                         (Tenant("beta", models=("llama-*",)), "sk-beta"),
                         (Tenant("limited", rpm=1), "sk-limited"),
+                        (Tenant("refused", rpm=4), "sk-refused"),
                         (Tenant("queued", max_queued=1), "sk-queued")]:
         emb.tenants.put(tenant, [key])
     emb.start()
@@ -209,6 +210,26 @@ def test_429_rate_limited_with_retry_after(server):
     err = error_of(r, 429)
     assert (err["type"], err["code"]) == ("rate_limit_error", "rpm_exceeded")
     assert 30 <= retry_after(r) <= 60                  # rpm = 1: the next slot is ~a minute away
+
+
+def test_refusals_count_against_the_tenants_rpm(server):
+    """Every request of a tenant counts against its requests per minute as it arrives, refused
+    or not: a body that does not parse, a field out of range, a tools payload too large for the
+    context, a model it may not see. With rpm = 4, four refusals leave nothing for a fifth,
+    valid, request: 429 before its body is even read."""
+    _, url = server
+    h = {"Authorization": "Bearer sk-refused"}
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 8000}}]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    refusals = [(b"{not json", 400), (json.dumps(completion(temperature=9)).encode(), 400),
+                (json.dumps(chat).encode(), 413), (json.dumps(completion(model="gpt-x")).encode(), 404)]
+    for body, status in refusals:
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        error_of(httpx.post(url + path, content=body, headers=h), status)
+    r = httpx.post(url + "/v1/completions", json=completion(), headers=h)
+    assert error_of(r, 429)["code"] == "rpm_exceeded" and retry_after(r) >= 1
+    r = httpx.post(url + "/v1/completions", content=b"{not json", headers=h)
+    assert error_of(r, 429)["code"] == "rpm_exceeded"         # the body was not read
 
 
 def test_429_tenant_queue_full_with_retry_after(server):

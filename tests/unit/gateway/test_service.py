@@ -73,6 +73,12 @@ def inp(tenant=None, **kw) -> GenerateInput:
     return GenerateInput(tenant=tenant or Tenant("t"), model=kw.pop("model", MODEL), **kw)
 
 
+async def arrive_and_generate(service, i: GenerateInput) -> GenerateOutput:
+    """What a front does with a request: its arrival charged to its tenant's rpm, then the rest."""
+    await service.arrive(i.tenant)
+    return await service.generate(i)
+
+
 async def collect(service, i: GenerateInput):
     chunks, out = [], None
     stream = service.stream(i)
@@ -224,10 +230,10 @@ def test_rate_limits_refuse_with_429_and_retry_after_and_release_their_tokens():
     rig = Rig(limiter=limiter)
     try:
         t = Tenant("t", rpm=2, tpm=1000)
-        asyncio.run(rig.service.generate(inp(t)))
-        asyncio.run(rig.service.generate(inp(t)))
+        asyncio.run(arrive_and_generate(rig.service, inp(t)))
+        asyncio.run(arrive_and_generate(rig.service, inp(t)))
         with pytest.raises(ApiError) as e:
-            asyncio.run(rig.service.generate(inp(t)))
+            asyncio.run(arrive_and_generate(rig.service, inp(t)))
         assert (e.value.status, e.value.code) == (429, "rpm_exceeded")
         assert e.value.retry_after_s > 0 and "Retry-After" in e.value.headers()
         # tokens reserved (prompt + max_tokens) are corrected to what was used
@@ -294,15 +300,15 @@ def _front_rig(tok, *, context: int = 256, limiter=None) -> Rig:
     return Rig(context=context, limiter=limiter, tokenizer=tok)
 
 
-def test_an_over_rpm_tenant_gets_429_before_its_prompt_is_tokenized():
+def test_an_over_rpm_tenant_gets_429_as_it_arrives_before_any_work():
     tok = CountingTokenizer()
     rig = _front_rig(tok, context=1024, limiter=Limiter(None))
     t = Tenant("t", rpm=1)
     try:
-        asyncio.run(rig.service.generate(inp(t, max_tokens=4)))
+        asyncio.run(arrive_and_generate(rig.service, inp(t, max_tokens=4)))
         assert tok.calls == 1
         with pytest.raises(ApiError) as err:             # oversized as well: 429, not 413
-            asyncio.run(rig.service.generate(inp(t, prompt="x" * 5000, max_tokens=4)))
+            asyncio.run(arrive_and_generate(rig.service, inp(t, prompt="x" * 5000, max_tokens=4)))
         assert err.value.status == 429 and err.value.code == "rpm_exceeded"
         assert tok.calls == 1                              # refused before any tokenizing
     finally:
@@ -338,20 +344,17 @@ def test_a_prompt_too_long_for_any_tokenization_gets_413_untokenized():
         rig.close()
 
 
-def test_tokenizing_a_long_prompt_runs_off_the_event_loop():
-    """While a long prompt's tokenization is held, the event loop still runs other work:
-    open_stream tokenizes it in a worker thread (a short one, on the loop: `_quick`)."""
+def test_tokenizing_any_prompt_runs_off_the_event_loop():
+    """While a prompt's tokenization is held, the event loop still runs other work: open_stream
+    prepares every request in a worker thread, the shortest too."""
     import threading
 
-    from gateway.service import INLINE_CHARS
     gate = threading.Event()
     tok = CountingTokenizer(gate)
-    rig = _front_rig(tok, context=4 * INLINE_CHARS)
-    long = "x" * (INLINE_CHARS + 1)
-    assert rig.service._quick(inp()) and not rig.service._quick(inp(prompt=long))
+    rig = _front_rig(tok, context=1024)
     try:
         async def go():
-            held = asyncio.ensure_future(rig.service.generate(inp(prompt=long, max_tokens=4)))
+            held = asyncio.ensure_future(rig.service.generate(inp(prompt="hi", max_tokens=4)))
             while tok.calls == 0:
                 await asyncio.sleep(0.005)
             ticks = 0
@@ -368,17 +371,15 @@ def test_tokenizing_a_long_prompt_runs_off_the_event_loop():
         rig.close()
 
 
-def test_with_limits_in_redis_every_admission_leaves_the_event_loop(redis_url, redis_prefix):
+def test_with_limits_in_redis_a_request_is_charged_as_it_arrives(redis_url, redis_prefix):
     """The limiter's calls may wait on the network: never on the event loop."""
     rig = Rig(limiter=Limiter(redis_url, redis_prefix))
     try:
-        assert not rig.service._quick(inp())
-        out = asyncio.run(rig.service.generate(inp(Tenant("t", rpm=10), max_tokens=3)))
+        t = Tenant("t", rpm=1)
+        out = asyncio.run(arrive_and_generate(rig.service, inp(t, max_tokens=3)))
         assert out.completion_tokens == 3
+        with pytest.raises(ApiError) as err:
+            asyncio.run(rig.service.arrive(t))
+        assert err.value.code == "rpm_exceeded"
     finally:
         rig.close()
-    local = Rig(limiter=Limiter(None))
-    try:
-        assert local.service._quick(inp())
-    finally:
-        local.close()

@@ -75,7 +75,8 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     emb, _, url = server
-    return openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=10)
+    # the first forced call starts the gateway's grammar compile processes (seconds, under load)
+    return openai.OpenAI(base_url=url + "/v1", api_key=emb.dev_key, max_retries=0, timeout=60)
 
 
 def say(worker: ScriptedWorker, text: str) -> None:

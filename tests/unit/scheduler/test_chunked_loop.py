@@ -7,7 +7,7 @@ import pytest
 
 from scheduler.loop import Delta, StepLoop
 from scheduler.policies import make_policy
-from scheduler.policies.base import chunk_budget
+from scheduler.policies.step_budget import chunk_budget
 from scheduler.request import Request, RequestStats
 from scheduler.state import SchedulerState
 from workers.contract import NO_SPECULATION
@@ -155,7 +155,7 @@ def test_the_chunk_weight_comes_from_the_measured_chunk_cost():
                          chunk=(1e-3, 4e-6))
     pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None,
                       prefill_chunk_tokens=40, step_cost=cost)
-    assert pol.keys_per_row == pytest.approx(250)
+    assert pol.budget.keys_per_row == pytest.approx(250)
     state = SchedulerState()
     for i, rid in enumerate(("run", "long")):
         pol.add(state, RequestStats(rid, "t", float(i), prompt_len=4001, max_tokens=10))
@@ -164,7 +164,7 @@ def test_the_chunk_weight_comes_from_the_measured_chunk_cost():
     assert pol.plan(state, 1.0).prefill == [0, 3]        # 40 // 13
     unmeasured = make_policy("fcfs", max_batch=2, prefill_chunk_tokens=40,
                              step_cost=StepCostModel([(1, [1, 64], [0.01, 0.05])]))
-    assert unmeasured.keys_per_row == 1000               # DEFAULT_KEYS_PER_ROW
+    assert unmeasured.budget.keys_per_row == 1000               # DEFAULT_KEYS_PER_ROW
 
 
 def test_a_step_in_which_nobody_decodes_prefills_larger_chunks():
@@ -276,7 +276,7 @@ def test_a_request_prefilled_ahead_of_its_turn_and_evicted_is_not_prefilled_agai
 def test_a_request_deep_into_a_long_context_gets_a_smaller_tree():
     """Its nodes' rows attend over every earlier key: past SHALLOW_CONTEXT a node must be worth
     (keys_per_row + context) ÷ (keys_per_row + SHALLOW_CONTEXT) times more."""
-    from scheduler.sizing import AlphaEstimate
+    from scheduler.alpha import AlphaEstimate
 
     def budgets(prompt_len):
         pol = make_policy("fcfs", max_batch=2, token_budget=64, aging_bound_s=None)

@@ -73,7 +73,7 @@ def test_a_start_is_planned_only_where_one_home_has_room_for_it():
     state.kv_held["b"] = 100
     plan = pol.plan(state, 2.0)
     assert plan.request_ids == ["new", "ra", "rb"] and plan.evict == []
-    assert pol._kv_at["new"] == "b" and pol.kv_fits(state, state.requests["new"])
+    assert plan.homes == {"new": "b"} and pol.kv_fits(state, state.requests["new"])
 
 
 def test_two_starts_take_the_home_with_most_room_in_turn():
@@ -83,7 +83,7 @@ def test_two_starts_take_the_home_with_most_room_in_turn():
     plan = pol.plan(state, 1.0)
     # 92 slots each: n0 -> a (170 free), n1 -> b (150 > 78 left on a), n2 fits neither (78, 58)
     assert plan.request_ids == ["n0", "n1"]
-    assert (pol._kv_at["n0"], pol._kv_at["n1"]) == ("a", "b")
+    assert plan.homes == {"n0": "a", "n1": "b"}
 
 
 def test_growth_on_a_full_home_evicts_a_request_homed_there_not_on_the_other():
@@ -199,3 +199,48 @@ def test_no_home_holds_more_than_its_budget_over_a_random_run(name, chunk, seed)
     for rid, max_tokens in wanted.items():
         assert sink[rid] == [token_at(rid, p) for p in range(max_tokens)]
     assert loop.state.kv_tokens == 0 and loop.state.kv_held == {}
+
+
+def kv_request(rid: str, prompt_len: int, kv: int = 0, home: str | None = None) -> RequestStats:
+    s = RequestStats(rid, "t", 0.0, prompt_len=prompt_len, max_tokens=500)
+    s.kv_tokens, s.kv_home = kv, home if kv else None
+    return s
+
+
+def test_one_plans_kv_budget_allocates_starts_home_by_home_and_keeps_nothing_after():
+    """`KVBudget.allocate`: a start of 60 + 16 + 16 = 92 slots goes to the home with the largest
+    share free (b: all of 150, a: 180 of 200), takes it there (b: 58 left), so the next goes to
+    a; a third fits neither unless forced (aging). A new budget over the same state starts from
+    what the state holds: nothing of the last plan is kept."""
+    state = SchedulerState(kv_budgets={"a": 200, "b": 150}, kv_held={"a": 20})
+    starts = [kv_request(f"n{i}", 60) for i in range(4)]
+    kv = kv_budget.KVBudget(state, None, block=BLOCK, tree=TREE)
+    assert [kv.allocate(s) for s in starts[:3]] == [True, True, False]
+    assert kv.planned_homes(["n0", "n1", "n2"]) == {"n0": "b", "n1": "a"}
+    assert kv.rooms == {"a": 180 - 92, "b": 150 - 92}
+    assert kv.allocate(starts[3], force=True) and kv.rooms["a"] < 0      # aging: past the budget
+    assert kv.allocate(kv_request("held", 60, kv=100, home="b"))         # holds KV: nothing taken
+    again = kv_budget.KVBudget(state, None, block=BLOCK, tree=TREE)
+    assert again.rooms == {"a": 180, "b": 150} and again.planned_homes(["n0"]) == {}
+    assert again.place(starts[0]) == (True, "b") and again.rooms == {"a": 180, "b": 150}
+
+
+def test_without_a_budget_every_start_fits_and_nothing_is_freed():
+    kv = kv_budget.KVBudget(SchedulerState(kv_tokens=10**6), None, block=BLOCK, tree=TREE)
+    assert not kv.limited and kv.allocate(kv_request("n", 10**5))
+    assert kv.place(kv_request("m", 10**5)) == (True, None) and kv.planned_homes(["n"]) == {}
+
+
+def test_fit_frees_the_worst_ranked_resident_left_out_on_the_home_that_is_short():
+    """Growth on a: `top` holds 100 slots and grows by half of them; a's budget is 300, held
+    290. Of the two left out on a, the worse ranked (`rank`: higher is worse) gives its KV up;
+    b's, ranked worse still, keeps it."""
+    state = SchedulerState(kv_budgets={"a": 300, "b": 300}, kv_held={"a": 290, "b": 50})
+    rows = [kv_request("top", 50, 100, "a"), kv_request("x", 50, 90, "a"),
+            kv_request("y", 50, 100, "a"), kv_request("z", 50, 50, "b")]
+    for s in rows:
+        s.n_steps, state.requests[s.request_id] = 3, s
+    rows[0].committed = 60                     # 110 + its tree > 100: grows by 50
+    rank = {"top": 1.0, "x": 5.0, "y": 9.0, "z": 99.0}.__getitem__
+    kv = kv_budget.KVBudget(state, None, block=BLOCK, tree=TREE)
+    assert kv.fit(["top"], rank) == (["top"], ["y"])

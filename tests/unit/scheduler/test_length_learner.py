@@ -288,7 +288,7 @@ def test_arrivals_are_prefilled_while_kv_room_is_left_and_evicted_first(trained)
     assert worker.resident() == ["r0", "r1", "r2"]               # 4 − 1 room: three of six
     assert [s.predicted_len is not None for s in stats] == [True] * 3 + [False] * 3
     loop.step()                                                  # r0 runs, holds KV
-    loop._resident = {"r0": None, **{r: None for r in loop._resident if r != "r0"}}  # r0 LRU
-    assert loop._ensure_resident("r3", {"r3"})
-    assert loop._ensure_resident("r4", {"r4"})                   # full: a never-served one goes
+    loop.kv.resident = {"r0": None, **{r: None for r in loop.kv.resident if r != "r0"}}  # r0 LRU
+    assert loop.kv.ensure("r3", {"r3"})
+    assert loop.kv.ensure("r4", {"r4"})                   # full: a never-served one goes
     assert "r0" in worker.resident() and len(worker.resident()) == 4

@@ -14,9 +14,10 @@ def build_empty():
 from scheduler.policies import BAND, POLICIES, PolicyConfig, make_policy
 from scheduler.policies.length_model import mean_beyond
 from scheduler.request import Status, StepRecord
+from scheduler.step_cost import LinearStepCost
 
 NO_AGING = dict(aging_bound_s=None)
-FLAT_STEP = lambda batch, tokens: 0.1          # noqa: E731  a step costs 0.1 s, whatever it holds
+FLAT_STEP = LinearStepCost(fixed_s=0.1)         # a step costs 0.1 s, whatever it holds
 
 
 def order(policy, requests, now=100.0):
@@ -97,15 +98,15 @@ def test_laps_perceptible_switch_needs_steps_and_a_small_stderr():
     taus = [3, 3, 3, 3]
     for i, tau in enumerate(taus):
         a.record_step(StepRecord("a", 4, tau), i, i + 0.1)
-        policy.refresh(state, a)
+        policy.ordering.refresh(state, a)
         assert a.perceptible == (i + 1 >= 4)
     b = state.requests["b"]
     for i, tau in enumerate([1, 5] * 3):
         b.record_step(StepRecord("b", 4, tau), i, i + 0.1)
-        policy.refresh(state, b)
+        policy.ordering.refresh(state, b)
     assert not b.perceptible                          # stderr/mean = 0.8/3 > 0.2
     b_stats = stats("c", taus=(1, 5) * 20)            # 40 steps: stderr/mean ≈ 0.1
-    policy.refresh(state, b_stats)
+    policy.ordering.refresh(state, b_stats)
     assert b_stats.perceptible
 
 
@@ -113,8 +114,8 @@ def test_laps_without_prediction_stays_in_the_levels_only_on_raw_predictions():
     # raw predictions have nothing to rank it by; the length model has its max_tokens
     raw, calibrated = stats("x", predicted=None, taus=(2, 2, 2)), stats("y", predicted=None,
                                                                         taus=(2, 2, 2))
-    make_policy("laps", min_steps=2, lengths="predicted", **NO_AGING).refresh(build_empty(), raw)
-    make_policy("laps", min_steps=2, **NO_AGING).refresh(build_empty(), calibrated)
+    make_policy("laps", min_steps=2, lengths="predicted", **NO_AGING).ordering.refresh(build_empty(), raw)
+    make_policy("laps", min_steps=2, **NO_AGING).ordering.refresh(build_empty(), calibrated)
     assert not raw.perceptible and calibrated.perceptible
 
 
@@ -128,7 +129,7 @@ def test_demotion_across_levels(name):
     for i in range(12):                                # each step verifies 1 + 3 = 4 tokens
         policy.plan(state, i)
         policy.update(state, [StepRecord("old", 4, 1)], i + 0.1, 0.1)
-        policy.refresh(state, state.requests["old"])
+        policy.ordering.refresh(state, state.requests["old"])
         levels.append(state.requests["old"].level)
     assert levels == [0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3]
     policy.add(state, stats("new", arrival=20))
@@ -227,7 +228,7 @@ def test_rebuild_restores_the_same_order():
 def test_factory():
     assert set(POLICIES) == {"fcfs", "sjf", "las", "laps", "srpt"}
     p = make_policy("laps", PolicyConfig(max_batch=4), n_levels=3, token_budget=32)
-    assert (p.config.max_batch, p.config.token_budget, p.levels.n_levels) == (4, 32, 3)
+    assert (p.config.max_batch, p.config.token_budget, p.ordering.levels.n_levels) == (4, 32, 3)
     with pytest.raises(ValueError):
         make_policy("lottery")
     with pytest.raises(TypeError):
@@ -271,16 +272,16 @@ def test_laps_learns_lengths_from_finished_requests():
         state.requests[f"f{i}"].committed = 199
         policy.update(state, [StepRecord(f"f{i}", 2, 1, "stop")], 1.0, 0.1)
     fresh = stats("x", tenant="t", predicted=50, taus=(2, 2, 2))
-    assert policy.remaining_tokens(fresh) == pytest.approx(200 - 6, rel=0.05)
+    assert policy.ordering.remaining_tokens(fresh) == pytest.approx(200 - 6, rel=0.05)
     unknown = stats("y", tenant="t", predicted=None, taus=(2, 2, 2))
-    policy.refresh(state, unknown)                             # the tenant's record stands in
+    policy.ordering.refresh(state, unknown)                             # the tenant's record stands in
     assert unknown.perceptible
-    assert make_policy("laps", lengths="predicted").remaining_tokens(fresh) == 44
+    assert make_policy("laps", lengths="predicted").ordering.remaining_tokens(fresh) == 44
     # the record is the tenant's id's: a tenant created again under the name starts without it
     recreated = stats("z", tenant="t", predicted=50, taus=(2, 2, 2))
     recreated.tenant_id = "t-created-again"
     stranger = stats("w", tenant="never-seen", predicted=50, taus=(2, 2, 2))
-    assert policy.remaining_tokens(recreated) == policy.remaining_tokens(stranger) < 150
+    assert policy.ordering.remaining_tokens(recreated) == policy.ordering.remaining_tokens(stranger) < 150
     with pytest.raises(ValueError):
         make_policy("laps", lengths="oracle")
 
@@ -296,7 +297,7 @@ def test_laps_without_predictions_or_records_does_not_round_robin_similar_reques
     # a newcomer's first quantum (128 tree tokens, 16 steps of 1 + 7) is longer than what r0 has
     # left once its τ is known, so r0 runs to its 96 tokens (48 steps at τ 2), then r1, then r2
     assert served == ["r0"] * 48 + ["r1"] * 48 + ["r2"] * 48
-    assert all(policy.predictable(s) for s in reqs)
+    assert all(policy.ordering.predictable(s) for s in reqs)
     # and a request that asks for fewer tokens ranks ahead of one that asks for many
     short, long_ = stable("short", predicted=None, max_tokens=16), stable("long", predicted=None)
     assert ranked("laps", [long_, short, stats("new", arrival=5)], min_steps=4,
@@ -315,7 +316,7 @@ def test_laps_counts_a_newcomers_prefill_in_its_first_quantum():
     assert got == ["short_prompt"]
     assert ranked("laps", [long_prompt, short_prompt]) == ["long_prompt"]   # no costs: by arrival
     policy = make_policy("laps", max_batch=2, step_cost=cost)
-    assert policy.prefill_steps(long_prompt) == pytest.approx(2.0 / 0.03)   # in full-batch steps
+    assert policy.ordering.prefill_steps(long_prompt) == pytest.approx(2.0 / 0.03)   # in full-batch steps
 
 
 @pytest.mark.parametrize("came_later_by, weight, cost, first", [
@@ -362,10 +363,10 @@ def test_laps_remaining_length_from_a_belief_is_its_mean_beyond_what_was_committ
     fresh = believing(stats("a", committed=40, max_tokens=4096), 100, sigma=0.5, at=40)
     later = believing(stats("b", committed=140, max_tokens=4096), 100, sigma=0.5, at=40)
     capped = believing(stats("c", committed=40, max_tokens=60), 100, sigma=0.5, at=40)
-    assert policy.remaining_tokens(fresh) == pytest.approx(mean_beyond(math.log(100), 0.5, 0))
-    assert policy.remaining_tokens(later) == pytest.approx(mean_beyond(math.log(100), 0.5, 100))
-    assert policy.remaining_tokens(capped) <= 20           # never past its max_tokens
-    assert policy.predictable(believing(stats("d", predicted=None), 50))
+    assert policy.ordering.remaining_tokens(fresh) == pytest.approx(mean_beyond(math.log(100), 0.5, 0))
+    assert policy.ordering.remaining_tokens(later) == pytest.approx(mean_beyond(math.log(100), 0.5, 100))
+    assert policy.ordering.remaining_tokens(capped) <= 20           # never past its max_tokens
+    assert policy.ordering.predictable(believing(stats("d", predicted=None), 50))
 
 
 def test_laps_ranks_newcomers_by_their_prediction_or_by_levels():

@@ -48,7 +48,7 @@ def test_record_step_accounts_tau_service_and_wait():
     assert s.in_steps_s == pytest.approx(1.0)          # two steps of 0.5 s; 3.5 s waiting
     assert s.status is Status.RUNNING
     assert (s.accepted_sum, s.tried_sum) == (2, 4)
-    # the sizing estimate (scheduler/sizing.py): 2 accepted then a failure, 0 then a failure,
+    # the sizing estimate (scheduler/alpha.py): 2 accepted then a failure, 0 then a failure,
     # decayed 0.85 a step over the prior 3 : 1; drafting 2 ms a level
     accepted, rejected = 2 * 0.85, 1 * 0.85 + 1
     assert s.estimate.alpha == pytest.approx((accepted + 3) / (accepted + rejected + 4))

@@ -1,15 +1,18 @@
-"""Tree sizing (scheduler/sizing.py): the one α estimator, the one sizing rule, and that the worker
-carries out the budget it is handed instead of sizing again."""
+"""Tree sizing (scheduler/sizing.py): the one α estimator (scheduler/alpha.py), the one sizing
+rule, and that the worker carries out the budget it is handed instead of sizing again."""
 from __future__ import annotations
 
 import doctest
 
 import pytest
 
+import scheduler.alpha as alpha
 import scheduler.sizing as sizing
+import scheduler.step_cost as step_cost
+from scheduler.alpha import AlphaEstimate, observe, observe_draft_time
 from scheduler.profile import StepCostModel
-from scheduler.sizing import (AlphaEstimate, urgency, SizingConfig, TreeSizer, expected_tau, observe,
-                              observe_draft_time, size_trees)
+from scheduler.sizing import urgency, SizingConfig, TreeSizer, expected_tau, size_trees
+from scheduler.step_cost import LinearStepCost
 from scheduler.request import StepRecord
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -20,8 +23,9 @@ BATCH = StepCostModel.from_json()                      # the shipped profile, ba
 DEEP = SizingConfig(max_tree_tokens=32, max_depth=32)
 
 
-def test_doctests():
-    assert doctest.testmod(sizing).failed == 0
+@pytest.mark.parametrize("module", [alpha, sizing, step_cost])
+def test_doctests(module):
+    assert doctest.testmod(module).failed == 0
 
 
 @pytest.mark.parametrize("alpha, depth, tau", [
@@ -57,8 +61,8 @@ def test_max_depth_caps_depth_not_nodes():
 
 
 def test_costly_tokens_mean_smaller_trees():
-    flat = lambda b, n: 0.05 + 1e-6 * n                 # a token costs next to nothing
-    steep = lambda b, n: 0.04 + 0.01 * n                # each token costs a quarter of a step
+    flat = LinearStepCost(fixed_s=0.05, per_token_s=1e-6)  # a token costs next to nothing
+    steep = LinearStepCost(fixed_s=0.04, per_token_s=0.01)  # each token costs a quarter of a step
     alphas = [0.7] * 4
     cfg = SizingConfig(min_node_gain=0.01)
     free = sum(b.max_nodes for b in size_trees(alphas, 60, cost=flat, config=cfg))
@@ -113,11 +117,11 @@ def test_the_planner_gives_zero_nodes_when_acceptance_is_near_zero():
 
 
 def test_the_planner_gives_zero_nodes_when_the_batch_is_compute_bound():
-    steep = lambda b, t: 0.001 * t               # every row, root or draft, costs the same: no spare compute
+    steep = LinearStepCost(per_token_s=0.001)    # every row, root or draft, costs the same: no spare compute
     alphas = [0.9] * 32
     assert all(b == NO_SPECULATION for b in size_trees(alphas, 256, cost=steep))
     assert all(b == NO_SPECULATION for b in TreeSizer(steep)(alphas, 256))
-    cheap = lambda b, t: 0.04 + 0.0001 * t              # the same batch with cheap rows drafts
+    cheap = LinearStepCost(fixed_s=0.04, per_token_s=0.0001)  # the same batch with cheap rows drafts
     assert all(b.max_nodes > 0 for b in size_trees(alphas, 256, cost=cheap))
 
 
@@ -242,7 +246,7 @@ def test_urgency_moves_nodes_to_the_request_nearest_its_end():
     """The latency-aware rule (off by default: it measured worse, see sizing.py): of two
     requests alike in α, the one predicted nearer its end gets the deeper tree, and an urgency of
     1 everywhere is the goodput rule itself."""
-    cost = lambda b, t: 0.040 + 0.002 * b + 0.001 * t
+    cost = LinearStepCost(fixed_s=0.040, per_request_s=0.002, per_token_s=0.001)
     cfg = SizingConfig(max_tree_tokens=16, max_depth=16, min_node_gain=0.01)
     plain = size_trees([0.7, 0.7], 64, cost=cost, config=cfg)
     assert size_trees([0.7, 0.7], 64, cost=cost, config=cfg, urgency=[1.0, 1.0]) == plain
@@ -258,7 +262,7 @@ def test_a_cost_curve_flat_over_the_tree_sizes_gives_drafting_requests_no_tree()
     a tree node then costs nothing, and a request that spends any time drafting gains nothing
     from it. Sizing gives it no tree (it used to divide by its zero worth), and a request that
     drafts for free keeps its tree."""
-    flat = lambda b, t: 0.05
+    flat = LinearStepCost(fixed_s=0.05)
     out = size_trees([0.8, 0.8], 20, cost=flat, draft_s=[0.003, 0.0])
     assert out[0] == NO_SPECULATION and out[1].max_nodes > 0
     assert TreeSizer(flat)([0.8, 0.8], 20, draft_s=[0.003, 0.0]) == out

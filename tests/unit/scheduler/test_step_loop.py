@@ -12,7 +12,7 @@ from workers.fake_worker import FakeClock, FakeWorker, token_at
 from scheduler.loop import Delta, Finished, StepLoop
 from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats, Status
-from scheduler.sizing import PRIOR_FLOOR
+from scheduler.alpha import PRIOR_FLOOR
 from scheduler.store import MemoryStore, open_store
 
 

@@ -29,7 +29,7 @@ def test_speculative_and_plain_serving_give_identical_greedy_outputs(tiny_model)
 def test_the_planners_learned_priors_carry_from_one_pass_to_the_next(tiny_model):
     """`priors` is the planner's own learned state (Policy.priors): a pass that drafted leaves
     what it saw of the drafter there, and the next pass's planner starts from it."""
-    from scheduler.sizing import DrafterPrior
+    from scheduler.alpha import DrafterPrior
 
     rt = Runtime(tokenizer=None, forward=LlamaForward(tiny_model), hf_model=tiny_model,
                  stop_token_ids=frozenset({2}))

@@ -135,6 +135,10 @@ read them; a GPU pod has no secret to read anywhere. */}}
 - name: {{ printf "SPECGATE_%s" ($k | upper) }}
   value: {{ $v | quote }}
 {{- end }}
+{{- /* Serve's gRPC proxy (on every Ray node) caps a message only by this variable; one cap for a
+REST body and a gRPC message: settings.max_body_bytes, else the gateway's default (2 MiB). */}}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ $.Values.settings.max_body_bytes | default 2097152 | int | quote }}
 {{- if .gateway }}
 - name: SPECGATE_REDIS_URL
   valueFrom:

@@ -1,0 +1,286 @@
+"""The batch planner: every policy's machinery, around the one thing a policy is (its `Ordering`).
+
+    plan(state, now):   1. requests about to pass the aging bound, oldest first (aging.py);
+                        2. priority classes in order (0 first); inside a class, tenants' queues
+                           merged by key under weighted fair sharing (queues.py, fairness.py);
+                        3. up to max_batch requests, one root token each within token_budget;
+                        4. with chunked prefill (`prefill_chunk_tokens`), the step's prefill
+                           budget: chosen requests whose context still needs KV get chunks of
+                           it in plan order (one left without budget waits), what is left
+                           prefills requests admitted ahead of their turn (`prefilling`), and
+                           trees get the token budget less roots and chunks (step_budget.py);
+                        5. each chosen request's tree budget (sizing.py: its α estimate, its
+                           drafting time and cap, the step's measured cost); a request whose
+                           chunk does not complete its context gets none (it has no root yet).
+                        With `max_resident` set (the step loop's KV limit), a request that has
+                        not started is started only while fewer than max_resident started
+                        requests are live, so the loop never has to evict and re-prefill.
+                        With a KV budget, a start is planned only where its KV fits, and
+                        residents' growth is made room for (`KVBudget`, scheduler/kv_budget.py);
+                        the budget is one (`kv_budget_tokens`) or one per home
+                        (`SchedulerState.kv_budgets`, Ray mode's verifier replicas), the same
+                        rules applied home by home.
+    update(state, records, now, step_s):
+                        record each request's step (τ, attained service, wait), charge its
+                        tenant, retire finished ones, let the ordering move the others (`refresh`:
+                        levels, perceptible, predicted remaining time) and re-key them; requests
+                        that ran last step and not this one are preempted.
+
+Both are pure bookkeeping: no I/O, no clock (time comes in as arguments), no randomness. What one
+plan works out (KV room and homes, how many more may start) lives in objects made for that call
+(`KVBudget`, `_Starts`); the planner keeps only what outlives a step: the queues, aging, which
+requests have started or are prefilling ahead of their turn, and the tenants' drafter priors.
+While every live request fits in one batch nobody needs ranking: the plan takes them all (in
+admission order), and served requests are re-ranked by the first plan that must choose.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
+from scheduler.kv_budget import KVBudget
+from scheduler.policies.aging import AgingIndex
+from scheduler.policies.fairness import TenantFairness
+from scheduler.policies.ordering import Ordering
+from scheduler.policies.plan import Plan, PolicyConfig
+from scheduler.policies.queues import RequestQueues
+from scheduler.policies.step_budget import StepBudget
+from scheduler.request import RequestStats, Status, StepRecord
+from scheduler.state import SchedulerState
+
+
+class _Starts:
+    """One plan's room for requests that have not started: at most `left` more of them
+    (max_resident; None: no cap), and their KV within the budget."""
+
+    def __init__(self, requests: Mapping[str, RequestStats], started: set[str], kv: KVBudget,
+                 left: int | None) -> None:
+        self.requests, self.started, self.kv, self.left = requests, started, kv, left
+
+    def admit(self, rid: str) -> bool:
+        starts = self.left is not None and rid not in self.started
+        if starts and self.left <= 0:
+            return False
+        if not self.kv.allocate(self.requests[rid]):
+            return False
+        if starts:
+            self.left -= 1
+        return True
+
+
+class BatchPlanner:
+    """Plans each step for one ordering (module docstring); what the step loop holds."""
+
+    def __init__(self, ordering: Ordering, config: PolicyConfig | None = None) -> None:
+        c = self.config = config or PolicyConfig()
+        c.check()
+        self.ordering = ordering
+        self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
+        self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
+        self.queues = RequestQueues(ordering, self.fairness, c.token_budget / c.max_batch)
+        self.budget = StepBudget(c, ordering.node_urgency)
+        self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
+        # What each (tenant, drafter)'s requests have shown the planner (alpha.DrafterPrior): soft
+        # state, relearned after a restart; a rebuild keeps it, and a caller may carry it over.
+        self.priors: dict[tuple[str, str | None], DrafterPrior] = {}
+        self._started: set[str] = set()       # live requests that have had a step (hold KV)
+        self._warming: dict[str, None] = {}   # admitted ahead of their turn, oldest first
+
+    @property
+    def name(self) -> str:
+        return self.ordering.name
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def add(self, state: SchedulerState, s: RequestStats) -> None:
+        """Admit a request into the state and the queues. A request with no evidence of its own
+        starts from what its tenant's earlier requests showed of its drafter."""
+        if self.config.learn_priors and s.n_steps == 0 and s.estimate == AlphaEstimate():
+            prior = self.priors.get((s.cache_tenant, s.drafter))
+            if prior is not None:
+                s.estimate = prior.start()
+        state.requests[s.request_id] = s
+        self._index(state, s)
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        """A tenant was removed: forget what its requests showed (`RequestStats.cache_tenant`)."""
+        for key in [k for k in self.priors if k[0] == tenant_id]:
+            del self.priors[key]
+
+    def prefilling(self, request_id: str) -> None:
+        """The loop admitted a request ahead of its turn with context left to prefill: steps
+        prefill it with the prefill budget their chosen requests leave (oldest first), so that
+        its length is predicted before it is first served."""
+        if request_id in self.queues:
+            self._warming[request_id] = None
+
+    def kv_fits(self, state: SchedulerState, s: RequestStats) -> bool:
+        """Whether starting `s` now keeps the KV held within the budget (`kv_place`)."""
+        return self.kv_place(state, s)[0]
+
+    def kv_place(self, state: SchedulerState, s: RequestStats) -> tuple[bool, str | None]:
+        """Whether starting `s` now keeps the KV held within the budget (always, without one),
+        and the home it starts on (`most_room`; None: the one budget's): the loop asks before
+        prefilling an arrival ahead of its turn, and prefills it there."""
+        return self._kv(state).place(s)
+
+    def touch(self, request_id: str) -> None:
+        """A live request's stats changed between steps (a length prediction came in): rank it
+        again at the next plan."""
+        self.queues.touch(request_id)
+
+    def remove(self, state: SchedulerState, request_id: str, status: Status,
+               cause: str | None, now: float) -> RequestStats | None:
+        """End a live request early (cancelled, failed). Returns it, or None if not live."""
+        s = state.requests.get(request_id)
+        if s is not None:
+            self._retire(state, s, status, cause, now)
+        return s
+
+    def rebuild(self, state: SchedulerState) -> None:
+        """Recreate the queues from `state` alone (e.g. after a restart)."""
+        self.queues.reset()
+        self._started.clear()
+        self._warming.clear()
+        self.aging.clear()
+        self.ordering.reset()
+        for s in state.requests.values():
+            self._index(state, s)
+        self.aging.rebuild(state.requests.values())
+
+    # ---- the two calls of the step loop ------------------------------------------------------
+    def plan(self, state: SchedulerState, now: float) -> Plan:
+        c, requests = self.config, state.requests
+        kv = self._kv(state)
+        chosen, aged = self._choose_batch(state, now, kv)
+        evict: list[str] = []
+        if kv.limited:
+            chosen, evict = kv.fit(chosen, self.queues.rank)
+            self._started.difference_update(evict)
+            for rid in evict:
+                self._warming.pop(rid, None)
+        if c.prefill_chunk_tokens:
+            plan, stale = self.budget.chunked(requests, chosen, aged, self._warming)
+            for rid in stale:
+                del self._warming[rid]
+            first_warm = len(plan) - plan.warm    # a chunk of its context: it holds KV from now
+            self._started.update(r for r, k in zip(plan.request_ids[:first_warm], plan.prefill) if k)
+        else:
+            plan = Plan(chosen, self.budget.trees([requests[r] for r in chosen]), aged)
+        plan.evict = evict
+        plan.homes = kv.planned_homes(plan.request_ids)
+        return plan
+
+    def update(self, state: SchedulerState, records: Iterable[StepRecord], now: float,
+               step_s: float) -> list[RequestStats]:
+        """Record one step that ended at `now` and took `step_s`. Returns the finished requests."""
+        a = self.config.step_s_smoothing
+        state.step_s = step_s if state.step_s is None else (1 - a) * state.step_s + a * step_s
+        state.step_s_max = max(state.step_s_max, step_s)
+        start = now - step_s
+        requests, served, finished = state.requests, set(), []
+        vt, weight = state.virtual_time, self.fairness.weight
+        for rec in records:
+            s = requests.get(rec.request_id)
+            if s is None:                       # cancelled while its step ran
+                continue
+            s.record_step(rec, start, now)
+            if rec.drafted and self.config.learn_priors:
+                key = (s.cache_tenant, s.drafter)
+                self.priors[key] = pool(self.priors.get(key, DrafterPrior()), rec.drafted,
+                                         rec.accepted, rec.draft_s, rec.draft_depth)
+            self._started.add(rec.request_id)
+            account = (s.priority, s.tenant)
+            vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)
+            cause = rec.finish or ("length" if s.committed >= s.max_tokens else None)
+            if cause is not None:
+                self._retire(state, s, Status.FINISHED, cause, now)
+                finished.append(s)
+            else:
+                served.add(rec.request_id)
+        self.aging.served(served, requests)
+        self.queues.served(served)
+        if len(requests) > self._limit:
+            self.queues.rekey(state)            # else: re-ranked by the next plan that must choose
+        for rid in state.running - served:
+            s = requests.get(rid)
+            if s is not None:                   # left out of this step
+                s.status = Status.PREEMPTED
+        state.running = served
+        self.ordering.finished(finished)
+        return finished
+
+    # ---- choosing ----------------------------------------------------------------------------
+    def _kv(self, state: SchedulerState) -> KVBudget:
+        c = self.config
+        return KVBudget(state, c.kv_budget_tokens, block=c.kv_block, tree=c.kv_tree_tokens)
+
+    def _choose_batch(self, state: SchedulerState, now: float, kv: KVBudget) -> tuple[list[str], int]:
+        """The step's requests, best first (or all in admission order, when all fit), and how
+        many of them aging promoted."""
+        requests, limit = state.requests, self._limit
+        if len(requests) <= limit:              # everyone fits: order cannot matter
+            return [r for r in requests if kv.allocate(requests[r])], 0
+        self.queues.rekey(state)
+        promoted = self._promotions(state, now, limit, kv)
+        chosen = self._choose(state, promoted, limit, kv)
+        longer = self.budget.prefill_step_s(state, chosen) if self.aging.bound_s is not None else None
+        if longer is not None:                  # a prefill makes this step the longest yet
+            again = self._promotions(state, now, limit, kv, longer)
+            if again != promoted:
+                promoted, chosen = again, self._choose(state, again, limit, kv)
+        return chosen, len(promoted)
+
+    def _promotions(self, state: SchedulerState, now: float, limit: int, kv: KVBudget,
+                    longest_step_s: float = 0.0) -> list[str]:
+        """Aging's promotions: gaps at risk of passing the bound first, then requests past the
+        total-wait bound; less those there is no room to start (max_resident). Each is placed
+        on a home (`KVBudget.allocate`, forced: aging's bound holds, `fit` makes room), its
+        room taken again by `_choose`."""
+        ids = self.aging.overdue(state, now, limit, longest_step_s=longest_step_s)
+        if len(ids) < limit and self.aging.total_bound_s is not None:
+            seen = set(ids)
+            late = [r for r in self.aging.past_total(now, limit, state.step_s or 0.0)
+                    if r not in seen]
+            ids = ids + late[:limit - len(ids)]
+        cap = self.config.max_resident
+        room, out = (None if cap is None else cap - len(self._started)), []
+        with kv.rooms_kept():
+            for rid in ids:
+                if rid not in self._started and room is not None:
+                    if room <= 0:
+                        continue
+                    room -= 1
+                kv.allocate(state.requests[rid], force=True)
+                out.append(rid)
+        return out
+
+    def _choose(self, state: SchedulerState, promoted: list[str], limit: int,
+                kv: KVBudget) -> list[str]:
+        """The promoted requests, then the queues' best, up to `limit`, each with room to start."""
+        chosen, taken = list(promoted), set(promoted)
+        if kv.limited:                          # slots left once the promoted ones start
+            kv.reopen()
+            for rid in promoted:
+                kv.allocate(state.requests[rid], force=True)
+        cap, started = self.config.max_resident, self._started
+        left = None if cap is None else cap - len(started) - sum(1 for r in promoted if r not in started)
+        starts = _Starts(state.requests, started, kv, left)
+        self.queues.choose(state, chosen, taken, limit, starts.admit)
+        return chosen
+
+    # ---- membership --------------------------------------------------------------------------
+    def _index(self, state: SchedulerState, s: RequestStats) -> None:
+        self.queues.add(state, s)
+        self.aging.add(s)
+        if s.n_steps:
+            self._started.add(s.request_id)
+
+    def _retire(self, state: SchedulerState, s: RequestStats, status: Status,
+                cause: str | None, now: float) -> None:
+        rid = s.request_id
+        s.end(status, cause, now)
+        del state.requests[rid]
+        state.running.discard(rid)
+        self.queues.remove(s)
+        self._started.discard(rid)
+        self.aging.remove(rid)
