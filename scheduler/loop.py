@@ -237,14 +237,35 @@ class StepLoop:
         ended_ids = {s.request_id for s in finished}
         touched = (set(appended) | before) - ended_ids
         updated = [self.state.requests[r] for r in touched if r in self.state.requests]
-        self._writer.commit(StepWrite(appended=appended, updated=updated, ended=finished,
-                                      virtual_time=dict(self.state.virtual_time)))
+        if not self._writer.commit(StepWrite(appended=appended, updated=updated, ended=finished,
+                                             virtual_time=dict(self.state.virtual_time))):
+            self._refused(appended, finished)
+            return
         for rid, tokens in appended.items():
             self.intake.emit(Delta(rid, tuple(tokens), logprobs.get(rid)))
         for s in finished:
             if self.lengths is not None:
                 self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")
             self._forget(s)
+
+    def _refused(self, appended: Mapping[str, Sequence[int]], finished: list[RequestStats]) -> None:
+        """The store was full and refused the step's write (scheduler/store/writer.py): the
+        step's tokens are not stored, so none is streamed, and every request that made them ends,
+        failed, with what it had stored (a resumed stream gives exactly what was sent)."""
+        ended = []
+        for s in finished:                             # their last tokens were not stored
+            s.status, s.cause = Status.FAILED, "error"
+            ended.append(s)
+        now = self.clock()
+        for rid in appended:
+            s = self.policy.remove(self.state, rid, Status.FAILED, "error", now)
+            if s is not None:
+                ended.append(s)
+        for s in ended:
+            s.committed -= len(appended.get(s.request_id, ()))
+        self._writer.commit(StepWrite(ended=ended))
+        for s in ended:
+            self._forget(s, "the state store is full")
 
     def _prefill_failed(self, request_id: str, exc: Exception) -> None:
         self._end(request_id, Status.FAILED, "error", str(exc))
