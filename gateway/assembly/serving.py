@@ -19,6 +19,7 @@ from gateway.assembly.target import Target
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.replay import Replayer
+from gateway.responses.quota import Quota
 from gateway.responses.service import ResponseService
 from gateway.responses.store import open_responses
 from gateway.service import GenerationService
@@ -83,10 +84,13 @@ class Embedded:
 
     def _sweep_tenants(self, stopping: threading.Event, every_s: float) -> None:
         """A tenant removed through another replica (over the same Redis) is dropped here too:
-        its caches and series (`GenerationService.sweep_tenants`)."""
+        its caches and series (`GenerationService.sweep_tenants`); and stored responses of
+        removed tenants that outlived their removal go (`ResponseService.sweep_tenants`)."""
         while not stopping.wait(every_s):
             try:
                 self.service.sweep_tenants(self.tenants.list)
+                if self.responses is not None:
+                    self.responses.sweep_tenants(self.tenants.list)
             except Exception as exc:                   # the store away: try again next time
                 log.warning("tenant sweep failed: %s", exc)
 
@@ -185,7 +189,9 @@ def responses_service(settings: Settings, service: Any, records: StateStore, tok
     they end (Ray mode's ingress: False; its scheduler replica keeps them)."""
     store = open_responses(settings.redis_url, settings.store_prefix, settings.responses_ttl_s,
                            settings.redis_timeout_s)
-    responses = ResponseService(service, store, records, tokenizer)
+    quota = Quota(settings.responses_ttl_s, settings.max_stored_responses,
+                  settings.max_stored_response_bytes)
+    responses = ResponseService(service, store, records, tokenizer, quota=quota)
     if local:
         service.detached_ended.append(responses.finalize)
     return responses

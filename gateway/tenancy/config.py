@@ -39,8 +39,9 @@ def _spell(path: tuple) -> str:
 
 _TOP_FIELDS = frozenset({"tenants", "admin_keys"})
 _TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
-                            "max_concurrent", "max_queued", "max_prompt_tokens", "models",
-                            "speculation"})
+                            "max_concurrent", "max_queued", "max_prompt_tokens",
+                            "max_stored_responses", "max_stored_response_bytes",
+                            "responses_ttl_s", "models", "speculation"})
 _SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
 
 
@@ -126,6 +127,11 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         max_concurrent=_int(obj, "max_concurrent", path, None, minimum=1, nullable=True),
         max_queued=_int(obj, "max_queued", path, None, minimum=1, nullable=True),
         max_prompt_tokens=_int(obj, "max_prompt_tokens", path, None, minimum=1, nullable=True),
+        max_stored_responses=_int(obj, "max_stored_responses", path, None, minimum=0,
+                                  nullable=True),
+        max_stored_response_bytes=_int(obj, "max_stored_response_bytes", path, None, minimum=0,
+                                       nullable=True),
+        responses_ttl_s=_int(obj, "responses_ttl_s", path, None, minimum=1, nullable=True),
         models=tuple(_strings(obj, "models", path, ("*",))),
         speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
     return tenant, list(dict.fromkeys(digests))
