@@ -36,6 +36,7 @@ from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
 from scheduler.store import StateStore, open_store
 from scheduler.store.redis_client import StoreProbe, redis_client
+from scheduler.store.room import StoreRoom
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +125,13 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
         log.info(target.kv_note)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
-    store_probe = None
+    store_probe = store_room = None
     if settings.redis_url:
-        # the store answers a ping (bounded, cached) and the loop's writes go through
+        # the store answers a ping (bounded, cached), the loop's writes go through, and it is
+        # below its memory watermark (INFO memory, bounded, cached)
         store_probe = StoreProbe(redis_client(settings.redis_url, settings.redis_timeout_s))
-        checks += [store_probe, step_loop.store_writing]
+        store_room = room_of(settings)
+        checks += [store_probe, step_loop.store_writing, store_room.has_room]
         components["state_store"] = store_probe.last                # a scrape runs on the event loop
         components["state_store_writes"] = step_loop.store_writing
     metrics.watch(step_loop, components)
@@ -138,12 +141,13 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     stop_token_ids=target.stop_token_ids,
                                     drafters=settings.drafter_names, ready_checks=checks,
                                     length_oracle=oracle, grammars=target.grammars,
-                                    grammar_limits=GrammarLimits.from_settings(settings))
+                                    grammar_limits=GrammarLimits.from_settings(settings),
+                                    store_full=store_room.full if store_room else None)
     emb.responses = responses_service(settings, emb.service, step_loop.store, target.tokenizer)
     emb.replayer = Replayer(step_loop.store, target.tokenizer)
     # new requests fail fast while Redis is away (`store_probe`)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics, replayer=emb.replayer,
-                        responses=emb.responses, store_probe=store_probe)
+                        responses=emb.responses, store_probe=store_probe, store_room=store_room)
     return emb
 
 
@@ -195,3 +199,10 @@ def responses_service(settings: Settings, service: Any, records: StateStore, tok
     if local:
         service.detached_ended.append(responses.finalize)
     return responses
+
+
+def room_of(settings: Settings) -> StoreRoom:
+    """Redis's memory against `redis_memory_watermark` (scheduler/store/room.py): new requests
+    are refused above it (503 store_full), and /ready says so."""
+    return StoreRoom(redis_client(settings.redis_url, settings.redis_timeout_s),
+                     settings.redis_memory_watermark)
