@@ -24,9 +24,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.responses.objects import Header
+from gateway.responses.objects import Header, Stored
 from gateway.responses.quota import KEPT, TAKEN, Kept, Quota, dumps, header_json
-from gateway.responses.store import Stored
 
 TRIM = 1000             # expired ids a put trims from its tenant's count at most
 DROP_BATCH = 500        # responses a tenant's removal deletes per round trip

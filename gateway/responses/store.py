@@ -20,14 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from gateway.responses.objects import Header
+from gateway.responses.objects import Header, Stored
 from gateway.responses.quota import KEPT, TAKEN, Kept, Quota, dumps, header_json, over
-
-
-@dataclass(frozen=True)
-class Stored:
-    header: Header
-    final: dict[str, Any] | None        # None: not ended (or not finalized yet)
 
 
 class ResponseStore(Protocol):
@@ -165,6 +159,6 @@ class MemoryResponses:
 def open_responses(redis_url: str | None, prefix: str, ttl_s: float, timeout_s: float) -> ResponseStore:
     if not redis_url or redis_url == "memory://":
         return MemoryResponses(ttl_s)
-    from gateway.responses.redis_store import RedisResponses
+    from gateway.responses.redis_store import RedisResponses   # redis-py only when Redis is used
     from scheduler.store.redis_client import redis_client
     return RedisResponses(redis_client(redis_url, timeout_s), prefix, ttl_s)
