@@ -134,6 +134,7 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
         checks += [store_probe, step_loop.store_writing, store_room.has_room]
         components["state_store"] = store_probe.last                # a scrape runs on the event loop
         components["state_store_writes"] = step_loop.store_writing
+        components["state_store_room"] = store_room.has_room_now     # never waits either
     metrics.watch(step_loop, components)
     oracle = LengthOracle.load(settings.length_oracle) if settings.length_oracle else None
     emb.service = GenerationService(step_loop, target.tokenizer, models=[settings.model_id],

@@ -73,6 +73,10 @@ class StoreRoom:
         """`not read()`: a readiness check."""
         return not self.read()
 
+    def has_room_now(self) -> bool:
+        """`not full()`: for a metrics scrape, on the event loop."""
+        return not self.full()
+
     def full(self) -> bool:
         """The last answer, never waiting; a stale one is refreshed on a short-lived thread (for
         callers on the event loop: a request's arrival)."""
