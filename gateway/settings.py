@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     # how many, and how many bytes of input and output, a tenant may keep at once (a new one past
     # either is a 429 stored_responses_exceeded). The bytes default lets no tenant hold more than
     # a tenth of the chart's Redis (deploy/helm: 384 MB); the count bounds the keys it holds.
-    responses_ttl_s: float = Field(7 * 86400.0, gt=0)
+    responses_ttl_s: float = Field(7 * 86400.0, gt=0, le=2**31)     # Redis takes it in ms
     max_stored_responses: int = Field(10_000, ge=0)
     max_stored_response_bytes: int = Field(32 * 2**20, ge=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
