@@ -45,9 +45,16 @@ class Settings(BaseSettings):
     # how long an ended request's record stays fetchable (a client's late GET or reconnect);
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
-    # how long a stored response (POST /v1/responses) can be retrieved or resumed, from its
-    # creation (OpenAI keeps them 30 days); in Redis each holds its output tokens this long
-    responses_ttl_s: float = Field(30 * 86400.0, gt=0)
+    # Stored responses (POST /v1/responses with store: true, the default), per tenant unless its
+    # record says otherwise: how long each can be retrieved, resumed or continued from its
+    # creation (OpenAI keeps them 30 days; a week here: long enough to continue a conversation
+    # after a weekend, and a tenant at its quota gets room back within days, not a month), and
+    # how many, and how many bytes of input and output, a tenant may keep at once (a new one past
+    # either is a 429 stored_responses_exceeded). The bytes default lets no tenant hold more than
+    # a tenth of the chart's Redis (deploy/helm: 384 MB); the count bounds the keys it holds.
+    responses_ttl_s: float = Field(7 * 86400.0, gt=0, le=2**31)     # Redis takes it in ms
+    max_stored_responses: int = Field(10_000, ge=0)
+    max_stored_response_bytes: int = Field(32 * 2**20, ge=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     # one process per replica id over one Redis: its lease, renewed every third of this; a dead
     # replica's id is free (and its requests adopted by a live replica) once it runs out
@@ -55,6 +62,9 @@ class Settings(BaseSettings):
     # what one Redis call may take before it fails (a 503 with Retry-After to a client; the step
     # loop waits and retries); socket and connect timeout of every Redis client
     redis_timeout_s: float = Field(1.0, gt=0)
+    # new requests get 503 store_full while Redis uses this share of its maxmemory or more: the
+    # rest is the room the requests running write into until they end (scheduler/store/room.py)
+    redis_memory_watermark: float = Field(0.9, gt=0, le=1)
     # a concurrency slot's lease: renewed every third of it while its request runs; a crashed
     # gateway's slots free themselves within it
     concurrency_lease_s: float = Field(30.0, gt=0)

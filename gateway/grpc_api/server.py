@@ -25,13 +25,14 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol
 
 import grpc
 import pydantic
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import errors, schemas
 from gateway.http.deps import field_names
 from gateway.keepalive import KEEPALIVE_S, with_keepalive
-from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
+from gateway.errors import ApiError, store_refusal
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.replay import Cursor, Replayer
@@ -316,10 +317,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     An `ApiError` is a refusal written for clients: it keeps its message (REST's `error.message`),
     its type, param and code go in trailing metadata, and REST's `Retry-After` (whole seconds, on
     429 and 503) as `retry-after`. Any other exception is INTERNAL with REST's generic message:
-    no exception text, no stack trace. A state-store outage is REST's 503: UNAVAILABLE.
+    no exception text, no stack trace. A state store that is down, or refuses a write (full), is
+    REST's 503 (`errors.store_refusal`): UNAVAILABLE.
     """
-    if isinstance(exc, STORE_ERRORS):
-        exc = store_unavailable()
+    if isinstance(exc, redis.RedisError):
+        exc = store_refusal(exc) or exc
     if not isinstance(exc, ApiError):
         return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, ()
     trailers = [("error-type", exc.type)]
@@ -336,9 +338,9 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AbortError):       # the call is already aborted
         raise exc
-    if not isinstance(exc, (ApiError, *STORE_ERRORS)):
-        log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
     code, details, trailers = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, ApiError):
+        log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
     await context.abort(code, details, trailing_metadata=trailers)
 
 

@@ -25,15 +25,18 @@ from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
 from scheduler.store.redis_client import StoreProbe
+from scheduler.store.room import StoreRoom
 
 
 def build_app(settings: Settings, service: GenerationService, tenants: TenantRegistry, limiter: Limiter,
               metrics: GatewayMetrics, *, replayer: Replayer | None = None,
               responses: ResponseService | None = None,
-              store_probe: StoreProbe | None = None) -> FastAPI:
+              store_probe: StoreProbe | None = None,
+              store_room: StoreRoom | None = None) -> FastAPI:
     """`replayer`: reads the state store to resume chat streams (None: resume answers 404);
     `responses`: the Responses API (None: its routes answer 404); `store_probe`: Redis's
-    readiness, so new requests fail fast while it is away (None: no Redis)."""
+    readiness, so new requests fail fast while it is away (None: no Redis); `store_room`:
+    Redis's memory against its watermark, which /ready reports (None: no Redis)."""
     # NOTE: /docs, /redoc and /openapi.json are off unless `openapi_docs`: they map the admin API
     # for anyone who asks. Not admin-only instead: the docs pages fetch /openapi.json with no
     # key, so behind a key they would not load. `app.openapi()` gives the schema either way.
@@ -50,6 +53,7 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.replayer = replayer
     app.state.responses = responses
     app.state.store_probe = store_probe
+    app.state.store_room = store_room
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     for r in (completions.router, chat.router, responses_router.router, models.router, health.router,

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from gateway.assembly.replica import scheduler_prefix
-from gateway.assembly.serving import responses_service
+from gateway.assembly.serving import responses_service, room_of
 from gateway.grpc_api.server import (arrived_input, authed_tenant, kept_alive, response_message,
                                      status_of, stream_messages)
 from gateway.http.app import build_app
@@ -53,7 +53,10 @@ class IngressServer:
         self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
-        self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter)
+        # Redis's memory against its watermark: new requests are refused here above it
+        self.room = room_of(s) if s.redis_url else None
+        self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter,
+                                     store_full=self.room.full if self.room else None)
         # the scheduler's state store, read only (opening it does no I/O)
         self.records = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
                                   timeout_s=s.redis_timeout_s)
@@ -76,7 +79,7 @@ class IngressServer:
         responses = responses_service(self.settings, self.service, self.records, tokenizer, local=False)
         return build_app(self.settings, self.service, self.tenants, self.limiter,
                          SchedulerMetrics(self.scheduler), replayer=self.replayer,
-                         responses=responses)
+                         responses=responses, store_room=self.room)
 
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 

@@ -37,6 +37,13 @@ class Header:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """A stored response as the response store gives it back (gateway/responses/store.py)."""
+    header: Header
+    final: dict[str, Any] | None        # None: not ended (or not finalized yet)
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What a response's request has produced: `status` is the scheduler's (None: not admitted
     yet), `reason` its finish reason ("stop", "length", "abort", "error")."""

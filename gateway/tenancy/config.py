@@ -17,6 +17,7 @@ from gateway.tenancy.records import (NAME_RE, SpeculationPolicy, Tenant, configu
 
 _MAX_FLOAT = sys.float_info.max     # a weight must be a finite float (10**400 is an int, not one)
 _MAX_INT = 2**53                    # counts and limits: exact as floats (the limiter's arithmetic)
+MAX_TTL_S = 2**31                   # seconds (68 years): in milliseconds, an expiry Redis takes
 
 
 class TenantsConfigError(ValueError):
@@ -39,8 +40,9 @@ def _spell(path: tuple) -> str:
 
 _TOP_FIELDS = frozenset({"tenants", "admin_keys"})
 _TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
-                            "max_concurrent", "max_queued", "max_prompt_tokens", "models",
-                            "speculation"})
+                            "max_concurrent", "max_queued", "max_prompt_tokens",
+                            "max_stored_responses", "max_stored_response_bytes",
+                            "responses_ttl_s", "models", "speculation"})
 _SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
 
 
@@ -55,12 +57,13 @@ def _mapping(obj: Any, allowed: frozenset, path: tuple) -> Mapping:
 
 
 def _int(obj: Mapping, key: str, path: tuple, default: int | None, *, minimum: int,
-         nullable: bool = False) -> int | None:
+         nullable: bool = False, maximum: int = _MAX_INT) -> int | None:
     v = obj.get(key, default)
     if v is None and nullable:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= _MAX_INT:
-        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum} (at most 2**53)"
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        most = "2**53" if maximum == _MAX_INT else str(maximum)
+        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum} (at most {most})"
                                  + (" or null" if nullable else "") + f", got {v!r}")
     return v
 
@@ -126,6 +129,12 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         max_concurrent=_int(obj, "max_concurrent", path, None, minimum=1, nullable=True),
         max_queued=_int(obj, "max_queued", path, None, minimum=1, nullable=True),
         max_prompt_tokens=_int(obj, "max_prompt_tokens", path, None, minimum=1, nullable=True),
+        max_stored_responses=_int(obj, "max_stored_responses", path, None, minimum=0,
+                                  nullable=True),
+        max_stored_response_bytes=_int(obj, "max_stored_response_bytes", path, None, minimum=0,
+                                       nullable=True),
+        responses_ttl_s=_int(obj, "responses_ttl_s", path, None, minimum=1, nullable=True,
+                             maximum=MAX_TTL_S),
         models=tuple(_strings(obj, "models", path, ("*",))),
         speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
     return tenant, list(dict.fromkeys(digests))

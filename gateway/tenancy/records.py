@@ -48,6 +48,12 @@ class Tenant:
     max_concurrent: int | None = None
     max_queued: int | None = None
     max_prompt_tokens: int | None = None    # longer prompts are refused (413); None = the context
+    # stored responses (Responses API) it may keep at once, their bytes, and how long each is
+    # kept; None = the gateway's setting (`max_stored_responses`, `max_stored_response_bytes`,
+    # `responses_ttl_s`); a count or bytes of 0: it may store none
+    max_stored_responses: int | None = None
+    max_stored_response_bytes: int | None = None
+    responses_ttl_s: int | None = None
     models: tuple[str, ...] = ("*",)
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
     id: str = field(default_factory=lambda: new_tenant_id(), compare=False)
@@ -66,6 +72,9 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
     return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
             "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
             "max_prompt_tokens": t.max_prompt_tokens,
+            "max_stored_responses": t.max_stored_responses,
+            "max_stored_response_bytes": t.max_stored_response_bytes,
+            "responses_ttl_s": t.responses_ttl_s,
             "models": list(t.models),
             "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
                             "max_tree_tokens": s.max_tree_tokens}}
