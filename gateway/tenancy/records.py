@@ -50,6 +50,10 @@ class Tenant:
     max_prompt_tokens: int | None = None    # longer prompts are refused (413); None = the context
     models: tuple[str, ...] = ("*",)
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    # the service tiers its requests may ask for (scheduler/tiers.py), and the one `auto` (or no
+    # `service_tier`) gets; by default every request is `default`, as before tiers
+    service_tiers: tuple[str, ...] = ("default",)
+    default_service_tier: str = "default"
     id: str = field(default_factory=lambda: new_tenant_id(), compare=False)
 
     def allows_model(self, model: str) -> bool:
@@ -57,6 +61,14 @@ class Tenant:
         # "*" short-cut: fnmatch on every request was a measurable share of the event loop in
         # `bench gateway` (README.md, "Serving path and start-up times").
         return "*" in self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
+
+    def tier_for(self, asked: str | None) -> str:
+        """The tier a request that asks for `asked` runs in: its tenant's default for `auto` or
+        nothing, else what it asked (which `allows_tier` may refuse)."""
+        return self.default_service_tier if asked in (None, "auto") else asked
+
+    def allows_tier(self, tier: str) -> bool:
+        return tier in self.service_tiers
 
 
 def tenant_to_dict(t: Tenant) -> dict[str, Any]:
@@ -68,7 +80,8 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
             "max_prompt_tokens": t.max_prompt_tokens,
             "models": list(t.models),
             "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
-                            "max_tree_tokens": s.max_tree_tokens}}
+                            "max_tree_tokens": s.max_tree_tokens},
+            "service_tiers": list(t.service_tiers), "default_service_tier": t.default_service_tier}
 
 
 def new_tenant_id() -> str:
