@@ -27,6 +27,7 @@ from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.records import new_api_key
 from gateway.tenancy.tenants import TenantRegistry
+from gateway.tiers import wait_bounds
 from scheduler.admission import AdmissionControl, AdmissionLimits
 from scheduler.length_learner import MODEL_NAME, LengthLearner, shipped_predictor
 from scheduler.length_oracle import LengthOracle, true_remaining
@@ -154,7 +155,8 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
                          token_budget=settings.token_budget,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
                          step_cost=target.step_cost, max_resident=max_resident,
-                         prefill_chunk_tokens=settings.prefill_chunk_tokens, **target.kv, **extra)
+                         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                         tier_wait_s=wait_bounds(settings.service_tiers), **target.kv, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service

@@ -162,7 +162,8 @@ class RequestStream:
         self._out.append(GenerateOutput(
             self.request_id, self._text.text, tuple(self._ids), reason,
             self.prep.request.stats.prompt_len, len(self._ids), SpecStats.of(event.stats),
-            self._logprobs.sent if self._logprobs is not None else None))
+            self._logprobs.sent if self._logprobs is not None else None,
+            service_tier=self.prep.request.stats.tier))
         return settled
 
     def _emit(self, text: str, *, final: bool = False) -> None:
