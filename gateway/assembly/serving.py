@@ -104,7 +104,7 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
     `configure_tenants=False`: the tenant store as it is, no tenants file, admin keys or dev
     tenant applied (Ray mode's scheduler replica: its ingress replicas do that, with the keys
     it is not given)."""
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tiers=settings.service_tiers)
     step_loop = _step_loop(settings, target, metrics, kv_budgets)
     # the configured admin keys, too
     tenants = TenantRegistry.from_settings(settings, configure=configure_tenants)

@@ -1,7 +1,8 @@
 """Service tiers end to end, over the embedded gateway on the fake worker: `service_tier` is
 validated, refused when the tenant may not use it, run in the scheduler as that tier, and echoed
 in chat and completions bodies, in every SSE chunk, in Responses objects and events, and in gRPC
-replies; the tenants file and the admin API set a tenant's tiers and default."""
+replies; the tenants file and the admin API set a tenant's tiers and default; /metrics counts
+each request against its tier's objectives."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import grpc
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
@@ -178,6 +180,33 @@ def test_the_tenants_file_sets_tiers_with_defaults_that_keep_every_request_defau
         assert exc.value.field == field
 
 
+def scrape(emb) -> dict:
+    body, _ = emb.metrics.render()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+
+
+def test_metrics_count_attainment_per_tier_and_tenant(gw):
+    emb, url = gw
+    before = scrape(emb)
+    for _ in range(3):
+        assert post(url, "/v1/completions", GOLD, prompt="hi", service_tier="flex").status_code == 200
+    after = scrape(emb)
+
+    def count(tenant, tier, objective, result, samples):
+        key = ("specgate_slo_requests_total", (("objective", objective), ("result", result),
+                                              ("tenant", tenant), ("tier", tier)))
+        return samples.get(key, 0.0)
+
+    for objective in ("ttft", "tbt"):
+        added = sum(count("gold", "flex", objective, r, after) - count("gold", "flex", objective, r, before)
+                    for r in ("met", "missed"))
+        assert added == 3
+    assert after[("specgate_time_to_first_token_seconds_count", (("tenant", "gold"), ("tier", "flex")))] >= 3
+    assert after[("specgate_slo_objective", (("objective", "ttft"), ("tier", "flex")))] == 0.95
+    assert after[("specgate_slo_target_seconds", (("objective", "tbt"), ("tier", "priority")))] == 0.1
+
+
 def test_the_policy_holds_each_tier_to_its_configured_wait(gw):
     emb, _ = gw
     assert emb.step_loop.policy.config.tier_wait_s == {"flex": 300.0}
@@ -185,6 +214,36 @@ def test_the_policy_holds_each_tier_to_its_configured_wait(gw):
                                     "priority": {"max_queue_wait_s": 2}}).service_tiers
     assert wait_bounds(tiers) == {"default": None, "priority": 2.0, "flex": 300.0}
     assert tiers["default"].ttft_s == 2.5                  # a tier's fields over its defaults
+
+
+def test_each_request_counts_once_per_objective_met_or_missed():
+    from gateway.metrics import GatewayMetrics
+    from gateway.tiers import TierObjectives
+
+    m = GatewayMetrics(tiers={"flex": TierObjectives(ttft_s=1.0, tbt_s=0.1, percentile=95)})
+    fast = m.times("acme", "flex")
+    fast.first_token(0.5)
+    fast.tokens(0.05 * 20, 20)                  # 20 gaps of 50 ms: within 100 ms
+    fast.ended(2.0)
+    slow = m.times("acme", "flex")
+    slow.first_token(2.0)                       # past 1 s
+    slow.tokens(0.05 * 18, 18)
+    slow.tokens(1.0, 2)                         # 2 of 20 gaps over: 10 % > 5 %
+    slow.ended(5.0)
+    m.times("acme", "flex").ended(5.0)          # no token in 5 s: a TTFT miss, no TBT
+    m.times("acme", "flex").ended(0.2)          # cancelled sooner than the target: nothing
+    m.times("acme", "gold").ended(9.0)          # a tier with no objectives: nothing
+
+    def value(objective, result):
+        return m.registry.get_sample_value("specgate_slo_requests_total", {
+            "tenant": "acme", "tier": "flex", "objective": objective, "result": result})
+
+    assert (value("ttft", "met"), value("ttft", "missed")) == (1, 2)
+    assert (value("tbt", "met"), value("tbt", "missed")) == (1, 1)
+    assert m.registry.get_sample_value("specgate_inter_token_latency_seconds_count",
+                                       {"tenant": "acme", "tier": "flex"}) == 40
+    m.forget_tenant("acme")
+    assert value("ttft", "met") is None
 
 
 def test_tier_doctests():
