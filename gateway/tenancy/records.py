@@ -75,13 +75,23 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
     """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show;
     the id is stored beside it by the registry, `TenantRegistry`)."""
     s = t.speculation
-    return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
-            "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
-            "max_prompt_tokens": t.max_prompt_tokens,
-            "models": list(t.models),
-            "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
-                            "max_tree_tokens": s.max_tree_tokens},
-            "service_tiers": list(t.service_tiers), "default_service_tier": t.default_service_tier}
+    d = {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
+         "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
+         "max_prompt_tokens": t.max_prompt_tokens,
+         "models": list(t.models),
+         "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
+                         "max_tree_tokens": s.max_tree_tokens}}
+    # The tiers are left out at their defaults, as an entry may leave them out: a record, and the
+    # fingerprint of a tenants-file entry (gateway/tenancy/applied.py), made before tiers stay
+    # what they were, so an upgrade re-applies no entry over what the admin API changed since,
+    # and a replica of the previous release still reads every record of a tenant without tiers.
+    if (t.service_tiers, t.default_service_tier) != _DEFAULT_TIERS:
+        d["service_tiers"] = list(t.service_tiers)
+        d["default_service_tier"] = t.default_service_tier
+    return d
+
+
+_DEFAULT_TIERS = (Tenant.service_tiers, Tenant.default_service_tier)
 
 
 def new_tenant_id() -> str:

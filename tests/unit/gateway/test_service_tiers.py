@@ -151,8 +151,7 @@ def test_the_admin_api_sets_a_tenants_tiers_and_default(gw):
     listed = {t["name"]: t for t in admin.get("/admin/tenants").json()["data"]}
     assert (listed["silver"]["service_tiers"], listed["silver"]["default_service_tier"]) == (
         ["default", "flex"], "flex")
-    assert (listed["basic"]["service_tiers"], listed["basic"]["default_service_tier"]) == (
-        ["default"], "default")
+    assert "service_tiers" not in listed["basic"]          # at their defaults: as before tiers
     assert post(url, "/v1/completions", key, prompt="hi").json()["service_tier"] == "flex"
     assert post(url, "/v1/completions", key, prompt="hi", service_tier="priority").status_code == 403
     bad = admin.post("/admin/tenants", json={"name": "x", "service_tiers": ["flex"],
@@ -171,6 +170,10 @@ def test_the_tenants_file_sets_tiers_with_defaults_that_keep_every_request_defau
     assert flexy.default_service_tier == "flex"           # no `default` listed: the first
     assert tenant_to_dict(flexy)["service_tiers"] == ["flex", "priority"]
     assert parse_tenant(tenant_to_dict(flexy))[0] == flexy
+    # a tenant without tiers is stored, and fingerprinted, exactly as before tiers: an upgrade
+    # re-applies no tenants-file entry and the previous release still reads the record
+    assert set(tenant_to_dict(plain)) == {"name", "weight", "priority", "rpm", "tpm", "max_concurrent",
+                                          "max_queued", "max_prompt_tokens", "models", "speculation"}
     for body, field in (({"service_tiers": []}, "service_tiers"),
                         ({"service_tiers": ["default"], "default_service_tier": "auto"},
                          "default_service_tier"),
