@@ -34,7 +34,8 @@ plan works out (KV room and homes, how many more may start) lives in objects mad
 (`KVBudget`, `_Starts`); the planner keeps only what outlives a step: the queues, aging, which
 requests have started or are prefilling ahead of their turn, and the tenants' drafter priors.
 While every live request fits in one batch nobody needs ranking: the plan takes them all (in
-admission order), and served requests are re-ranked by the first plan that must choose.
+admission order within each planning class, which decides only who starts when KV is short),
+and served requests are re-ranked by the first plan that must choose.
 """
 from __future__ import annotations
 
