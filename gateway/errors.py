@@ -82,6 +82,12 @@ def forbidden_model(model: str) -> ApiError:
                     code="model_not_allowed")
 
 
+def forbidden_tier(tier: str, allowed: Iterable[str]) -> ApiError:
+    return ApiError(403, f"this API key may not use service_tier {tier!r}; it may use "
+                    f"{', '.join(repr(t) for t in allowed)} (or 'auto': its default)",
+                    param="service_tier", code="service_tier_not_allowed")
+
+
 def unknown_model(model: str) -> ApiError:
     return ApiError(404, f"the model {model!r} does not exist", param="model",
                     code="model_not_found")

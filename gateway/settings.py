@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.keepalive import KEEPALIVE_S
 from gateway.tenancy.records import configured_digest
+from gateway.tiers import DEFAULT_TIERS, TierObjectives, merged_tiers
+from scheduler.tiers import TIERS
 
 # a pepper is a random secret nobody types: this refuses placeholders, not weak randomness
 MIN_PEPPER_CHARS = 32
@@ -74,8 +76,14 @@ class Settings(BaseSettings):
     # the server secret API keys rest under in the store (an HMAC, gateway/tenancy/records.py):
     # set it once and keep it; a different one makes every stored key unknown
     key_pepper: SecretStr | None = None
-    # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py)
-    policy: Literal["laps", "fcfs", "sjf", "las", "srpt"] = "laps"
+    # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py);
+    # priority: strict service tiers, first come first served in each (the tiers' baseline)
+    policy: Literal["laps", "fcfs", "sjf", "las", "srpt", "priority"] = "laps"
+    # service tiers (gateway/tiers.py): each tier's TTFT and time-between-tokens targets, the
+    # percentile of its requests that must meet them, its maximum queue wait and what the planner
+    # does about a request about to pass it; JSON, a tier's fields over its defaults
+    service_tiers: dict[Literal[TIERS], TierObjectives] = Field(
+        default_factory=lambda: dict(DEFAULT_TIERS))
     drafters: str = "ngram"                    # comma-separated; the first is the default
     grpc_port: int | None = Field(None, ge=0, le=65535)
     # the scheduler
@@ -142,6 +150,11 @@ class Settings(BaseSettings):
         if not names:
             raise ValueError("name at least one drafter (e.g. 'ngram', or 'none')")
         return ",".join(names)
+
+    @field_validator("service_tiers", mode="before")
+    @classmethod
+    def _tiers_over_defaults(cls, v: object) -> object:
+        return merged_tiers(v)
 
     @field_validator("admin_key", "metrics_key")
     @classmethod

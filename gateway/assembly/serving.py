@@ -28,6 +28,7 @@ from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.records import new_api_key
 from gateway.tenancy.tenants import TenantRegistry
+from gateway.tiers import wait_bounds
 from scheduler.admission import AdmissionControl, AdmissionLimits
 from scheduler.length_learner import MODEL_NAME, LengthLearner, shipped_predictor
 from scheduler.length_oracle import LengthOracle, true_remaining
@@ -108,7 +109,7 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
     `configure_tenants=False`: the tenant store as it is, no tenants file, admin keys or dev
     tenant applied (Ray mode's scheduler replica: its ingress replicas do that, with the keys
     it is not given)."""
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tiers=settings.service_tiers)
     step_loop = _step_loop(settings, target, metrics, kv_budgets)
     # the configured admin keys, too
     tenants = TenantRegistry.from_settings(settings, configure=configure_tenants)
@@ -163,7 +164,8 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
                          token_budget=settings.token_budget,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
                          step_cost=target.step_cost, max_resident=max_resident,
-                         prefill_chunk_tokens=settings.prefill_chunk_tokens, **target.kv, **extra)
+                         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                         tier_wait_s=wait_bounds(settings.service_tiers), **target.kv, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service

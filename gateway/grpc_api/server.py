@@ -166,10 +166,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # so cancels the request. A suspended generator would be closed only when collected.
         stream = None
         try:
-            stream = await self.service.open_stream(                            # admits, or raises
-                await arrived_input(self.service, self.tenants, request,
-                                    context.invocation_metadata(), self.max_message_bytes))
-            await context.send_initial_metadata((("request-id", stream.request_id),))
+            inp = await arrived_input(self.service, self.tenants, request,
+                                      context.invocation_metadata(), self.max_message_bytes)
+            stream = await self.service.open_stream(inp)                       # admits, or raises
+            await context.send_initial_metadata((("request-id", stream.request_id),
+                                                 ("service-tier", inp.service_tier or "")))
             async with contextlib.aclosing(kept_alive(stream_messages(stream),
                                                       self.keepalive_s)) as messages:
                 async for message in messages:
@@ -269,6 +270,8 @@ def generate_input(request: pb.GenerateRequest, tenant: Tenant) -> GenerateInput
         body["stop"] = list(request.stop)
     if request.user:
         body["user"] = request.user
+    if request.service_tier:
+        body["service_tier"] = request.service_tier
     speculation = {rest: getattr(request, name) for rest, name in
                    (("enabled", "speculation"), ("max_tree_tokens", "max_tree_tokens"))
                    if request.HasField(name)}
@@ -303,7 +306,8 @@ def response_message(out: GenerateOutput) -> pb.GenerateResponse:
         id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
         usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                        total_tokens=out.prompt_tokens + out.completion_tokens),
-        speculation=pb.SpeculationStats(drafted=s.drafted, accepted=s.accepted, steps=s.steps, tau=s.tau))
+        speculation=pb.SpeculationStats(drafted=s.drafted, accepted=s.accepted, steps=s.steps, tau=s.tau),
+        service_tier=out.service_tier)
 
 
 def generation_failed() -> ApiError:

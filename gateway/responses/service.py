@@ -121,7 +121,8 @@ class ResponseService:
                         max_output_tokens=body.max_output_tokens,
                         temperature=1.0 if body.temperature is None else body.temperature,
                         top_p=1.0 if body.top_p is None else body.top_p,
-                        metadata=dict(body.metadata or {}))
+                        metadata=dict(body.metadata or {}),
+                        service_tier=tenant.tier_for(body.service_tier))
         inp = _generate_input(tenant, body, header)
         if store:
             await self._keep(tenant, header)
@@ -355,7 +356,8 @@ def _generate_input(tenant: Tenant, body: ResponseRequest, header: Header) -> Ge
                          max_tokens=body.max_output_tokens, temperature=header.temperature,
                          top_p=header.top_p, seed=body.seed, speculation=spec.enabled,
                          max_tree_tokens=spec.max_tree_tokens, user=body.user,
-                         request_id=header.id, detached=header.background)
+                         request_id=header.id, detached=header.background,
+                         service_tier=header.service_tier)
 
 
 def _tail_of_final(final: dict, start: int) -> Tail:

@@ -14,6 +14,7 @@ import yaml
 
 from gateway.tenancy.records import (NAME_RE, SpeculationPolicy, Tenant, configured_digest,
                                      hash_key)
+from scheduler.tiers import TIERS
 
 _MAX_FLOAT = sys.float_info.max     # a weight must be a finite float (10**400 is an int, not one)
 _MAX_INT = 2**53                    # counts and limits: exact as floats (the limiter's arithmetic)
@@ -42,7 +43,8 @@ _TOP_FIELDS = frozenset({"tenants", "admin_keys"})
 _TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
                             "max_concurrent", "max_queued", "max_prompt_tokens",
                             "max_stored_responses", "max_stored_response_bytes",
-                            "responses_ttl_s", "models", "speculation"})
+                            "responses_ttl_s", "models", "speculation", "service_tiers",
+                            "default_service_tier"})
 _SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
 
 
@@ -103,6 +105,22 @@ def _speculation(obj: Any, path: tuple) -> SpeculationPolicy:
     return SpeculationPolicy(enabled, tuple(dict.fromkeys(drafters)), max_tree)
 
 
+def _tiers(obj: Mapping, path: tuple) -> tuple[tuple[str, ...], str]:
+    """(the tiers a tenant may use, its default): known tiers, the default among them."""
+    tiers = _strings(obj, "service_tiers", path, Tenant.service_tiers)
+    for i, tier in enumerate(tiers):
+        if tier not in TIERS:
+            raise TenantsConfigError(path + ("service_tiers", i), f"must be one of "
+                                     f"{', '.join(TIERS)}, got {tier!r}")
+    if not tiers:
+        raise TenantsConfigError(path + ("service_tiers",), "must name at least one tier")
+    default = obj.get("default_service_tier", "default" if "default" in tiers else tiers[0])
+    if default not in tiers:
+        raise TenantsConfigError(path + ("default_service_tier",), f"must be one of the tenant's "
+                                 f"service_tiers ({', '.join(tiers)}), got {default!r}")
+    return tuple(dict.fromkeys(tiers)), default
+
+
 def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
     """One tenant object (a tenants-file entry, or an admin API body) -> (tenant, key digests)."""
     _mapping(obj, _TENANT_FIELDS, path)
@@ -121,6 +139,7 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
             digests.append(configured_digest(key))
         except ValueError as exc:
             raise TenantsConfigError(path + ("api_keys", i), str(exc)) from None
+    tiers, default_tier = _tiers(obj, path)
     tenant = Tenant(
         name=name, weight=float(weight),
         priority=_int(obj, "priority", path, 0, minimum=0),
@@ -136,7 +155,8 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         responses_ttl_s=_int(obj, "responses_ttl_s", path, None, minimum=1, nullable=True,
                              maximum=MAX_TTL_S),
         models=tuple(_strings(obj, "models", path, ("*",))),
-        speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
+        speculation=_speculation(obj.get("speculation"), path + ("speculation",)),
+        service_tiers=tiers, default_service_tier=default_tier)
     return tenant, list(dict.fromkeys(digests))
 
 
