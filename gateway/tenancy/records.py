@@ -92,9 +92,10 @@ def tenant_to_dict(t: Tenant) -> dict[str, Any]:
     # tenants-file entry (gateway/tenancy/applied.py), made before them stay what they were, so
     # an upgrade re-applies no entry over what the admin API changed since, and a replica of the
     # previous release still reads every record of a tenant that does not use them.
-    for name in ("max_stored_responses", "max_stored_response_bytes", "responses_ttl_s"):
-        if getattr(t, name) is not None:
-            d[name] = getattr(t, name)
+    stored = {"max_stored_responses": t.max_stored_responses,
+              "max_stored_response_bytes": t.max_stored_response_bytes,
+              "responses_ttl_s": t.responses_ttl_s}
+    d.update({k: v for k, v in stored.items() if v is not None})
     if (t.service_tiers, t.default_service_tier) != _DEFAULT_TIERS:
         d["service_tiers"] = list(t.service_tiers)
         d["default_service_tier"] = t.default_service_tier
