@@ -22,6 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from scheduler.store.redis_client import store_full as is_store_full
+from scheduler.store.redis_client import write_refused
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -77,6 +80,12 @@ def unauthorized(message: str = "missing or invalid API key: send 'Authorization
 def forbidden_model(model: str) -> ApiError:
     return ApiError(403, f"this API key may not use model {model!r}", param="model",
                     code="model_not_allowed")
+
+
+def forbidden_tier(tier: str, allowed: Iterable[str]) -> ApiError:
+    return ApiError(403, f"this API key may not use service_tier {tier!r}; it may use "
+                    f"{', '.join(repr(t) for t in allowed)} (or 'auto': its default)",
+                    param="service_tier", code="service_tier_not_allowed")
 
 
 def unknown_model(model: str) -> ApiError:
@@ -155,6 +164,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 # Redis down or not answering: the client should retry (503), never see a 500. REST and gRPC both.
 STORE_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+STORE_FULL_RETRY_S = 5.0     # room comes back as requests end and stored responses expire
 
 
 def store_unavailable() -> ApiError:
@@ -162,19 +172,44 @@ def store_unavailable() -> ApiError:
                       code="store_unavailable")
 
 
+def store_full() -> ApiError:
+    """Redis is above its memory watermark (scheduler/store/room.py), or refused a write for want
+    of memory: new work waits until there is room; what runs finishes in the room left."""
+    return overloaded("the state store is full; retry later", retry_after_s=STORE_FULL_RETRY_S,
+                      code="store_full")
+
+
+def store_refusal(exc: BaseException) -> ApiError | None:
+    """What a client gets for a Redis error: 503 `store_unavailable` when Redis is away or
+    refuses writes for a while (a replica, a disk it cannot write), 503 `store_full` when it
+    refused a write for want of memory; None for any other error (a bug: a 500)."""
+    if isinstance(exc, STORE_ERRORS) or write_refused(exc):
+        return store_unavailable()
+    if is_store_full(exc):
+        return store_full()
+    return None
+
+
 async def store_call(remote: bool, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
     """`fn(*args, **kw)`, a state store's call: on a thread when the store is `remote` (it may
     wait on the network, up to its timeout; never on the event loop), inline when it is a dict
-    lookup; a store that is down or does not answer is the client's 503 (`store_unavailable`)."""
+    lookup; a store that is down, does not answer or refuses the write is the client's 503
+    (`store_refusal`)."""
     try:
         return await asyncio.to_thread(fn, *args, **kw) if remote else fn(*args, **kw)
-    except STORE_ERRORS:
-        raise store_unavailable() from None
+    except redis.RedisError as exc:
+        refusal = store_refusal(exc)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
-async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
-    log.warning("state store unavailable on %s %s: %s", request.method, request.url.path, exc)
-    return store_unavailable().response()
+async def _store_error(request: Request, exc: Exception) -> JSONResponse:
+    refusal = store_refusal(exc)
+    if refusal is None:
+        return await _unexpected(request, exc)
+    log.warning("state store refused %s %s: %s", request.method, request.url.path, exc)
+    return refusal.response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -186,6 +221,5 @@ def install_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    for store_error in STORE_ERRORS:                                       # Redis down: 503
-        app.add_exception_handler(store_error, _store_unavailable)
+    app.add_exception_handler(redis.RedisError, _store_error)    # Redis down or full: 503
     app.add_exception_handler(Exception, _unexpected)

@@ -1,8 +1,10 @@
 """Prometheus metrics, `specgate_*`, on a registry of their own (one per app, never the global one).
 
 Three sources feed them:
-  the service (event-loop side)   requests by tenant and outcome, TTFT, inter-token latency,
-                                  end-to-end latency, tokens, rate-limit and queue refusals;
+  the service (event-loop side)   requests by tenant and outcome, TTFT and inter-token latency
+                                  by tenant and service tier, whether each request met its tier's
+                                  objectives (`RequestTimes`), end-to-end latency, tokens,
+                                  rate-limit and queue refusals;
   each request's final stats      (delivered on the step loop's thread) queue time, time in
                                   steps, drafted and accepted tokens by tenant and drafter, τ
                                   per step;
@@ -14,12 +16,13 @@ prometheus-client's metrics are thread-safe, so both threads record directly.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.tiers import DEFAULT_TIERS, TierObjectives, attainment
 from scheduler.loop import StepLoop
 from scheduler.request import RequestStats
 from scheduler.worker import Worker
@@ -42,18 +45,27 @@ class ServedWorker(Worker, Protocol):
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 tiers: Mapping[str, TierObjectives] | None = None) -> None:
+        """`tiers`: each service tier's objectives (gateway/tiers.py; default: its defaults),
+        which requests are counted against and /metrics states (`specgate_slo_objective`)."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.tiers = dict(DEFAULT_TIERS if tiers is None else tiers)
         self.requests = Counter("specgate_requests", "Requests by tenant and outcome "
                                 "(finished, cancelled, failed, rejected, rate_limited, "
                                 "queue_full, overloaded)", ["tenant", "status"], registry=r)
         self.ttft = Histogram("specgate_time_to_first_token_seconds",
                               "From arrival at the gateway to the first output token",
-                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+                              ["tenant", "tier"], buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("specgate_inter_token_latency_seconds",
                              "Gap between output tokens (a step that commits k tokens counts "
-                             "its gap ÷ k, k times)", ["tenant"], buckets=TOKEN_LATENCY_BUCKETS,
-                             registry=r)
+                             "its gap ÷ k, k times)", ["tenant", "tier"],
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        # each request once per objective of its tier, when it ends (gateway/tiers.py
+        # `attainment`): what the burn-rate alerts divide by the tier's error budget
+        self.slo = Counter("specgate_slo_requests", "Requests by tenant, service tier, objective "
+                           "(ttft, tbt) and result (met, missed) against the tier's target",
+                           ["tenant", "tier", "objective", "result"], registry=r)
         self.e2e = Histogram("specgate_e2e_request_latency_seconds",
                              "From arrival at the gateway to the last token",
                              ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
@@ -98,10 +110,11 @@ class GatewayMetrics:
                                 "Requests refused by a tenant limit or a full queue",
                                 ["tenant", "reason"], registry=r)
         # every metric with a tenant label: what `forget_tenant` clears
-        self.by_tenant = (self.requests, self.ttft, self.itl, self.e2e, self.queue_time,
+        self.by_tenant = (self.requests, self.ttft, self.itl, self.slo, self.e2e, self.queue_time,
                           self.in_steps, self.prompt_tokens, self.generation_tokens, self.drafted,
                           self.accepted, self.tau, self.verified_tokens, self.prefill_tokens,
                           self.prefix_cache_hits, self.refusals)
+        r.register(ObjectiveCollector(self.tiers))
 
     # ---- the service ---------------------------------------------------------------------------
     def refused(self, tenant: str, reason: str, status: str) -> None:
@@ -122,17 +135,9 @@ class GatewayMetrics:
     def admitted(self, tenant: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
 
-    def first_token(self, tenant: str, seconds: float) -> None:
-        self.ttft.labels(tenant).observe(seconds)
-
-    def tokens(self, tenant: str, gap_s: float, n: int) -> None:
-        """`n` tokens arrived `gap_s` after the previous ones."""
-        if n <= 0:
-            return
-        per = gap_s / n
-        h = self.itl.labels(tenant)
-        for _ in range(n):
-            h.observe(per)
+    def times(self, tenant: str, tier: str) -> "RequestTimes":
+        """A new request's latencies, as its tokens come."""
+        return RequestTimes(self, tenant, tier)
 
     def done(self, tenant: str, status: str, seconds: float, completion_tokens: int) -> None:
         self.requests.labels(tenant, status).inc()
@@ -169,6 +174,70 @@ class GatewayMetrics:
     async def exposition(self) -> tuple[bytes, str]:
         """What GET /metrics serves (Ray mode's ingress asks the scheduler replica instead)."""
         return self.render()
+
+
+class RequestTimes:
+    """One request's latencies as its tokens come (the consumer's event loop): its time to first
+    token and its gaps go to the histograms by tenant and tier, and when it ends, whether it met
+    its tier's objectives to `specgate_slo_requests_total` (`gateway.tiers.attainment`)."""
+
+    def __init__(self, metrics: GatewayMetrics, tenant: str, tier: str) -> None:
+        self.metrics, self.tenant, self.tier = metrics, tenant, tier
+        self.objectives = metrics.tiers.get(tier)
+        self.ttft_s: float | None = None
+        self.gaps = self.slow_gaps = 0
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft_s = seconds
+        self.metrics.ttft.labels(self.tenant, self.tier).observe(seconds)
+
+    def tokens(self, gap_s: float, n: int) -> None:
+        """`n` tokens arrived `gap_s` after the previous ones (each counts gap ÷ n)."""
+        if n <= 0:
+            return
+        per = gap_s / n
+        h = self.metrics.itl.labels(self.tenant, self.tier)
+        for _ in range(n):
+            h.observe(per)
+        self.gaps += n
+        if self.objectives is not None and per > self.objectives.tbt_s:
+            self.slow_gaps += n
+
+    def ended(self, lived_s: float) -> None:
+        """The request ended `lived_s` after it arrived: count its objectives, met or missed
+        (both series exist once a tier and tenant have a request, so a rate reads 0, not none)."""
+        if self.objectives is None:
+            return
+        met = attainment(self.objectives, self.ttft_s, self.gaps, self.slow_gaps, lived_s)
+        for objective, ok in met.items():
+            counts = self.metrics.slo
+            counts.labels(self.tenant, self.tier, objective, "met").inc(1 if ok else 0)
+            counts.labels(self.tenant, self.tier, objective, "missed").inc(0 if ok else 1)
+
+
+class ObjectiveCollector:
+    """`specgate_slo_objective`: each tier's target share per objective (0.99), and
+    `specgate_slo_target_seconds`, its target: what the burn-rate alerts and the dashboards read,
+    so that they follow the deployment's tiers without being edited."""
+
+    def __init__(self, tiers: Mapping[str, TierObjectives]) -> None:
+        self.tiers = dict(tiers)
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        share = GaugeMetricFamily("specgate_slo_objective", "Share of a service tier's requests "
+                                  "that must meet each objective (1 − the error budget)",
+                                  labels=["tier", "objective"])
+        target = GaugeMetricFamily("specgate_slo_target_seconds", "A service tier's target for "
+                                   "each objective", labels=["tier", "objective"])
+        for tier, o in sorted(self.tiers.items()):
+            for objective, seconds in (("ttft", o.ttft_s), ("tbt", o.tbt_s)):
+                share.add_metric([tier, objective], o.objective)
+                target.add_metric([tier, objective], seconds)
+        yield share
+        yield target
 
 
 class InstrumentedWorker:

@@ -201,4 +201,4 @@ class ReplayStream:
         else:
             reason = finish_reason(s.status, s.cause) or "error"
         return GenerateOutput(self.request_id, self._text.text, tuple(self._ids), reason,
-                              s.prompt_len, len(self._ids), SpecStats.of(s))
+                              s.prompt_len, len(self._ids), SpecStats.of(s), service_tier=s.tier)

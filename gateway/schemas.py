@@ -18,6 +18,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictInt, StrictStr, Valida
 from gateway import errors, tool_calls
 from gateway.service import MAX_STOP_CHARS, MAX_STOPS, GenerateInput
 from gateway.tenancy.records import Tenant
+from gateway.tiers import REQUEST_TIERS
 from workers.contract import MAX_TOP_LOGPROBS
 
 MAX_COMPLETION_LOGPROBS = 5   # the legacy completions API's bound on `logprobs`
@@ -26,6 +27,7 @@ BIG = 2**31 - 1              # upper bound for counts: refuses absurd numbers wi
 _CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 Count = Annotated[int, Field(ge=-BIG, le=BIG)]
+ServiceTier = Literal[REQUEST_TIERS]     # "auto" and the tiers (gateway/tiers.py)
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +70,8 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: Annotated[dict[str, Any], Field(max_length=4096)] | None = None
+    # OpenAI's: the tier to run in (gateway/tiers.py); auto or none: the tenant's default
+    service_tier: ServiceTier | None = None
 
     def generate_input(self, tenant: Tenant, **text: Any) -> GenerateInput:
         spec = self.speculation or SpeculationOptions()
@@ -81,7 +85,8 @@ class _Sampling(BaseModel):
             max_tree_tokens=spec.max_tree_tokens, user=self.user,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            logit_bias=self.logit_bias, logprobs=self._logprobs(), **text)
+            logit_bias=self.logit_bias, logprobs=self._logprobs(),
+            service_tier=tenant.tier_for(self.service_tier), **text)
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens

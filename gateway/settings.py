@@ -15,6 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gateway.keepalive import KEEPALIVE_S
 from gateway.tenancy.records import configured_digest
+from gateway.tiers import DEFAULT_TIERS, TierObjectives, merged_tiers
+from scheduler.tiers import TIERS
 
 # a pepper is a random secret nobody types: this refuses placeholders, not weak randomness
 MIN_PEPPER_CHARS = 32
@@ -45,9 +47,16 @@ class Settings(BaseSettings):
     # how long an ended request's record stays fetchable (a client's late GET or reconnect);
     # in Redis every ended request holds a few keys this long, so it sets the store's plateau
     ended_ttl_s: float = Field(3600.0, gt=0)
-    # how long a stored response (POST /v1/responses) can be retrieved or resumed, from its
-    # creation (OpenAI keeps them 30 days); in Redis each holds its output tokens this long
-    responses_ttl_s: float = Field(30 * 86400.0, gt=0)
+    # Stored responses (POST /v1/responses with store: true, the default), per tenant unless its
+    # record says otherwise: how long each can be retrieved, resumed or continued from its
+    # creation (OpenAI keeps them 30 days; a week here: long enough to continue a conversation
+    # after a weekend, and a tenant at its quota gets room back within days, not a month), and
+    # how many, and how many bytes of input and output, a tenant may keep at once (a new one past
+    # either is a 429 stored_responses_exceeded). The bytes default lets no tenant hold more than
+    # a tenth of the chart's Redis (deploy/helm: 384 MB); the count bounds the keys it holds.
+    responses_ttl_s: float = Field(7 * 86400.0, gt=0, le=2**31)     # Redis takes it in ms
+    max_stored_responses: int = Field(10_000, ge=0)
+    max_stored_response_bytes: int = Field(32 * 2**20, ge=0)
     replica_id: str = Field("0", pattern=r"^[A-Za-z0-9._-]{1,64}$")
     # one process per replica id over one Redis: its lease, renewed every third of this; a dead
     # replica's id is free (and its requests adopted by a live replica) once it runs out
@@ -55,6 +64,9 @@ class Settings(BaseSettings):
     # what one Redis call may take before it fails (a 503 with Retry-After to a client; the step
     # loop waits and retries); socket and connect timeout of every Redis client
     redis_timeout_s: float = Field(1.0, gt=0)
+    # new requests get 503 store_full while Redis uses this share of its maxmemory or more: the
+    # rest is the room the requests running write into until they end (scheduler/store/room.py)
+    redis_memory_watermark: float = Field(0.9, gt=0, le=1)
     # a concurrency slot's lease: renewed every third of it while its request runs; a crashed
     # gateway's slots free themselves within it
     concurrency_lease_s: float = Field(30.0, gt=0)
@@ -64,8 +76,14 @@ class Settings(BaseSettings):
     # the server secret API keys rest under in the store (an HMAC, gateway/tenancy/records.py):
     # set it once and keep it; a different one makes every stored key unknown
     key_pepper: SecretStr | None = None
-    # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py)
-    policy: Literal["laps", "fcfs", "sjf", "las", "srpt"] = "laps"
+    # srpt is for measurement only: it needs `length_oracle` (scheduler/length_oracle.py);
+    # priority: strict service tiers, first come first served in each (the tiers' baseline)
+    policy: Literal["laps", "fcfs", "sjf", "las", "srpt", "priority"] = "laps"
+    # service tiers (gateway/tiers.py): each tier's TTFT and time-between-tokens targets, the
+    # percentile of its requests that must meet them, its maximum queue wait and what the planner
+    # does about a request about to pass it; JSON, a tier's fields over its defaults
+    service_tiers: dict[Literal[TIERS], TierObjectives] = Field(
+        default_factory=lambda: dict(DEFAULT_TIERS))
     drafters: str = "ngram"                    # comma-separated; the first is the default
     grpc_port: int | None = Field(None, ge=0, le=65535)
     # the scheduler
@@ -136,6 +154,11 @@ class Settings(BaseSettings):
         if not names:
             raise ValueError("name at least one drafter (e.g. 'ngram', or 'none')")
         return ",".join(names)
+
+    @field_validator("service_tiers", mode="before")
+    @classmethod
+    def _tiers_over_defaults(cls, v: object) -> object:
+        return merged_tiers(v)
 
     @field_validator("admin_key", "metrics_key")
     @classmethod

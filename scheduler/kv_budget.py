@@ -231,12 +231,14 @@ class KVBudget:
                        rank: Callable[[str], float]) -> list[str]:
         """Residents left out of the step whose KV to free on the homes `over` budget, lowering
         `total`: untouched arrivals first (only their first allocation is lost), then prompts
-        partly prefilled, then requests served before; within each, the worst ranked first."""
+        partly prefilled, then requests served before; within each, the planning class served
+        last first (flex before default before priority, then by tenant class:
+        scheduler/tiers.py), then the worst ranked."""
         homes, at = self.homes, self.home_of
         others = sorted((s for s in self.state.requests.values()
                          if s.kv_tokens and s.request_id not in kept and at(s) in over),
                         key=lambda s: (s.n_steps > 0, s.prefill_left != s.unprefilled_context,
-                                       -rank(s.request_id)))
+                                       -s.plan_class, -rank(s.request_id)))
         evict = []
         for s in others:
             home = at(s)

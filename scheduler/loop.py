@@ -9,7 +9,8 @@
     predict  with a length predictor, the hidden state each prefill and step reports re-predicts
              the request's remaining length (scheduler/length_learner.py);
     commit   tokens are cut at a stop token or the length limit; the policy records the step;
-    persist  the step's changes go to the state store in one round trip, *then*
+    persist  the step's changes go to the state store in one round trip, *then* (a full store
+             refuses them: that step's requests end, failed: scheduler/store/writer.py)
     stream   the new tokens go to each request's sink.
 
 Persisting before streaming is what makes restart recovery exact: every token a client has seen
@@ -22,8 +23,19 @@ applies them at the next step boundary, so the policy, the state and the worker 
 the loop's thread alone. A cancelled request's KV is freed at the next boundary: within one step.
 Sinks are called on the loop's thread and must not block.
 
+Construction (`StepLoop(...)`): `clock` must be wall time (not monotonic) when the store outlives
+the process: arrival and service times are persisted and compared after a restart. `lengths`:
+predict each request's length from the worker's features (the worker must make them) and learn
+from finished ones; a request is then prefilled when it arrives if fewer than `max_resident −
+max_batch` requests hold KV, so that it is ranked with a prediction while it waits (the prefill is
+work its first step needs anyway). `kv_budgets`: where KV lives in several places (Ray mode:
+verifier replicas), each one's (budget, slots held) in slots by home, as last reported; the loop
+hands the budgets to the planner before every plan (`SchedulerState.kv_budgets`), and keeps what
+each home's requests hold from the homes their prefills and steps report.
+
 The loop's jobs, each in a module of its own: the plan (scheduler/policies), which requests hold
-KV (scheduler/residency.py), the store write that waits out an outage (scheduler/store/writer.py),
+KV (scheduler/residency.py), the store write that waits out an outage, never a full store
+(scheduler/store/writer.py),
 the other threads' side (scheduler/intake.py), length prediction (scheduler/length_learner.py).
 """
 from __future__ import annotations
@@ -56,18 +68,7 @@ class StepLoop:
                  admission: AdmissionControl | None = None, max_resident: int = 32,
                  clock: Callable[[], float] = time.time, lengths: LengthLearner | None = None,
                  kv_budgets: Callable[[], Mapping[str, tuple[int, int]]] | None = None):
-        """`clock` must be wall time (not monotonic) when the store outlives the process: arrival
-        and service times are persisted and compared after a restart.
-
-        `lengths`: predict each request's length from the worker's features (the worker must make
-        them) and learn from finished ones. A request is then prefilled when it arrives if fewer
-        than `max_resident − max_batch` requests hold KV, so that it is ranked with a prediction
-        while it waits (the prefill is work its first step needs anyway).
-
-        `kv_budgets`: where KV lives in several places (Ray mode: verifier replicas), each one's
-        (budget, slots held) in slots by home, as last reported; the loop hands the budgets to
-        the planner before every plan (`SchedulerState.kv_budgets`), and keeps what each home's
-        requests hold from the homes their prefills and steps report."""
+        """`clock`, `lengths`, `kv_budgets`: the module docstring's "Construction"."""
         if max_resident < policy.config.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
@@ -237,14 +238,25 @@ class StepLoop:
         ended_ids = {s.request_id for s in finished}
         touched = (set(appended) | before) - ended_ids
         updated = [self.state.requests[r] for r in touched if r in self.state.requests]
-        self._writer.commit(StepWrite(appended=appended, updated=updated, ended=finished,
-                                      virtual_time=dict(self.state.virtual_time)))
+        if not self._writer.commit(StepWrite(appended=appended, updated=updated, ended=finished,
+                                             virtual_time=dict(self.state.virtual_time))):
+            return self._refused(appended, finished)     # nothing stored: nothing streamed
         for rid, tokens in appended.items():
             self.intake.emit(Delta(rid, tuple(tokens), logprobs.get(rid)))
         for s in finished:
             if self.lengths is not None:
                 self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")
             self._forget(s)
+
+    def _refused(self, appended: Mapping[str, Sequence[int]], finished: list[RequestStats]) -> None:
+        """The store was full and refused the step's write (scheduler/store/writer.py): its
+        tokens are not stored, so not streamed; the requests that made them end (`unstored`)."""
+        now = self.clock()
+        live = [self.policy.remove(self.state, rid, Status.FAILED, "error", now) for rid in appended]
+        ended = unstored(appended, finished + [s for s in live if s is not None])
+        self._writer.commit(StepWrite(ended=ended))
+        for s in ended:
+            self._forget(s, "the state store is full")
 
     def _prefill_failed(self, request_id: str, exc: Exception) -> None:
         self._end(request_id, Status.FAILED, "error", str(exc))
@@ -301,3 +313,13 @@ class StepLoop:
         self._limits.pop(rid, None)
         self.intake.departed(s.tenant)
         self.intake.emit(Finished(rid, s.status, s.finish_reason, s, error))
+
+
+def unstored(appended: Mapping[str, Sequence[int]], ended: list[RequestStats]) -> list[RequestStats]:
+    """Requests whose step the store refused: failed, with what the store holds of them (their
+    tokens of that step, `appended`, were neither stored nor streamed, so a resumed stream gives
+    exactly what was sent). Returns `ended`."""
+    for s in ended:
+        s.status, s.cause = Status.FAILED, "error"
+        s.committed -= len(appended.get(s.request_id, ()))
+    return ended

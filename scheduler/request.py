@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from scheduler.alpha import AlphaEstimate, learn
+from scheduler.tiers import DEFAULT_TIER, plan_class
 from workers.contract import SamplingParams, StepResult
 from workers.stopping import cut
 
@@ -104,7 +105,7 @@ class RequestStats:
     arrival_s: float
     prompt_len: int
     max_tokens: int
-    priority: int = 0                      # priority class: 0 before 1 before 2 …
+    priority: int = 0                      # its tenant's priority class: 0 before 1 before 2 …
     predicted_len: int | None = None       # output tokens predicted at arrival (sjf ranks by
                                            # it); None when no predictor
     length_belief: tuple[float, float, int] | None = None   # (μ, σ) of ln(tokens still to come),
@@ -143,6 +144,14 @@ class RequestStats:
     tenant_id: str | None = None
     drafter: str | None = None             # its drafter's name (None: the deployment's default):
                                            # the planner's prior for it is learned per drafter
+    tier: str = DEFAULT_TIER               # its service tier (scheduler/tiers.py): planned before
+                                           # its tenant's class (`plan_class`)
+
+    @property
+    def plan_class(self) -> int:
+        """The class the planner serves it in: its tier, then its tenant's class within the tier
+        (scheduler/tiers.py `plan_class`); lower first."""
+        return plan_class(self.tier, self.priority)
 
     @property
     def cache_tenant(self) -> str:

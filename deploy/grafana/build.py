@@ -56,6 +56,20 @@ def ratio_by(label: str, num: str, den: str) -> dict:
 
 
 ERRORS = f'sum(rate(specgate_requests_total{{{T}, status="failed"}}[{RATE}]))'
+
+# service tiers (gateway/tiers.py): each request counted once per objective of its tier, met or
+# missed; each tier's target share is exported (`specgate_slo_objective`), so the budget a burn
+# rate divides by follows the deployment's tiers
+SLO = "specgate_slo_requests_total"
+
+
+def tier_attainment(by: str) -> str:
+    return (f'sum by ({by}) (rate({SLO}{{{T}, result="met"}}[{RATE}])) / '
+            f"sum by ({by}) (rate({SLO}{{{T}}}[{RATE}]))")
+
+
+TIER_BURN = (f'(1 - {tier_attainment("tier, objective")}) / on (tier, objective) '
+             "(1 - max by (tier, objective) (specgate_slo_objective))")
 ALL_REQUESTS = f"sum(rate(specgate_requests_total{{{T}}}[{RATE}]))"
 
 DASHBOARDS = {
@@ -73,6 +87,10 @@ DASHBOARDS = {
             q(f"(1 - {slo_attainment('specgate_inter_token_latency_seconds', 'slo_itl_s')}) "
               "/ (1 - $objective)", "inter-token"),
             q(f"({ERRORS} or vector(0)) / {ALL_REQUESTS} / (1 - $objective)", "errors")]),
+        ("SLO attainment by service tier and tenant", "percentunit", [
+            q(tier_attainment("tier, tenant, objective"), "{{tier}} {{tenant}} {{objective}}")]),
+        ("Error budget burn rate by service tier (its own objective)", "none", [
+            q(TIER_BURN, "{{tier}} {{objective}}")]),
         ("End-to-end latency", "s", quantiles("specgate_e2e_request_latency_seconds")),
         ("Requests by outcome", "reqps", [
             q(f"sum by (status) (rate(specgate_requests_total{{{T}}}[{RATE}]))", "{{status}}")]),
@@ -175,6 +193,31 @@ def sli_miss(metric: str, le: str, w: str) -> str:
     return (f'1 - (sum(rate({metric}_bucket{{le="{le}"}}[{w}])) / sum(rate({metric}_count[{w}])))')
 
 
+def tier_rules() -> tuple[list[dict], list[dict]]:
+    """Per service tier and objective: the share of requests missing it over each window, the
+    tier's error budget (1 − its objective, as the gateways export it), and the SRE workbook's
+    multi-window burn-rate alerts on that budget, one series per tier and objective."""
+    recording = [{"record": f"specgate:tier_slo_miss:ratio_rate{w}",
+                  "expr": (f'sum by (tier, objective) (rate({SLO}{{result="missed"}}[{w}])) / '
+                           f"sum by (tier, objective) (rate({SLO}[{w}]))")} for w in WINDOWS]
+    recording.append({"record": "specgate:tier_slo_budget:ratio",
+                      "expr": "1 - max by (tier, objective) (specgate_slo_objective)"})
+    alerts = []
+    for long, short, factor, severity in BURN:
+        burn = [f"specgate:tier_slo_miss:ratio_rate{w} > on (tier, objective) "
+                f"{factor} * specgate:tier_slo_budget:ratio" for w in (long, short)]
+        alerts.append({
+            "alert": f"SpecgateTierBudgetBurn{long}", "expr": " and ".join(burn),
+            "labels": {"severity": severity},
+            "annotations": {"summary": tier_summary(factor, long, short)}})
+    return recording, alerts
+
+
+def tier_summary(factor: float, long: str, short: str) -> str:
+    return (f"the {{{{ $labels.tier }}}} tier is burning its {{{{ $labels.objective }}}} error "
+            f"budget {factor}x too fast ({long} and {short} windows)")
+
+
 def rules() -> dict:
     slis = {
         "ttft": lambda w: sli_miss("specgate_time_to_first_token_seconds", DEFAULT_TTFT_SLO, w),
@@ -197,6 +240,9 @@ def rules() -> dict:
                 "labels": {"severity": severity},
                 "annotations": {"summary": f"specgate is burning its {what[name]} error budget "
                                            f"{factor}x too fast ({long} and {short} windows)"}})
+    tier_recording, tier_alerts = tier_rules()
+    recording += tier_recording
+    alerts += tier_alerts
     alerts += [
         {"alert": "SpecgateQueueSaturated",
          "expr": ('histogram_quantile(0.9, sum by (le) (rate(specgate_queue_time_seconds_bucket[10m]))) > 10 '

@@ -20,6 +20,7 @@ from gateway.followers import FollowerGate
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.replay import Replayer
+from gateway.responses.quota import Quota
 from gateway.responses.service import ResponseService
 from gateway.responses.store import open_responses
 from gateway.service import GenerationService
@@ -28,6 +29,7 @@ from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.records import new_api_key
 from gateway.tenancy.tenants import TenantRegistry
+from gateway.tiers import wait_bounds
 from scheduler.admission import AdmissionControl, AdmissionLimits
 from scheduler.length_learner import MODEL_NAME, LengthLearner, shipped_predictor
 from scheduler.length_oracle import LengthOracle, true_remaining
@@ -36,6 +38,7 @@ from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
 from scheduler.store import StateStore, open_store
 from scheduler.store.redis_client import StoreProbe, redis_client
+from scheduler.store.room import StoreRoom
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +88,13 @@ class Embedded:
 
     def _sweep_tenants(self, stopping: threading.Event, every_s: float) -> None:
         """A tenant removed through another replica (over the same Redis) is dropped here too:
-        its caches and series (`GenerationService.sweep_tenants`)."""
+        its caches and series (`GenerationService.sweep_tenants`); and stored responses of
+        removed tenants that outlived their removal go (`ResponseService.sweep_tenants`)."""
         while not stopping.wait(every_s):
             try:
                 self.service.sweep_tenants(self.tenants.list)
+                if self.responses is not None:
+                    self.responses.sweep_tenants(self.tenants.list)
             except Exception as exc:                   # the store away: try again next time
                 log.warning("tenant sweep failed: %s", exc)
 
@@ -105,7 +111,7 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
     `configure_tenants=False`: the tenant store as it is, no tenants file, admin keys or dev
     tenant applied (Ray mode's scheduler replica: its ingress replicas do that, with the keys
     it is not given)."""
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(tiers=settings.service_tiers)
     step_loop = _step_loop(settings, target, metrics, kv_budgets)
     # the configured admin keys, too
     tenants = TenantRegistry.from_settings(settings, configure=configure_tenants)
@@ -122,13 +128,16 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
         log.info(target.kv_note)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
-    store_probe = None
+    store_probe = store_room = None
     if settings.redis_url:
-        # the store answers a ping (bounded, cached) and the loop's writes go through
+        # the store answers a ping (bounded, cached), the loop's writes go through, and it is
+        # below its memory watermark (INFO memory, bounded, cached)
         store_probe = StoreProbe(redis_client(settings.redis_url, settings.redis_timeout_s))
-        checks += [store_probe, step_loop.store_writing]
+        store_room = room_of(settings)
+        checks += [store_probe, step_loop.store_writing, store_room.has_room]
         components["state_store"] = store_probe.last                # a scrape runs on the event loop
         components["state_store_writes"] = step_loop.store_writing
+        components["state_store_room"] = store_room.has_room_now     # never waits either
     metrics.watch(step_loop, components)
     oracle = LengthOracle.load(settings.length_oracle) if settings.length_oracle else None
     emb.service = GenerationService(step_loop, target.tokenizer, models=[settings.model_id],
@@ -136,13 +145,15 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     stop_token_ids=target.stop_token_ids,
                                     drafters=settings.drafter_names, ready_checks=checks,
                                     length_oracle=oracle, grammars=target.grammars,
-                                    grammar_limits=GrammarLimits.from_settings(settings))
+                                    grammar_limits=GrammarLimits.from_settings(settings),
+                                    store_full=store_room.full if store_room else None)
     emb.responses = responses_service(settings, emb.service, step_loop.store, target.tokenizer)
     emb.replayer = Replayer(step_loop.store, target.tokenizer)
     emb.followers = FollowerGate(limiter, settings.max_followers_per_tenant, metrics=metrics)
     # new requests fail fast while Redis is away (`store_probe`)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics, replayer=emb.replayer,
-                        responses=emb.responses, store_probe=store_probe, followers=emb.followers)
+                        responses=emb.responses, store_probe=store_probe, store_room=store_room,
+                        followers=emb.followers)
     return emb
 
 
@@ -157,7 +168,8 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
                          token_budget=settings.token_budget,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
                          step_cost=target.step_cost, max_resident=max_resident,
-                         prefill_chunk_tokens=settings.prefill_chunk_tokens, **target.kv, **extra)
+                         prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                         tier_wait_s=wait_bounds(settings.service_tiers), **target.kv, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
@@ -188,7 +200,16 @@ def responses_service(settings: Settings, service: Any, records: StateStore, tok
     they end (Ray mode's ingress: False; its scheduler replica keeps them)."""
     store = open_responses(settings.redis_url, settings.store_prefix, settings.responses_ttl_s,
                            settings.redis_timeout_s)
-    responses = ResponseService(service, store, records, tokenizer)
+    quota = Quota(settings.responses_ttl_s, settings.max_stored_responses,
+                  settings.max_stored_response_bytes)
+    responses = ResponseService(service, store, records, tokenizer, quota=quota)
     if local:
         service.detached_ended.append(responses.finalize)
     return responses
+
+
+def room_of(settings: Settings) -> StoreRoom:
+    """Redis's memory against `redis_memory_watermark` (scheduler/store/room.py): new requests
+    are refused above it (503 store_full), and /ready says so."""
+    return StoreRoom(redis_client(settings.redis_url, settings.redis_timeout_s),
+                     settings.redis_memory_watermark)

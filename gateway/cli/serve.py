@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "tenant whose key is printed at start-up)")
     p.add_argument("--redis-url", help="Redis for scheduler state, tenants and rate limits "
                                        "(default: in process memory)")
-    p.add_argument("--policy", choices=["laps", "fcfs", "sjf", "las"], help="scheduling policy "
-                   "(default laps)")
+    p.add_argument("--policy", choices=["laps", "fcfs", "sjf", "las", "priority"],
+                   help="scheduling policy; priority: service tiers in strict order, first come "
+                   "first served in each (default laps)")
     p.add_argument("--drafters", help="comma-separated drafter names; the first is the default "
                                       "(default ngram)")
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")

@@ -25,13 +25,14 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol
 
 import grpc
 import pydantic
+import redis
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateway import errors, schemas
 from gateway.http.deps import field_names
 from gateway.keepalive import KEEPALIVE_S, with_keepalive
-from gateway.errors import STORE_ERRORS, ApiError, store_unavailable
+from gateway.errors import ApiError, store_refusal
 from gateway.followers import FollowerGate
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
@@ -173,10 +174,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # so cancels the request. A suspended generator would be closed only when collected.
         stream = None
         try:
-            stream = await self.service.open_stream(                            # admits, or raises
-                await arrived_input(self.service, self.tenants, request,
-                                    context.invocation_metadata(), self.max_message_bytes))
-            await context.send_initial_metadata((("request-id", stream.request_id),))
+            inp = await arrived_input(self.service, self.tenants, request,
+                                      context.invocation_metadata(), self.max_message_bytes)
+            stream = await self.service.open_stream(inp)                       # admits, or raises
+            await context.send_initial_metadata((("request-id", stream.request_id),
+                                                 ("service-tier", inp.service_tier or "")))
             async with contextlib.aclosing(kept_alive(stream_messages(stream),
                                                       self.keepalive_s)) as messages:
                 async for message in messages:
@@ -278,6 +280,8 @@ def generate_input(request: pb.GenerateRequest, tenant: Tenant) -> GenerateInput
         body["stop"] = list(request.stop)
     if request.user:
         body["user"] = request.user
+    if request.service_tier:
+        body["service_tier"] = request.service_tier
     speculation = {rest: getattr(request, name) for rest, name in
                    (("enabled", "speculation"), ("max_tree_tokens", "max_tree_tokens"))
                    if request.HasField(name)}
@@ -312,7 +316,8 @@ def response_message(out: GenerateOutput) -> pb.GenerateResponse:
         id=out.request_id, text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
         usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                        total_tokens=out.prompt_tokens + out.completion_tokens),
-        speculation=pb.SpeculationStats(drafted=s.drafted, accepted=s.accepted, steps=s.steps, tau=s.tau))
+        speculation=pb.SpeculationStats(drafted=s.drafted, accepted=s.accepted, steps=s.steps, tau=s.tau),
+        service_tier=out.service_tier)
 
 
 def generation_failed() -> ApiError:
@@ -326,10 +331,11 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     An `ApiError` is a refusal written for clients: it keeps its message (REST's `error.message`),
     its type, param and code go in trailing metadata, and REST's `Retry-After` (whole seconds, on
     429 and 503) as `retry-after`. Any other exception is INTERNAL with REST's generic message:
-    no exception text, no stack trace. A state-store outage is REST's 503: UNAVAILABLE.
+    no exception text, no stack trace. A state store that is down, or refuses a write (full), is
+    REST's 503 (`errors.store_refusal`): UNAVAILABLE.
     """
-    if isinstance(exc, STORE_ERRORS):
-        exc = store_unavailable()
+    if isinstance(exc, redis.RedisError):
+        exc = store_refusal(exc) or exc
     if not isinstance(exc, ApiError):
         return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE, ()
     trailers = [("error-type", exc.type)]
@@ -346,9 +352,9 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
 async def abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     if isinstance(exc, grpc.aio.AbortError):       # the call is already aborted
         raise exc
-    if not isinstance(exc, (ApiError, *STORE_ERRORS)):
-        log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
     code, details, trailers = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, ApiError):
+        log.error("gRPC: unhandled error in %s", SERVICE_NAME, exc_info=exc)
     await context.abort(code, details, trailing_metadata=trailers)
 
 

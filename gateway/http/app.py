@@ -26,18 +26,21 @@ from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.tenants import TenantRegistry
 from scheduler.store.redis_client import StoreProbe
+from scheduler.store.room import StoreRoom
 
 
 def build_app(settings: Settings, service: GenerationService, tenants: TenantRegistry, limiter: Limiter,
               metrics: GatewayMetrics, *, replayer: Replayer | None = None,
               responses: ResponseService | None = None,
               store_probe: StoreProbe | None = None,
+              store_room: StoreRoom | None = None,
               followers: FollowerGate | None = None) -> FastAPI:
     """`replayer`: reads the state store to resume chat streams (None: resume answers 404);
     `responses`: the Responses API (None: its routes answer 404); `store_probe`: Redis's
-    readiness, so new requests fail fast while it is away (None: no Redis); `followers`: what
-    following a stream costs its tenant (default: over `limiter`, `max_followers_per_tenant`;
-    share one with the gRPC front)."""
+    readiness, so new requests fail fast while it is away (None: no Redis); `store_room`:
+    Redis's memory against its watermark, which /ready reports (None: no Redis); `followers`:
+    what following a stream costs its tenant (default: over `limiter`,
+    `max_followers_per_tenant`; share one with the gRPC front)."""
     # NOTE: /docs, /redoc and /openapi.json are off unless `openapi_docs`: they map the admin API
     # for anyone who asks. Not admin-only instead: the docs pages fetch /openapi.json with no
     # key, so behind a key they would not load. `app.openapi()` gives the schema either way.
@@ -54,6 +57,7 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.replayer = replayer
     app.state.responses = responses
     app.state.store_probe = store_probe
+    app.state.store_room = store_room
     app.state.followers = followers if followers is not None else FollowerGate(
         limiter, settings.max_followers_per_tenant, metrics=metrics)
     errors.install_handlers(app)

@@ -1,5 +1,6 @@
 """OpenAI response bodies, built in one place: plain dicts for the completions and chat APIs,
-whole or as stream chunks, with usage and specgate's speculation figures."""
+whole or as stream chunks, with usage, the service tier the request ran in (as OpenAI echoes
+it, in the body and in every chunk) and specgate's speculation figures."""
 from __future__ import annotations
 
 import time
@@ -52,15 +53,17 @@ def chat_logprobs(entries: Sequence[TokenLogprobs] | None) -> dict[str, Any] | N
 
 def completion_body(outs: Sequence[GenerateOutput], model: str, created: int) -> dict[str, Any]:
     return {"id": outs[0].request_id, "object": "text_completion", "created": created, "model": model,
+            "service_tier": outs[0].service_tier,
             "choices": [{"index": i, "text": out.text, "logprobs": completion_logprobs(out.logprobs),
                          "finish_reason": out.finish_reason} for i, out in enumerate(outs)],
             "usage": usage(outs), "specgate": spec_stats(outs)}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str,
-                     finish_reason: str | None = None, *, index: int = 0,
+                     finish_reason: str | None = None, *, index: int = 0, service_tier: str,
                      logprobs: Sequence[TokenLogprobs] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "service_tier": service_tier,
             "choices": [{"index": index, "text": text, "logprobs": completion_logprobs(logprobs),
                          "finish_reason": finish_reason}]}
 
@@ -83,7 +86,8 @@ def chat_body(outs: Sequence[GenerateOutput], model: str, created: int,
         choices.append({"index": i, "message": message, "logprobs": chat_logprobs(out.logprobs),
                         "finish_reason": reason})
     return {"id": outs[0].request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(outs), "specgate": spec_stats(outs)}
+            "service_tier": outs[0].service_tier, "choices": choices, "usage": usage(outs),
+            "specgate": spec_stats(outs)}
 
 
 def finish_reason(reason: str, parser: tool_calls.ToolStreamParser | None) -> str:
@@ -93,8 +97,9 @@ def finish_reason(reason: str, parser: tool_calls.ToolStreamParser | None) -> st
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any],
-               finish_reason: str | None = None, *, index: int = 0,
+               finish_reason: str | None = None, *, index: int = 0, service_tier: str,
                logprobs: Sequence[TokenLogprobs] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "service_tier": service_tier,
             "choices": [{"index": index, "delta": delta, "logprobs": chat_logprobs(logprobs),
                          "finish_reason": finish_reason}]}

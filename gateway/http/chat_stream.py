@@ -23,6 +23,7 @@ from gateway import errors
 from gateway.http import bodies
 from gateway.replay import Cursor
 from gateway.service import GenerateOutput, StreamChunk
+from scheduler.tiers import DEFAULT_TIER
 
 
 def refusal(n: int, tool_parsing: bool, logprobs: bool) -> str | None:
@@ -44,17 +45,19 @@ class ChatView:
     created: int
     usage: bool                          # stream_options.include_usage
     refusal: str | None = None           # why it cannot be resumed; None: it can
+    service_tier: str = DEFAULT_TIER     # the tier it runs in, in every chunk
 
     def to_meta(self) -> dict[str, Any]:
         return {"chat": {"model": self.model, "created": self.created, "usage": self.usage,
-                         "refusal": self.refusal}}
+                         "refusal": self.refusal, "service_tier": self.service_tier}}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "ChatView | None":
         chat = meta.get("chat")
         if not isinstance(chat, dict):
             return None                  # not a chat completion stream
-        return cls(str(chat["model"]), int(chat["created"]), bool(chat["usage"]), chat.get("refusal"))
+        return cls(str(chat["model"]), int(chat["created"]), bool(chat["usage"]), chat.get("refusal"),
+                   str(chat.get("service_tier") or DEFAULT_TIER))   # kept before tiers: default
 
 
 class ChatChunks:
@@ -68,7 +71,7 @@ class ChatChunks:
         v = self.view
         extra = {"usage": None} if v.usage else {}
         return {**bodies.chat_chunk(self.rid, v.model, v.created, delta, finish_reason, index=i,
-                                     logprobs=logprobs), **extra}
+                                     service_tier=v.service_tier, logprobs=logprobs), **extra}
 
     def openings(self) -> list[dict]:
         return [self.event(i, {"role": "assistant", "content": ""}) for i in range(len(self.parsers))]
@@ -91,7 +94,8 @@ class ChatChunks:
 
     def usage(self, outs: list[GenerateOutput]) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": self.view.created,
-                "model": self.view.model, "choices": [], "usage": bodies.usage(outs)}
+                "model": self.view.model, "service_tier": self.view.service_tier, "choices": [],
+                "usage": bodies.usage(outs)}
 
 
 class ChatIds:

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from gateway.assembly.replica import scheduler_prefix
-from gateway.assembly.serving import responses_service
+from gateway.assembly.serving import responses_service, room_of
 from gateway.followers import FollowerGate
 from gateway.grpc_api.server import (arrived_input, authed_tenant, kept_alive, response_message,
                                      status_of, stream_messages)
@@ -55,7 +55,10 @@ class IngressServer:
         self.tenants = TenantRegistry.from_settings(s)
         self.limiter = Limiter(s.redis_url, s.store_prefix, timeout_s=s.redis_timeout_s,
                                lease_s=s.concurrency_lease_s)
-        self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter)
+        # Redis's memory against its watermark: new requests are refused here above it
+        self.room = room_of(s) if s.redis_url else None
+        self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter,
+                                     store_full=self.room.full if self.room else None)
         # followers (resumes, streamed GETs of responses) are charged here, where they hold a
         # slot of this replica's (gateway/followers.py), before anything reaches the scheduler
         self.followers = FollowerGate(self.limiter, s.max_followers_per_tenant)
@@ -81,7 +84,7 @@ class IngressServer:
         responses = responses_service(self.settings, self.service, self.records, tokenizer, local=False)
         return build_app(self.settings, self.service, self.tenants, self.limiter,
                          SchedulerMetrics(self.scheduler), replayer=self.replayer,
-                         responses=responses, followers=self.followers)
+                         responses=responses, store_room=self.room, followers=self.followers)
 
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 

@@ -19,9 +19,12 @@ get unchanged.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
-from gateway.errors import ApiError, store_call
+import redis
+
+from gateway import errors
+from gateway.errors import ApiError, store_call, store_refusal
 from gateway.service import GenerateInput, GenerateOutput, GenerationService, StreamChunk
 from gateway.service.admission import limit_refusal
 from gateway.tenancy.limits import LimitExceeded, Limiter
@@ -31,6 +34,17 @@ from gateway.tenancy.records import Tenant
 def error_message(e: ApiError) -> tuple[str, dict]:
     return ("error", {"status": e.status, "message": e.message, "type": e.type, "param": e.param,
                       "code": e.code, "retry_after_s": e.retry_after_s})
+
+
+def refusal_of(e: Exception) -> ApiError:
+    """What the client gets for a failure at the scheduler: an ApiError as it is, a Redis error
+    that refuses the request (down, full) as its 503; anything else is raised (a 500)."""
+    if isinstance(e, ApiError):
+        return e
+    refusal = store_refusal(e)
+    if refusal is None:
+        raise e
+    return refusal
 
 
 def raise_error(fields: dict) -> None:
@@ -47,8 +61,8 @@ class SchedulerEndpoint:
     async def generate(self, inp: GenerateInput) -> tuple:
         try:
             return ("output", await self.service.generate(inp))
-        except ApiError as e:
-            return error_message(e)
+        except (ApiError, redis.RedisError) as e:
+            return error_message(refusal_of(e))
 
     async def open_detached(self, inp: GenerateInput) -> tuple:
         """Admit a request that runs whether or not anyone listens (`GenerationService.
@@ -56,8 +70,8 @@ class SchedulerEndpoint:
         takes nothing with it."""
         try:
             return ("admitted", await self.service.open_detached(inp))
-        except ApiError as e:
-            return error_message(e)
+        except (ApiError, redis.RedisError) as e:
+            return error_message(refusal_of(e))
 
     def cancel(self, request_id: str) -> None:
         self.service.cancel(request_id)
@@ -67,8 +81,8 @@ class SchedulerEndpoint:
         call when its client leaves) closes the service's stream, which cancels the request."""
         try:
             stream = await self.service.open_stream(inp)
-        except ApiError as e:
-            yield error_message(e)
+        except (ApiError, redis.RedisError) as e:
+            yield error_message(refusal_of(e))
             return
         try:
             yield ("admitted", stream.request_id)
@@ -84,19 +98,24 @@ class RemoteService:
     `handle` is a Ray Serve `DeploymentHandle` of the scheduler deployment (methods `generate`,
     `stream`, `ready`); `models` are the served model ids, known from the settings; `limiter`:
     the ingress's own (in Redis, shared with the scheduler's), which `arrive` charges here so a
-    request over its tenant's rpm never reaches the scheduler."""
+    request over its tenant's rpm never reaches the scheduler; `store_full`: is Redis above its
+    memory watermark (the ingress's own `StoreRoom.full`), never waiting."""
 
     def __init__(self, handle: Any, *, models: Sequence[str], started_s: int = 0,
-                 limiter: Limiter | None = None) -> None:
+                 limiter: Limiter | None = None,
+                 store_full: Callable[[], bool] | None = None) -> None:
         self.handle = handle
         self.models = list(models)
         self.started_s = started_s
         self.limiter = limiter
+        self.store_full = store_full
         self._ready = False
 
     async def arrive(self, tenant: Tenant) -> None:
         """`GenerationService.arrive`, against the ingress's limiter; a refusal is counted in
         the scheduler's metrics, which are the ones /metrics serves."""
+        if self.store_full is not None and self.store_full():
+            raise errors.store_full()
         if self.limiter is None:
             return
         try:

@@ -2,7 +2,9 @@
 
     objects   the response object and its parts (pure)
     events    a response's stream events, numbered, as a function of its committed tokens (pure)
+    quota     what a tenant may keep stored (count, bytes, TTL), and the refusal past it (pure)
     store     the stored responses (who owns each, what it asked, its final output), with expiry
+              and each tenant's count and bytes; in memory here, in Redis in redis_store
     service   create / retrieve / follow / cancel / delete, over the generation service
 
 Why events are a function of the tokens: the step loop persists a step's tokens before it streams

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.request import Status
+from scheduler.tiers import DEFAULT_TIER
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Header:
     temperature: float = 1.0
     top_p: float = 1.0
     metadata: dict = field(default_factory=dict)
+    service_tier: str = DEFAULT_TIER     # the tier it runs in (a header kept before tiers: default)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -34,6 +36,13 @@ class Header:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Header":
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A stored response as the response store gives it back (gateway/responses/store.py)."""
+    header: Header
+    final: dict[str, Any] | None        # None: not ended (or not finalized yet)
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ def response(h: Header, o: Outcome | None, *, output: bool = True) -> dict[str, 
         "background": h.background, "model": h.model, "instructions": h.instructions,
         "previous_response_id": h.previous_response_id, "max_output_tokens": h.max_output_tokens,
         "temperature": h.temperature, "top_p": h.top_p, "metadata": h.metadata, "store": h.store,
+        "service_tier": h.service_tier,
         "output": out, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "error": None,
         "incomplete_details": None, "usage": None,

@@ -1,8 +1,8 @@
 """POST /v1/responses' body (pydantic, strict, as gateway/schemas.py's models are).
 
 Supported: `input` (a string, or message items whose content is text), `instructions`,
-`max_output_tokens`, `temperature`, `top_p`, `seed` and specgate's `speculation`, `stream`,
-`background`, `store`, `metadata`, `previous_response_id`. OpenAI fields specgate does not
+`max_output_tokens`, `temperature`, `top_p`, `seed`, `service_tier` and specgate's `speculation`,
+`stream`, `background`, `store`, `metadata`, `previous_response_id`. OpenAI fields specgate does not
 implement (tools, reasoning, structured `text.format`, includes, conversations, prompts, …) are
 refused with a 400 naming the field when given a value that would change the output, as chat
 completions does; unknown fields are ignored.
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gateway.schemas import Count, SpeculationOptions
+from gateway.schemas import Count, ServiceTier, SpeculationOptions
 
 _CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 MAX_METADATA = 16                       # OpenAI's bounds on metadata
@@ -64,6 +64,7 @@ class ResponseRequest(BaseModel):
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = None
     previous_response_id: Annotated[str, Field(max_length=128)] | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    service_tier: ServiceTier | None = None     # auto or none: the tenant's default
     # accepted at their neutral values only
     text: TextConfig | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None

@@ -7,7 +7,8 @@
                store: what it has committed, then what it commits until it ends. Every stream a
                client gets is one of these, so a live stream and a resumed one are the same
                events with the same numbers;
-    retrieve, cancel, delete   tenant-scoped: another tenant's response is a 404, as a missing one.
+    retrieve, cancel, delete   tenant-scoped: another tenant's response is a 404, as a missing one;
+    forget_tenant, sweep_tenants   a removed tenant's stored responses go with it.
 
 Where things are read: a response's owner, what it asked and, once it has ended, its output (its
 tokens and their text, decoded once when it ends), in the response store
@@ -24,12 +25,13 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.responses.events import EventLog, text_of
 from gateway.responses.objects import Header, Outcome, deleted, response
+from gateway.responses.quota import Quota, quota_of, refusal
 from gateway.responses.request import ResponseRequest
 from gateway.replay import FALLBACK_S, INLINE_TOKENS
 from gateway.responses.store import ResponseStore, Stored
@@ -73,24 +75,31 @@ def _reason(tail: Tail) -> str | None:
 class ResponseService:
     def __init__(self, generation: Any, responses: ResponseStore, records: StateStore,
                  tokenizer: Any, *, fallback_s: float = FALLBACK_S,
-                 cancel: Callable[[str], Any] | None = None) -> None:
+                 cancel: Callable[[str], Any] | None = None, quota: Quota | None = None) -> None:
         """`generation`: `GenerationService` (or Ray mode's remote one); `records`: the
         scheduler's state store, read only; `cancel(request_id)`: ends a request (default: the
-        generation service's `cancel`; may be a coroutine function)."""
+        generation service's `cancel`; may be a coroutine function); `quota`: what a tenant may
+        keep, where its record does not say (default: the store's TTL, no caps)."""
         self.generation = generation
         self.responses = responses
+        self.quota = quota
         self.records = records
         self.tokenizer = tokenizer
         self.fallback_s = fallback_s
         self._cancel = cancel if cancel is not None else generation.cancel
         self._held: set[asyncio.Task] = set()
 
-    # ---- blocking store calls, off the event loop when they cross the network -------------------
+    # ---- blocking store calls, off the event loop ---------------------------------------------------
     async def _io(self, remote: bool, fn: Callable, *args: Any, **kw: Any) -> Any:
         return await errors.store_call(remote, fn, *args, **kw)
 
+    async def _kept(self, fn: Callable, *args: Any) -> Any:
+        """A response store's call: on a worker thread, in memory too (its calls measure or copy
+        a response, work that grows with it)."""
+        return await errors.store_call(True, fn, *args)
+
     async def _stored(self, tenant: Tenant, response_id: str) -> Stored:
-        held = await self._io(self.responses.remote, self.responses.get, response_id)
+        held = await self._kept(self.responses.get, response_id)
         if held is None or held.header.tenant_id != tenant.id:
             raise not_found(response_id)                # another tenant's: as if it did not exist
         return held
@@ -115,10 +124,11 @@ class ResponseService:
                         max_output_tokens=body.max_output_tokens,
                         temperature=1.0 if body.temperature is None else body.temperature,
                         top_p=1.0 if body.top_p is None else body.top_p,
-                        metadata=dict(body.metadata or {}))
+                        metadata=dict(body.metadata or {}),
+                        service_tier=tenant.tier_for(body.service_tier))
         inp = _generate_input(tenant, body, header)
-        if store and not await self._io(self.responses.remote, self.responses.put, header):
-            raise ApiError(500, "response id collision; retry the request", code="server_error")
+        if store:
+            await self._keep(tenant, header)
         try:
             if header.background:
                 await self.generation.open_detached(inp)
@@ -127,7 +137,7 @@ class ResponseService:
                 stream = await self.generation.open_stream(inp)
         except BaseException as e:
             if store:
-                await self._io(self.responses.remote, self.responses.delete, rid)
+                await self._kept(self.responses.delete, rid)
             if isinstance(e, ApiError) and e.param in _PARAMS:
                 e.param = _PARAMS[e.param]              # as this API names it
             raise
@@ -146,6 +156,17 @@ class ResponseService:
                 waiter.cancel()
                 raise
         return await self._object(header)
+
+    async def _keep(self, tenant: Tenant, header: Header) -> None:
+        """Store a new response within its tenant's quota (429 or 403 past it), before any work
+        is done for it."""
+        quota = quota_of(tenant, self.quota) if self.quota is not None else None
+        kept = await self._kept(self.responses.put, header, quota)
+        if kept:
+            return
+        if kept.over is not None and quota is not None:
+            raise refusal(kept, quota)
+        raise ApiError(500, "response id collision; retry the request", code="server_error")
 
     async def _drain(self, stream: Any, store: bool) -> GenerateOutput | None:
         """Run a client-tied request to its end (cancelled: the request is cancelled), then keep
@@ -196,7 +217,7 @@ class ResponseService:
 
     async def _object(self, header: Header, held: Stored | None = None) -> dict:
         if held is None:
-            held = await self._io(self.responses.remote, self.responses.get, header.id)
+            held = await self._kept(self.responses.get, header.id)
             held = held or Stored(header, None)
         return response(header, await self._outcome(held))
 
@@ -242,7 +263,7 @@ class ResponseService:
                 while True:
                     tail = await self._tail(header.id, start, prompt=log_ is None)
                     if tail is None:
-                        held = await self._io(self.responses.remote, self.responses.get, header.id)
+                        held = await self._kept(self.responses.get, header.id)
                         if held is not None and held.final is not None:   # expired: kept here
                             tail = _tail_of_final(held.final, start if log_ is not None else 0)
                         elif log_ is None and time.monotonic() < admit_by:  # not admitted yet
@@ -315,8 +336,28 @@ class ResponseService:
             done = self._cancel(response_id)            # nobody could read it any more
             if asyncio.iscoroutine(done):
                 await done
-        await self._io(self.responses.remote, self.responses.delete, response_id)
+        await self._kept(self.responses.delete, response_id)
         return deleted(response_id)
+
+    # ---- tenants removed ---------------------------------------------------------------------------
+    async def forget_tenant(self, tenant_id: str) -> int:
+        """A tenant was removed (the admin API's DELETE): its stored responses go too (none of
+        them could be read again: ids of tenants are never reused). Returns how many."""
+        return await self._kept(self.responses.drop_tenant, tenant_id)
+
+    def sweep_tenants(self, list_tenants: Callable[[], Iterable[Tenant]]) -> list[str]:
+        """Drop the stored responses of every tenant that `list_tenants()` (the tenants now) no
+        longer holds: one whose removal's own drop failed (the store away), or a response put
+        by a request of it that was already under way. Any thread (blocking). Returns the ids.
+
+        NOTE: the store's tenants are read *before* the tenants: a tenant created between the
+        two reads is then in the second, never taken for removed."""
+        held = self.responses.tenants()
+        live = {t.id for t in list_tenants()}
+        gone = sorted(held - live)
+        for tenant_id in gone:
+            self.responses.drop_tenant(tenant_id)
+        return gone
 
 
 def _generate_input(tenant: Tenant, body: ResponseRequest, header: Header) -> GenerateInput:
@@ -326,7 +367,8 @@ def _generate_input(tenant: Tenant, body: ResponseRequest, header: Header) -> Ge
                          max_tokens=body.max_output_tokens, temperature=header.temperature,
                          top_p=header.top_p, seed=body.seed, speculation=spec.enabled,
                          max_tree_tokens=spec.max_tree_tokens, user=body.user,
-                         request_id=header.id, detached=header.background)
+                         request_id=header.id, detached=header.background,
+                         service_tier=header.service_tier)
 
 
 def _tail_of_final(final: dict, start: int) -> Tail:

@@ -43,11 +43,14 @@ class GenerationService:
                  ready_checks: Sequence[Callable[[], bool]] = (),
                  request_id: Callable[[str], str] = new_request_id,
                  length_oracle: LengthOracle | None = None, grammars: Any = None,
-                 grammar_limits: GrammarLimits | None = None):
+                 grammar_limits: GrammarLimits | None = None,
+                 store_full: Callable[[], bool] | None = None):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
         True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`,
-        `grammar_limits`: the preparer's (gateway/service/prepare.py)."""
+        `grammar_limits`: the preparer's (gateway/service/prepare.py); `store_full`: is the state
+        store above its memory watermark (`scheduler.store.room.StoreRoom.full`, never waiting):
+        then new requests are refused as they arrive."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -57,6 +60,7 @@ class GenerationService:
         self.stop_token_ids = tuple(sorted(stop_token_ids))
         self.drafters = tuple(drafters)
         self.ready_checks = tuple(ready_checks)
+        self.store_full = store_full
         self.started_s = int(time.time())      # the models' "created" time
         self.preparer = RequestPreparer(tokenizer, models=models, stop_token_ids=self.stop_token_ids,
                                         drafters=drafters, request_id=request_id,
@@ -113,7 +117,10 @@ class GenerationService:
         charge it to the tenant's requests per minute, or refuse it (429 `rpm_exceeded`). The
         fronts call it first, so every later refusal of the request is charged too
         (gateway/tenancy/limits.py). Off the event loop when the limits live in Redis; a store
-        that is down is a 503."""
+        that is down is a 503, and while the store is full (`store_full`) every arrival is a 503
+        `store_full`, charged nothing: the store's state is no fault of the tenant's."""
+        if self.store_full is not None and self.store_full():
+            raise errors.store_full()
         await errors.store_call(self.admission.limits_remote, self.admission.arrive, tenant)
 
     async def open_stream(self, inp: GenerateInput) -> RequestStream:

@@ -1,6 +1,7 @@
 """Preparing a request: API input → scheduler request, with nothing submitted and nothing charged.
 
-In order: the model (404 unknown, 403 not allowed); the request's one measure against the caps
+In order: the model (404 unknown, 403 not allowed); the service tier (403 one the tenant may not
+use); the request's one measure against the caps
 (gateway/service/sizes.py: 413 for a prompt, tools and tool calls included, that cannot fit the
 context or the tenant's `max_prompt_tokens`, token ids counted exactly before any is checked, and
 for a schema too large), before anything is templated, tokenized or compiled; the fields (400,
@@ -64,6 +65,9 @@ class RequestPreparer:
             raise errors.unknown_model(inp.model)
         if not tenant.allows_model(inp.model):
             raise errors.forbidden_model(inp.model)
+        tier = tenant.tier_for(inp.service_tier)
+        if not tenant.allows_tier(tier):
+            raise errors.forbidden_tier(tier, tenant.service_tiers)
         sizes.check(sizes.measure(inp), context=context, max_token_chars=self.max_token_chars,
                     max_schema_chars=self.constraints.limits.caps.max_bytes,
                     max_prompt_tokens=tenant.max_prompt_tokens)
@@ -83,7 +87,7 @@ class RequestPreparer:
         # removed and given to another tenant): gateway/tenancy/records.py `Tenant`
         stats = RequestStats(rid, tenant.name, now, prompt_len=len(ids), max_tokens=max_new,
                              priority=tenant.priority, max_tree_tokens=max_tree_tokens,
-                             tenant_id=tenant.id)
+                             tenant_id=tenant.id, tier=tier)
         if self.length_oracle is not None:
             key = prompt_key(messages=inp.messages, prompt=inp.prompt if inp.prompt_ids is None
                              else list(inp.prompt_ids))

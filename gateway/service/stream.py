@@ -58,6 +58,7 @@ class RequestStream:
         self._t0 = t0
         self._last_t: float | None = None
         req = prep.request
+        self._times = parts.metrics.times(req.stats.tenant, req.stats.tier)
         self._text = OutputText(parts.tokenizer, req.prompt_ids, prep.stops)
         self._ids: list[int] = []
         self._pending_ids: list[int] = []
@@ -132,11 +133,10 @@ class RequestStream:
         if self._text.stopped:
             return                                     # committed past a stop string: not shown
         now = time.perf_counter()
-        tenant = self.prep.request.stats.tenant
         if self._last_t is None:
-            self.parts.metrics.first_token(tenant, now - self._t0)
+            self._times.first_token(now - self._t0)
         else:
-            self.parts.metrics.tokens(tenant, now - self._last_t, len(event.token_ids))
+            self._times.tokens(now - self._last_t, len(event.token_ids))
         self._last_t = now
         # token by token (gateway/text.py `OutputText`): the tokens after a stop string are cut
         text, taken = self._text.push(event.token_ids)
@@ -162,7 +162,8 @@ class RequestStream:
         self._out.append(GenerateOutput(
             self.request_id, self._text.text, tuple(self._ids), reason,
             self.prep.request.stats.prompt_len, len(self._ids), SpecStats.of(event.stats),
-            self._logprobs.sent if self._logprobs is not None else None))
+            self._logprobs.sent if self._logprobs is not None else None,
+            service_tier=self.prep.request.stats.tier))
         return settled
 
     def _emit(self, text: str, *, final: bool = False) -> None:
@@ -187,7 +188,9 @@ class RequestStream:
             except Exception:                          # a memory limiter's bug: log, go on
                 log.exception("limiter release failed for %s", self.request_id)
             self.grant = None
-        self.parts.metrics.done(s.tenant, status, time.perf_counter() - self._t0, len(self._ids))
+        lived = time.perf_counter() - self._t0
+        self.parts.metrics.done(s.tenant, status, lived, len(self._ids))
+        self._times.ended(lived)
         return settled
 
 

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Protocol
 
 from gateway.tenancy.records import Tenant
 from scheduler.request import Request, RequestStats
+from scheduler.tiers import DEFAULT_TIER
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class GenerateInput:
     # kept with the request's record (`Request.meta`) for whoever reads it back: e.g. what a
     # chat stream's resume needs to render its chunks as the live stream did (gateway/replay.py)
     meta: dict | None = None
+    # the service tier it asks for (gateway/tiers.py): a tier, "auto" or None (the tenant's
+    # default); one its tenant may not use is refused (403)
+    service_tier: str | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class GenerateOutput:
     completion_tokens: int
     speculation: SpecStats
     logprobs: tuple[TokenLogprobs, ...] | None = None   # of the tokens whose text is in `text`
+    service_tier: str = DEFAULT_TIER    # the tier it ran in, as the response says it
 
 
 class EventStream(Protocol):

@@ -14,9 +14,11 @@ import yaml
 
 from gateway.tenancy.records import (NAME_RE, SpeculationPolicy, Tenant, configured_digest,
                                      hash_key)
+from scheduler.tiers import TIERS
 
 _MAX_FLOAT = sys.float_info.max     # a weight must be a finite float (10**400 is an int, not one)
 _MAX_INT = 2**53                    # counts and limits: exact as floats (the limiter's arithmetic)
+MAX_TTL_S = 2**31                   # seconds (68 years): in milliseconds, an expiry Redis takes
 
 
 class TenantsConfigError(ValueError):
@@ -39,8 +41,10 @@ def _spell(path: tuple) -> str:
 
 _TOP_FIELDS = frozenset({"tenants", "admin_keys"})
 _TENANT_FIELDS = frozenset({"name", "api_keys", "weight", "priority", "rpm", "tpm",
-                            "max_concurrent", "max_queued", "max_prompt_tokens", "models",
-                            "speculation"})
+                            "max_concurrent", "max_queued", "max_prompt_tokens",
+                            "max_stored_responses", "max_stored_response_bytes",
+                            "responses_ttl_s", "models", "speculation", "service_tiers",
+                            "default_service_tier"})
 _SPEC_FIELDS = frozenset({"enabled", "drafters", "max_tree_tokens"})
 
 
@@ -55,12 +59,13 @@ def _mapping(obj: Any, allowed: frozenset, path: tuple) -> Mapping:
 
 
 def _int(obj: Mapping, key: str, path: tuple, default: int | None, *, minimum: int,
-         nullable: bool = False) -> int | None:
+         nullable: bool = False, maximum: int = _MAX_INT) -> int | None:
     v = obj.get(key, default)
     if v is None and nullable:
         return None
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= _MAX_INT:
-        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum} (at most 2**53)"
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        most = "2**53" if maximum == _MAX_INT else str(maximum)
+        raise TenantsConfigError(path + (key,), f"must be an integer >= {minimum} (at most {most})"
                                  + (" or null" if nullable else "") + f", got {v!r}")
     return v
 
@@ -100,6 +105,22 @@ def _speculation(obj: Any, path: tuple) -> SpeculationPolicy:
     return SpeculationPolicy(enabled, tuple(dict.fromkeys(drafters)), max_tree)
 
 
+def _tiers(obj: Mapping, path: tuple) -> tuple[tuple[str, ...], str]:
+    """(the tiers a tenant may use, its default): known tiers, the default among them."""
+    tiers = _strings(obj, "service_tiers", path, Tenant.service_tiers)
+    for i, tier in enumerate(tiers):
+        if tier not in TIERS:
+            raise TenantsConfigError(path + ("service_tiers", i), f"must be one of "
+                                     f"{', '.join(TIERS)}, got {tier!r}")
+    if not tiers:
+        raise TenantsConfigError(path + ("service_tiers",), "must name at least one tier")
+    default = obj.get("default_service_tier", "default" if "default" in tiers else tiers[0])
+    if default not in tiers:
+        raise TenantsConfigError(path + ("default_service_tier",), f"must be one of the tenant's "
+                                 f"service_tiers ({', '.join(tiers)}), got {default!r}")
+    return tuple(dict.fromkeys(tiers)), default
+
+
 def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
     """One tenant object (a tenants-file entry, or an admin API body) -> (tenant, key digests)."""
     _mapping(obj, _TENANT_FIELDS, path)
@@ -118,6 +139,7 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
             digests.append(configured_digest(key))
         except ValueError as exc:
             raise TenantsConfigError(path + ("api_keys", i), str(exc)) from None
+    tiers, default_tier = _tiers(obj, path)
     tenant = Tenant(
         name=name, weight=float(weight),
         priority=_int(obj, "priority", path, 0, minimum=0),
@@ -126,8 +148,15 @@ def parse_tenant(obj: Any, path: tuple = ()) -> tuple[Tenant, list[str]]:
         max_concurrent=_int(obj, "max_concurrent", path, None, minimum=1, nullable=True),
         max_queued=_int(obj, "max_queued", path, None, minimum=1, nullable=True),
         max_prompt_tokens=_int(obj, "max_prompt_tokens", path, None, minimum=1, nullable=True),
+        max_stored_responses=_int(obj, "max_stored_responses", path, None, minimum=0,
+                                  nullable=True),
+        max_stored_response_bytes=_int(obj, "max_stored_response_bytes", path, None, minimum=0,
+                                       nullable=True),
+        responses_ttl_s=_int(obj, "responses_ttl_s", path, None, minimum=1, nullable=True,
+                             maximum=MAX_TTL_S),
         models=tuple(_strings(obj, "models", path, ("*",))),
-        speculation=_speculation(obj.get("speculation"), path + ("speculation",)))
+        speculation=_speculation(obj.get("speculation"), path + ("speculation",)),
+        service_tiers=tiers, default_service_tier=default_tier)
     return tenant, list(dict.fromkeys(digests))
 
 

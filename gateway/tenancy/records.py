@@ -48,8 +48,18 @@ class Tenant:
     max_concurrent: int | None = None
     max_queued: int | None = None
     max_prompt_tokens: int | None = None    # longer prompts are refused (413); None = the context
+    # stored responses (Responses API) it may keep at once, their bytes, and how long each is
+    # kept; None = the gateway's setting (`max_stored_responses`, `max_stored_response_bytes`,
+    # `responses_ttl_s`); a count or bytes of 0: it may store none
+    max_stored_responses: int | None = None
+    max_stored_response_bytes: int | None = None
+    responses_ttl_s: int | None = None
     models: tuple[str, ...] = ("*",)
     speculation: SpeculationPolicy = field(default_factory=SpeculationPolicy)
+    # the service tiers its requests may ask for (scheduler/tiers.py), and the one `auto` (or no
+    # `service_tier`) gets; by default every request is `default`, as before tiers
+    service_tiers: tuple[str, ...] = ("default",)
+    default_service_tier: str = "default"
     id: str = field(default_factory=lambda: new_tenant_id(), compare=False)
 
     def allows_model(self, model: str) -> bool:
@@ -58,17 +68,41 @@ class Tenant:
         # `bench gateway` (README.md, "Serving path and start-up times").
         return "*" in self.models or any(fnmatch.fnmatchcase(model, p) for p in self.models)
 
+    def tier_for(self, asked: str | None) -> str:
+        """The tier a request that asks for `asked` runs in: its tenant's default for `auto` or
+        nothing, else what it asked (which `allows_tier` may refuse)."""
+        return self.default_service_tier if asked in (None, "auto") else asked
+
+    def allows_tier(self, tier: str) -> bool:
+        return tier in self.service_tiers
+
 
 def tenant_to_dict(t: Tenant) -> dict[str, Any]:
     """The tenant as in the tenants file, less `api_keys` (what the admin API and the store show;
     the id is stored beside it by the registry, `TenantRegistry`)."""
     s = t.speculation
-    return {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
-            "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
-            "max_prompt_tokens": t.max_prompt_tokens,
-            "models": list(t.models),
-            "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
-                            "max_tree_tokens": s.max_tree_tokens}}
+    d = {"name": t.name, "weight": t.weight, "priority": t.priority, "rpm": t.rpm, "tpm": t.tpm,
+         "max_concurrent": t.max_concurrent, "max_queued": t.max_queued,
+         "max_prompt_tokens": t.max_prompt_tokens,
+         "models": list(t.models),
+         "speculation": {"enabled": s.enabled, "drafters": list(s.drafters),
+                         "max_tree_tokens": s.max_tree_tokens}}
+    # Fields added since records were first written (stored-response quotas, tiers) are left out
+    # at their defaults, as an entry may leave them out: a record, and the fingerprint of a
+    # tenants-file entry (gateway/tenancy/applied.py), made before them stay what they were, so
+    # an upgrade re-applies no entry over what the admin API changed since, and a replica of the
+    # previous release still reads every record of a tenant that does not use them.
+    stored = {"max_stored_responses": t.max_stored_responses,
+              "max_stored_response_bytes": t.max_stored_response_bytes,
+              "responses_ttl_s": t.responses_ttl_s}
+    d.update({k: v for k, v in stored.items() if v is not None})
+    if (t.service_tiers, t.default_service_tier) != _DEFAULT_TIERS:
+        d["service_tiers"] = list(t.service_tiers)
+        d["default_service_tier"] = t.default_service_tier
+    return d
+
+
+_DEFAULT_TIERS = (Tenant.service_tiers, Tenant.default_service_tier)
 
 
 def new_tenant_id() -> str:

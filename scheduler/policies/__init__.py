@@ -1,5 +1,6 @@
-"""Scheduling policies: an order of service each (`Ordering`: fcfs, sjf, las, laps, srpt), planned
-by one batch planner (`BatchPlanner.plan`, `BatchPlanner.update`), built by name (`make_policy`).
+"""Scheduling policies: an order of service each (`Ordering`: fcfs, sjf, las, laps, srpt, and
+priority, the strict baseline for service tiers), planned by one batch planner
+(`BatchPlanner.plan`, `BatchPlanner.update`), built by name (`make_policy`).
 
 `Policy` is the planner as the step loop, the simulator and the benches hold it.
 """
@@ -13,11 +14,12 @@ from scheduler.policies.las import LAS
 from scheduler.policies.ordering import BAND, Ordering
 from scheduler.policies.plan import Plan, PlanEntry, PolicyConfig
 from scheduler.policies.planner import BatchPlanner
+from scheduler.policies.priority import Priority
 from scheduler.policies.sjf import SJF
 from scheduler.policies.srpt import SRPT
 
 Policy = BatchPlanner
-POLICIES: dict[str, type[Ordering]] = {p.name: p for p in (FCFS, SJF, LAS, LAPS, SRPT)}
+POLICIES: dict[str, type[Ordering]] = {p.name: p for p in (FCFS, SJF, LAS, LAPS, SRPT, Priority)}
 _CONFIG_FIELDS = frozenset(f.name for f in fields(PolicyConfig))
 
 
@@ -37,4 +39,4 @@ def make_policy(name: str, config: PolicyConfig | None = None, **cfg) -> BatchPl
 
 
 __all__ = ["BAND", "POLICIES", "BatchPlanner", "Ordering", "Plan", "PlanEntry", "Policy",
-           "PolicyConfig", "make_policy", "FCFS", "SJF", "LAS", "LAPS", "SRPT"]
+           "PolicyConfig", "make_policy", "FCFS", "SJF", "LAS", "LAPS", "SRPT", "Priority"]

@@ -26,15 +26,22 @@ time spent waiting since arrival (latency so far minus its time in steps) passes
 those that have waited longest first: past the bound requests are served by their waiting, as
 FCFS would. Its deadline, arrival + time in steps + bound, moves only when it is served, so a
 heap holds them.
+
+**Per tier** (`TierAging`): each service tier (scheduler/tiers.py) has an index of its own, with
+its own bound: the tier's maximum wait (`PolicyConfig.tier_wait_s`; the deployment's
+`aging_bound_s` for a tier not named there). Ages compare within a tier only, and what an
+overdue request goes ahead of is its band (`scheduler.tiers.BANDS`): a flex request is held to
+flex's wait, ahead of default's queue, and never ahead of a priority request.
 """
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from scheduler.request import RequestStats
 from scheduler.state import SchedulerState
+from scheduler.tiers import TIERS, tier_of
 
 
 class AgingIndex:
@@ -127,3 +134,65 @@ class AgingIndex:
             if t <= now + base + (i // limit) * step:
                 at_risk = i + 1
         return oldest[:min(at_risk, limit)]
+
+
+class TierAging:
+    """One `AgingIndex` per service tier, each with the tier's bound (module docstring)."""
+
+    def __init__(self, bound_s: float | None, margin_steps: float = 2.0,
+                 total_bound_s: float | None = None,
+                 tier_bounds: Mapping[str, float | None] | None = None) -> None:
+        """`tier_bounds`: tier -> its bound (None: none); a tier not named gets `bound_s`."""
+        bounds = dict(tier_bounds or {})
+        self.indexes = {t: AgingIndex(bounds.get(t, bound_s), margin_steps, total_bound_s)
+                        for t in TIERS}
+        self.total_bound_s = total_bound_s
+
+    @property
+    def bounded(self) -> bool:
+        """Whether any tier's gaps are held to a bound (else promotions never depend on the
+        length of the coming step)."""
+        return any(i.bound_s is not None for i in self.indexes.values())
+
+    def clear(self) -> None:
+        for index in self.indexes.values():
+            index.clear()
+
+    def rebuild(self, requests: Iterable[RequestStats]) -> None:
+        by_tier: dict[str, list[RequestStats]] = {t: [] for t in TIERS}
+        for s in requests:
+            by_tier[tier_of(s.tier)].append(s)
+        for tier, index in self.indexes.items():
+            index.rebuild(by_tier[tier])
+
+    def add(self, s: RequestStats) -> None:
+        self.indexes[tier_of(s.tier)].add(s)
+
+    def served(self, request_ids: Iterable[str], requests: dict) -> None:
+        by_tier: dict[str, list[str]] = {}
+        for rid in request_ids:
+            by_tier.setdefault(tier_of(requests[rid].tier), []).append(rid)
+        for tier, ids in by_tier.items():
+            self.indexes[tier].served(ids, requests)
+
+    def remove(self, request_id: str) -> None:
+        for index in self.indexes.values():
+            index.remove(request_id)
+
+    def due(self, tiers: Iterable[str], state: SchedulerState, now: float, limit: int,
+            longest_step_s: float = 0.0) -> list[str]:
+        """The requests of `tiers` to promote this step (at most `limit`), tier by tier in the
+        order given: in each, gaps at risk of passing its bound first (`overdue`), then
+        requests past the total-wait bound (`past_total`)."""
+        out: list[str] = []
+        step_s = state.step_s or 0.0
+        for tier in tiers:
+            index = self.indexes[tier]
+            ids = index.overdue(state, now, limit, longest_step_s=longest_step_s)
+            if len(ids) < limit and index.total_bound_s is not None:
+                seen = set(ids)
+                ids += [r for r in index.past_total(now, limit, step_s) if r not in seen]
+            out += ids[:limit - len(out)]
+            if len(out) >= limit:
+                break
+        return out

@@ -9,7 +9,7 @@ aging, tenant fairness, KV, chunked prefill and tree sizing, is the batch planne
 
 `Ordering` declares the whole capability with defaults that are right for a policy without it,
 so the planner never probes: `key` is required; `refresh`, `node_urgency`, `finished` and
-`reset` default to nothing. An ordering is built from the planner's `PolicyConfig` and its own
+`reset` default to nothing, and `ages` to true. An ordering is built from the planner's `PolicyConfig` and its own
 options (`build`); one that reads the config (laps: the step cost) overrides `build`.
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ BAND = 1e12   # keys of the form band · BAND + value order by band first (level
 class Ordering(Protocol):
     """A policy's order of service (module docstring)."""
     name: ClassVar[str]
+    # whether the planner holds its requests to aging bounds (each service tier's maximum wait,
+    # promoting overdue requests ahead of their band); the strict baseline (priority.py) does not
+    ages: ClassVar[bool] = True
 
     @classmethod
     def build(cls, config: PolicyConfig, **options) -> Ordering:

@@ -10,6 +10,7 @@ from typing import Mapping, NamedTuple
 
 from scheduler.sizing import SizingConfig
 from scheduler.step_cost import StepCost
+from scheduler.tiers import TIERS
 from workers.contract import TreeBudget
 
 
@@ -20,6 +21,9 @@ class PolicyConfig:
     aging_bound_s: float | None = 60.0     # None: no aging
     aging_margin_steps: float = 2.0
     total_wait_bound_s: float | None = None   # see aging.py, "Total wait"; None: no such bound
+    # each service tier's maximum wait (scheduler/tiers.py): aging holds the tier's requests to it
+    # (aging.py, "Per tier"); a tier not named: aging_bound_s; None: no bound (misses only counted)
+    tier_wait_s: Mapping[str, float | None] = field(default_factory=dict)
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
     sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
@@ -56,6 +60,11 @@ class PolicyConfig:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0: whole prefills)")
         if self.prefill_keys_per_row is not None and not self.prefill_keys_per_row > 0:
             raise ValueError("prefill_keys_per_row must be > 0")
+        for tier, wait in self.tier_wait_s.items():
+            if tier not in TIERS:
+                raise ValueError(f"tier_wait_s: unknown tier {tier!r}; known: {', '.join(TIERS)}")
+            if wait is not None and not wait > 0:
+                raise ValueError(f"tier_wait_s[{tier!r}] must be > 0 (or None: no bound)")
 
 
 class PlanEntry(NamedTuple):

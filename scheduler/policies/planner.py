@@ -1,8 +1,11 @@
 """The batch planner: every policy's machinery, around the one thing a policy is (its `Ordering`).
 
-    plan(state, now):   1. requests about to pass the aging bound, oldest first (aging.py);
-                        2. priority classes in order (0 first); inside a class, tenants' queues
-                           merged by key under weighted fair sharing (queues.py, fairness.py);
+    plan(state, now):   1.-2. band by band (service tiers, scheduler/tiers.py `BANDS`: the
+                           priority tier, then default and flex): the band's requests about to
+                           pass their tier's aging bound, oldest first (aging.py, per tier), then
+                           its planning classes in order (tier, then tenant class; lowest
+                           first); inside a class, tenants' queues merged by key under weighted
+                           fair sharing (queues.py, fairness.py);
                         3. up to max_batch requests, one root token each within token_budget;
                         4. with chunked prefill (`prefill_chunk_tokens`), the step's prefill
                            budget: chosen requests whose context still needs KV get chunks of
@@ -31,7 +34,8 @@ plan works out (KV room and homes, how many more may start) lives in objects mad
 (`KVBudget`, `_Starts`); the planner keeps only what outlives a step: the queues, aging, which
 requests have started or are prefilling ahead of their turn, and the tenants' drafter priors.
 While every live request fits in one batch nobody needs ranking: the plan takes them all (in
-admission order), and served requests are re-ranked by the first plan that must choose.
+admission order within each planning class, which decides only who starts when KV is short),
+and served requests are re-ranked by the first plan that must choose.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from typing import Iterable, Mapping
 
 from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
 from scheduler.kv_budget import KVBudget
-from scheduler.policies.aging import AgingIndex
+from scheduler.policies.aging import TierAging
 from scheduler.policies.fairness import TenantFairness
 from scheduler.policies.ordering import Ordering
 from scheduler.policies.plan import Plan, PolicyConfig
@@ -47,6 +51,7 @@ from scheduler.policies.queues import RequestQueues
 from scheduler.policies.step_budget import StepBudget
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
+from scheduler.tiers import BANDS, TIERS
 
 
 class _Starts:
@@ -57,11 +62,13 @@ class _Starts:
                  left: int | None) -> None:
         self.requests, self.started, self.kv, self.left = requests, started, kv, left
 
-    def admit(self, rid: str) -> bool:
+    def admit(self, rid: str, *, force: bool = False) -> bool:
+        """Whether `rid` can start (or run) this step, taking its room if so; `force`: an aged
+        request, placed whether or not its KV fits (`KVBudget.fit` makes room)."""
         starts = self.left is not None and rid not in self.started
         if starts and self.left <= 0:
             return False
-        if not self.kv.allocate(self.requests[rid]):
+        if not self.kv.allocate(self.requests[rid], force=force):
             return False
         if starts:
             self.left -= 1
@@ -76,7 +83,10 @@ class BatchPlanner:
         c.check()
         self.ordering = ordering
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
-        self.aging = AgingIndex(c.aging_bound_s, c.aging_margin_steps, c.total_wait_bound_s)
+        ages = ordering.ages                  # the strict baseline holds no request to a bound
+        self.aging = TierAging(c.aging_bound_s if ages else None, c.aging_margin_steps,
+                               c.total_wait_bound_s if ages else None,
+                               c.tier_wait_s if ages else {t: None for t in TIERS})
         self.queues = RequestQueues(ordering, self.fairness, c.token_budget / c.max_batch)
         self.budget = StepBudget(c, ordering.node_urgency)
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
@@ -189,7 +199,7 @@ class BatchPlanner:
                 self.priors[key] = pool(self.priors.get(key, DrafterPrior()), rec.drafted,
                                          rec.accepted, rec.draft_s, rec.draft_depth)
             self._started.add(rec.request_id)
-            account = (s.priority, s.tenant)
+            account = (s.plan_class, s.tenant)
             vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)
             cause = rec.finish or ("length" if s.committed >= s.max_tokens else None)
             if cause is not None:
@@ -215,57 +225,62 @@ class BatchPlanner:
         return KVBudget(state, c.kv_budget_tokens, block=c.kv_block, tree=c.kv_tree_tokens)
 
     def _choose_batch(self, state: SchedulerState, now: float, kv: KVBudget) -> tuple[list[str], int]:
-        """The step's requests, best first (or all in admission order, when all fit), and how
-        many of them aging promoted."""
+        """The step's requests, best first (or all, when all fit: in admission order within
+        each planning class), and how many of them aging promoted."""
         requests, limit = state.requests, self._limit
-        if len(requests) <= limit:              # everyone fits: order cannot matter
-            return [r for r in requests if kv.allocate(requests[r])], 0
+        if len(requests) <= limit:              # everyone fits: only KV room can still choose
+            ids = sorted(requests, key=lambda r: requests[r].plan_class)    # stable
+            return [r for r in ids if kv.allocate(requests[r])], 0
         self.queues.rekey(state)
         promoted = self._promotions(state, now, limit, kv)
         chosen = self._choose(state, promoted, limit, kv)
-        longer = self.budget.prefill_step_s(state, chosen) if self.aging.bound_s is not None else None
+        longer = self.budget.prefill_step_s(state, chosen) if self.aging.bounded else None
         if longer is not None:                  # a prefill makes this step the longest yet
             again = self._promotions(state, now, limit, kv, longer)
             if again != promoted:
                 promoted, chosen = again, self._choose(state, again, limit, kv)
-        return chosen, len(promoted)
+        picked = set(chosen)
+        return chosen, sum(1 for band in promoted for r in band if r in picked)
 
     def _promotions(self, state: SchedulerState, now: float, limit: int, kv: KVBudget,
-                    longest_step_s: float = 0.0) -> list[str]:
-        """Aging's promotions: gaps at risk of passing the bound first, then requests past the
-        total-wait bound; less those there is no room to start (max_resident). Each is placed
-        on a home (`KVBudget.allocate`, forced: aging's bound holds, `fit` makes room), its
-        room taken again by `_choose`."""
-        ids = self.aging.overdue(state, now, limit, longest_step_s=longest_step_s)
-        if len(ids) < limit and self.aging.total_bound_s is not None:
-            seen = set(ids)
-            late = [r for r in self.aging.past_total(now, limit, state.step_s or 0.0)
-                    if r not in seen]
-            ids = ids + late[:limit - len(ids)]
+                    longest_step_s: float = 0.0) -> list[list[str]]:
+        """Aging's promotions, one list per band (`BANDS`): in each, its tiers' gaps at risk of
+        passing their bound, then requests past the total-wait bound (`TierAging.due`); less
+        those there is no room to start (max_resident). Each is placed on a home
+        (`KVBudget.allocate`, forced: aging's bound holds, `fit` makes room), its room taken
+        again by `_choose`."""
         cap = self.config.max_resident
-        room, out = (None if cap is None else cap - len(self._started)), []
+        room, out, total = (None if cap is None else cap - len(self._started)), [], 0
         with kv.rooms_kept():
-            for rid in ids:
-                if rid not in self._started and room is not None:
-                    if room <= 0:
-                        continue
-                    room -= 1
-                kv.allocate(state.requests[rid], force=True)
-                out.append(rid)
+            for tiers in BANDS:
+                band = []
+                for rid in self.aging.due(tiers, state, now, limit, longest_step_s)[:limit - total]:
+                    if rid not in self._started and room is not None:
+                        if room <= 0:
+                            continue
+                        room -= 1
+                    kv.allocate(state.requests[rid], force=True)
+                    band.append(rid)
+                total += len(band)
+                out.append(band)
         return out
 
-    def _choose(self, state: SchedulerState, promoted: list[str], limit: int,
+    def _choose(self, state: SchedulerState, promoted: list[list[str]], limit: int,
                 kv: KVBudget) -> list[str]:
-        """The promoted requests, then the queues' best, up to `limit`, each with room to start."""
-        chosen, taken = list(promoted), set(promoted)
-        if kv.limited:                          # slots left once the promoted ones start
+        """Band by band: its promoted requests, then its queues' best, up to `limit`, each with
+        room to start (a band's promoted requests are placed after the bands above it chose)."""
+        chosen: list[str] = []
+        taken: set[str] = set()
+        if kv.limited:                          # the room as the state holds it
             kv.reopen()
-            for rid in promoted:
-                kv.allocate(state.requests[rid], force=True)
         cap, started = self.config.max_resident, self._started
-        left = None if cap is None else cap - len(started) - sum(1 for r in promoted if r not in started)
-        starts = _Starts(state.requests, started, kv, left)
-        self.queues.choose(state, chosen, taken, limit, starts.admit)
+        starts = _Starts(state.requests, started, kv, None if cap is None else cap - len(started))
+        for tiers, aged in zip(BANDS, promoted):
+            for rid in aged:
+                if len(chosen) < limit and starts.admit(rid, force=True):
+                    chosen.append(rid)
+                taken.add(rid)
+            self.queues.choose(state, chosen, taken, limit, starts.admit, tiers)
         return chosen
 
     # ---- membership --------------------------------------------------------------------------

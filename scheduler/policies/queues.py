@@ -1,5 +1,8 @@
 """The queues the batch planner chooses from: live requests ranked by the policy's key, one heap
-per (priority class, tenant), tenants merged under weighted fair sharing (fairness.py).
+per (planning class, tenant), tenants merged under weighted fair sharing (fairness.py). A
+request's planning class is its service tier, then its tenant's priority class
+(`RequestStats.plan_class`, scheduler/tiers.py); the planner chooses band by band (`choose`'s
+`tiers`).
 
 Speed: keys change only when a request is served, so each (class, tenant) queue is a heap of
 (key, seq, id) and a served request whose key changed gets a new entry; an entry whose seq is no
@@ -11,12 +14,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable
+from typing import Callable, Collection
 
 from scheduler.policies.fairness import TenantFairness
 from scheduler.policies.ordering import Ordering
 from scheduler.request import RequestStats
 from scheduler.state import SchedulerState
+from scheduler.tiers import TIERS, class_tier
 
 Entry = tuple[float, int, str]   # (key, seq, request id)
 Candidate = tuple[float, int, str, str]   # (key, seq, request id, tenant)
@@ -25,7 +29,7 @@ Admit = Callable[[str], bool]   # whether the plan can start this request (room,
 
 
 class RequestQueues:
-    """Live requests by (priority class, tenant), ranked by `ordering` (module docstring)."""
+    """Live requests by (planning class, tenant), ranked by `ordering` (module docstring)."""
 
     def __init__(self, ordering: Ordering, fairness: TenantFairness, nominal_cost: float) -> None:
         """`nominal_cost`: the tree tokens a request that has not run yet is charged to its
@@ -51,7 +55,7 @@ class RequestQueues:
 
     # ---- membership --------------------------------------------------------------------------
     def add(self, state: SchedulerState, s: RequestStats) -> None:
-        cls, tenant = s.priority, s.tenant
+        cls, tenant = s.plan_class, s.tenant
         if cls not in self._queues:
             self._queues[cls], self._counts[cls] = {}, {}
             self._classes = sorted(self._queues)
@@ -67,11 +71,12 @@ class RequestQueues:
         rid = s.request_id
         self._dirty.discard(rid)
         del self._live[rid], self._keys[rid]
-        counts = self._counts[s.priority]
+        cls = s.plan_class
+        counts = self._counts[cls]
         counts[s.tenant] -= 1
         if counts[s.tenant] == 0:
             del counts[s.tenant]
-            del self._queues[s.priority][s.tenant]   # its entries are all stale now
+            del self._queues[cls][s.tenant]   # its entries are all stale now
 
     def touch(self, request_id: str) -> None:
         """Rank a live request again before the next choice (it was served, or its stats
@@ -94,25 +99,26 @@ class RequestQueues:
         self._dirty.clear()
 
     def _push(self, s: RequestStats, key: float) -> None:
-        rid, seq = s.request_id, next(self._seq)
-        heap = self._queues[s.priority][s.tenant]
+        rid, seq, cls = s.request_id, next(self._seq), s.plan_class
+        heap = self._queues[cls][s.tenant]
         heapq.heappush(heap, (key, seq, rid))
         self._live[rid], self._keys[rid] = seq, key
-        if len(heap) > 2 * self._counts[s.priority][s.tenant] + 32:
+        if len(heap) > 2 * self._counts[cls][s.tenant] + 32:
             live = self._live
             heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
             heapq.heapify(heap)
 
     # ---- choosing ----------------------------------------------------------------------------
     def choose(self, state: SchedulerState, chosen: list[str], taken: set[str], limit: int,
-               admit: Admit) -> None:
-        """Append the best requests to `chosen` until it holds `limit`: priority classes in order
-        (0 first), inside a class tenants merged under fair sharing; a request `admit` refuses
-        (no room to start it) is skipped, marked `taken`."""
+               admit: Admit, tiers: Collection[str] = TIERS) -> None:
+        """Append the best requests of `tiers` to `chosen` until it holds `limit`: planning
+        classes in order (lowest first), inside a class tenants merged under fair sharing; a
+        request `admit` refuses (no room to start it) is skipped, marked `taken`."""
         for cls in self._classes:
             if len(chosen) >= limit:
                 break
-            self._pick_class(state, cls, chosen, taken, limit, admit)
+            if class_tier(cls) in tiers:
+                self._pick_class(state, cls, chosen, taken, limit, admit)
 
     def _pick_class(self, state: SchedulerState, cls: int, chosen: list[str], taken: set[str],
                     limit: int, admit: Admit) -> None:

@@ -74,6 +74,11 @@ class StoredState:
     virtual_time: dict[Account, float] = field(default_factory=dict)
 
 
+class StoreFull(Exception):
+    """The store refused a write for want of memory (Redis at `maxmemory`, `noeviction`): nothing
+    of it was written. Not an outage: waiting does not make room (scheduler/store/writer.py)."""
+
+
 class Watch(Protocol):
     async def wait(self, timeout_s: float) -> bool:
         """Until the watched request's next commit (True) or `timeout_s` (False); raises a
@@ -93,6 +98,12 @@ class StateStore(Protocol):
         """Persist one step, all or nothing. KeyError (and nothing written) if the step names a
         request that is not live in this store; ValueError if an ended one is not terminal.
         One round trip; none for an empty step."""
+
+    def end_requests(self, ended: Sequence[RequestStats]) -> None:
+        """End live requests (terminal stats) as `commit_step(StepWrite(ended=ended))` does, in
+        a way a full store still takes: what the step loop writes when a step's write was
+        refused with StoreFull, so that its requests end rather than stay live for ever. It
+        adds no data (their stats replace their stats; their keys get the ended TTL)."""
 
     def load(self) -> StoredState:
         """Every live request with its full record, in admission order, and the virtual times."""

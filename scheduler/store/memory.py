@@ -14,9 +14,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from scheduler.request import Request
+from scheduler.request import Request, RequestStats
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, Account, StepWrite, StoredState, Tail,
                                   Watch, check_step, model_version, params_to_dict,
                                   request_from_dict, stats_from_dict, stats_to_dict)
@@ -91,6 +91,10 @@ class MemoryStore:
         for account, value in step.virtual_time.items():
             self._vt[account] = float(value)
         self._expire()
+
+    def end_requests(self, ended: Sequence[RequestStats]) -> None:
+        """A dict is never full: as `commit_step`."""
+        self.commit_step(StepWrite(ended=list(ended)))
 
     def load(self) -> StoredState:
         with self._lock:

@@ -31,6 +31,24 @@ REDIS_TIMEOUT_S = 1.0
 PROBE_CACHE_S = 1.0          # how long a ping's answer stands for /ready and /metrics
 
 
+def store_full(exc: BaseException) -> bool:
+    """Did Redis refuse a write for want of memory (`maxmemory` reached, `noeviction`)? A command
+    or a MULTI/EXEC raises redis-py's OutOfMemoryError; a Lua script's refused command reaches
+    redis-py (Redis 6) as a plain ResponseError that quotes Redis's "OOM" error. Reads and
+    deletions still go through then: only what adds data is refused."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+        isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc))
+
+
+def write_refused(exc: BaseException) -> bool:
+    """Does Redis answer but refuse writes for a while: a replica (READONLY, as after a
+    failover), a server that cannot persist (MISCONF) or lacks the replicas it must write to
+    (NOREPLICAS)? Not full (`store_full`): the store is unavailable for writes until it is fixed."""
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return True
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith(("MISCONF", "NOREPLICAS"))
+
+
 def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> redis.Redis:
     """A redis-py client for `url` ("redis://", "rediss://", "unix://"), connecting on first use,
     every call bounded by `timeout_s` (socket and connect)."""

@@ -23,7 +23,8 @@ request. An ended request leaves `live` and its three keys get a TTL (PEXPIRE).
 
 Round trips: `commit_step` is one MULTI/EXEC (its PUBLISH included); `add` is one EVALSHA (a
 Lua script, because the duplicate check, the sequence number and the writes must be one atomic
-step); `get` is one MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests.
+step); `get` is one MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests;
+`end_requests` (the step loop's write when Redis is full) one EVALSHA.
 
 One writer: the scheduler. `commit_step` checks ids against the live ids this object knows (from
 its own `add`s and its last `load`) instead of asking the server, which keeps a step at one round
@@ -36,16 +37,16 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import redis
 
-from scheduler.request import Request
+from scheduler.request import Request, RequestStats
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
-                                  StoredState, Tail, Watch, account_from_str, account_to_str,
-                                  check_step, model_version, params_to_dict, request_from_dict,
-                                  stats_from_dict, stats_to_dict)
-from scheduler.store.redis_client import REDIS_TIMEOUT_S, redis_client
+                                  StoredState, StoreFull, Tail, Watch, account_from_str,
+                                  account_to_str, check_step, model_version, params_to_dict,
+                                  request_from_dict, stats_from_dict, stats_to_dict)
+from scheduler.store.redis_client import REDIS_TIMEOUT_S, redis_client, store_full
 from scheduler.store.redis_watch import RedisCommits, channel_of, message_of
 from scheduler.store.watch import Waiter
 
@@ -84,6 +85,25 @@ redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
 
+# KEYS: live, then rec, out, tau of each request, then the commits channel (its followers wake:
+# PUBLISH adds no data either).  ARGV: the ended TTL (ms), then each request's
+# id and stats (JSON).  NOTE: ZREM first. It adds nothing, so a full Redis runs it; and once a
+# script has written, Redis lets it run to its end (it cannot stop an atomic script halfway), the
+# HSETs included, which a full Redis refuses on their own. Each replaces a request's stats with
+# stats of the same shape: the script adds no data, which is what a store at `maxmemory` may take.
+_END_LUA = """
+local n = (#ARGV - 1) / 2
+local ids = {}
+for i = 1, n do ids[i] = ARGV[2 * i] end
+redis.call('ZREM', KEYS[1], unpack(ids))
+for i = 1, n do
+  redis.call('HSET', KEYS[3 * i - 1], 'stats', ARGV[2 * i + 1])
+  for k = 3 * i - 1, 3 * i + 1 do redis.call('PEXPIRE', KEYS[k], ARGV[1]) end
+end
+redis.call('PUBLISH', KEYS[#KEYS], cjson.encode(ids))
+return n
+"""
+
 
 def _dumps(obj: Any) -> str:
     # Compact, and numpy scalars (workers may hand them over) become plain numbers.
@@ -118,6 +138,7 @@ class RedisStore:
         self._owns_client = owns_client
         self._add_script = client.register_script(_ADD_LUA)
         self._save_model_script = client.register_script(_SAVE_MODEL_LUA)
+        self._end_script = client.register_script(_END_LUA)
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
         self._channel = channel_of(prefix)
         self._commits = commits
@@ -182,11 +203,31 @@ class RedisStore:
         touched = step.touched()
         if touched:                             # in the transaction: heard once it is written
             pipe.publish(self._channel, message_of(touched))
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.ResponseError as exc:      # MULTI/EXEC: refused whole, nothing written
+            if store_full(exc):
+                raise StoreFull(str(exc)) from exc
+            raise
         known.update(new_counts)                # only once the server has it
         self._outs.update(new_outs)
         for s in step.ended:
             known.pop(s.request_id, None)
+            self._outs.pop(s.request_id, None)
+
+    def end_requests(self, ended: Sequence[RequestStats]) -> None:
+        """`StateStore.end_requests`: one EVALSHA that a full Redis runs (`_END_LUA`)."""
+        if not ended:
+            return
+        keys, args = [self._live_key], [self.ended_ttl_ms]
+        for s in ended:
+            if not s.status.terminal:
+                raise ValueError(f"end_requests: request {s.request_id!r} is {s.status.value}")
+            keys.extend(self._keys(s.request_id))
+            args += [s.request_id, _dumps(stats_to_dict(s, tau_history=False))]
+        self._end_script(keys=keys + [self._channel], args=args)
+        for s in ended:
+            self._taus.pop(s.request_id, None)
             self._outs.pop(s.request_id, None)
 
     def hand_over(self, request_ids: list[str]) -> None:

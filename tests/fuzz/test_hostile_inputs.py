@@ -331,6 +331,9 @@ def test_admin_unpaired_surrogates_are_400(client, admin, body):
     ("max_queued", 10**400, 400), ("max_queued", 2**53, 201),
     ("max_prompt_tokens", 10**400, 400), ("max_prompt_tokens", 0, 400),
     ("max_prompt_tokens", 2**53, 201),
+    ("max_stored_responses", 10**400, 400), ("max_stored_responses", 0, 201),
+    ("max_stored_response_bytes", 2**53, 201), ("responses_ttl_s", 0, 400),
+    ("responses_ttl_s", 2**53, 400), ("responses_ttl_s", 2**31, 201),
 ], ids=lambda v: f"{str(v)[:1]}e{len(str(v)) - 1}" if isinstance(v, int) and v > 10**20 else str(v))
 def test_admin_huge_numbers(gw, client, admin, field, value, status):
     """Limits past 2**53 (10**400 took every request of the tenant to a 500: OverflowError in the

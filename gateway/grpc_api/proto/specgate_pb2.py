@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%gateway/grpc_api/proto/specgate.proto\x12\x0bspecgate.v1\"2\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specgate.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb9\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.specgate.v1.ChatMessagesH\x00\x12+\n\nprompt_ids\x18\r \x01(\x0b\x32\x15.specgate.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0fmax_tree_tokens\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04user\x18\x0c \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculationB\x12\n\x10_max_tree_tokens\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"Q\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0b\n\x03tau\x18\x04 \x01(\x01\"\xad\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specgate.v1.Usage\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specgate.v1.SpeculationStats\"0\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"~\n\x16GenerateStreamResponse\x12+\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1a.specgate.v1.GenerateDeltaH\x00\x12.\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1d.specgate.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xf9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.specgate.v1.GenerateRequest\x1a\x1d.specgate.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.specgate.v1.GenerateRequest\x1a#.specgate.v1.GenerateStreamResponse0\x01\x12K\n\x06Resume\x12\x1a.specgate.v1.ResumeRequest\x1a#.specgate.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%gateway/grpc_api/proto/specgate.proto\x12\x0bspecgate.v1\"2\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x61\x66ter\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.specgate.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xcf\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.specgate.v1.ChatMessagesH\x00\x12+\n\nprompt_ids\x18\r \x01(\x0b\x32\x15.specgate.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x18\n\x0bspeculation\x18\n \x01(\x08H\x06\x88\x01\x01\x12\x1c\n\x0fmax_tree_tokens\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04user\x18\x0c \x01(\t\x12\x14\n\x0cservice_tier\x18\x0e \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0e\n\x0c_speculationB\x12\n\x10_max_tree_tokens\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"Q\n\x10SpeculationStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0b\n\x03tau\x18\x04 \x01(\x01\"\xc3\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.specgate.v1.Usage\x12\x32\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x1d.specgate.v1.SpeculationStats\x12\x14\n\x0cservice_tier\x18\x07 \x01(\t\"0\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"~\n\x16GenerateStreamResponse\x12+\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1a.specgate.v1.GenerateDeltaH\x00\x12.\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1d.specgate.v1.GenerateResponseH\x00\x42\x07\n\x05\x65vent2\xf9\x01\n\nGeneration\x12G\n\x08Generate\x12\x1c.specgate.v1.GenerateRequest\x1a\x1d.specgate.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.specgate.v1.GenerateRequest\x1a#.specgate.v1.GenerateStreamResponse0\x01\x12K\n\x06Resume\x12\x1a.specgate.v1.ResumeRequest\x1a#.specgate.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=212
   _globals['_TOKENIDS']._serialized_end=235
   _globals['_GENERATEREQUEST']._serialized_start=238
-  _globals['_GENERATEREQUEST']._serialized_end=679
-  _globals['_USAGE']._serialized_start=681
-  _globals['_USAGE']._serialized_end=760
-  _globals['_SPECULATIONSTATS']._serialized_start=762
-  _globals['_SPECULATIONSTATS']._serialized_end=843
-  _globals['_GENERATERESPONSE']._serialized_start=846
-  _globals['_GENERATERESPONSE']._serialized_end=1019
-  _globals['_GENERATEDELTA']._serialized_start=1021
-  _globals['_GENERATEDELTA']._serialized_end=1069
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1071
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1197
-  _globals['_GENERATION']._serialized_start=1200
-  _globals['_GENERATION']._serialized_end=1449
+  _globals['_GENERATEREQUEST']._serialized_end=701
+  _globals['_USAGE']._serialized_start=703
+  _globals['_USAGE']._serialized_end=782
+  _globals['_SPECULATIONSTATS']._serialized_start=784
+  _globals['_SPECULATIONSTATS']._serialized_end=865
+  _globals['_GENERATERESPONSE']._serialized_start=868
+  _globals['_GENERATERESPONSE']._serialized_end=1063
+  _globals['_GENERATEDELTA']._serialized_start=1065
+  _globals['_GENERATEDELTA']._serialized_end=1113
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1115
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1241
+  _globals['_GENERATION']._serialized_start=1244
+  _globals['_GENERATION']._serialized_end=1493
 # @@protoc_insertion_point(module_scope)

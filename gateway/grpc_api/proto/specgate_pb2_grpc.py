@@ -65,8 +65,8 @@ class GenerationServicer:
 
     def GenerateStream(self, request, context):
         """One request; deltas as tokens are committed, then one final response (usage, finish reason).
-        The request id comes first, in the `request-id` initial metadata. Cancelling the call cancels
-        the request.
+        The request id comes first, in the `request-id` initial metadata (with the tier it runs in,
+        `service-tier`). Cancelling the call cancels the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -10,8 +10,8 @@ Responses never contain a stored key or digest: a key is shown once, when it is 
                                             optional); 201 new / 200 replaced; "api_key" when one
                                             was generated (a new tenant given no keys)
     DELETE /admin/tenants/{name}            {"id": name, "object": "tenant", "deleted": true};
-                                            the engine frees the tenant's caches and /metrics
-                                            drops its series
+                                            the engine frees the tenant's caches, /metrics
+                                            drops its series, its stored responses go
     POST   /admin/tenants/{name}/rotate-key {"tenant": name, "api_key": "sk-…", "grace_s": s}
                                             ?grace_s=S: the old keys keep working S seconds more
                                             (default DEFAULT_GRACE_S; 0 = they stop now)
@@ -90,10 +90,10 @@ def put_tenant(registry: TenantsDep, body: BodyDep) -> JSONResponse:
 @router.delete("/tenants/{name}")
 async def delete_tenant(request: Request, registry: TenantsDep, name: str) -> dict[str, Any]:
     """Remove the tenant, then have the engine drop its caches and /metrics its series (the
-    service's `forget_tenant`; in Ray mode the scheduler replica's). A tenant created again under
-    the name gets a new id (gateway/tenancy/tenants.py), so it never meets the old caches even
-    where this replica cannot reach them (another gateway replica's engine keeps them until its
-    own eviction)."""
+    service's `forget_tenant`; in Ray mode the scheduler replica's), and its stored responses go
+    (`ResponseService.forget_tenant`). A tenant created again under the name gets a new id
+    (gateway/tenancy/tenants.py), so it never meets the old caches even where this replica
+    cannot reach them (another gateway replica's engine keeps them until its own eviction)."""
     removed = await asyncio.to_thread(registry.remove, name)      # a store round trip
     if removed is None:
         raise _not_found(name)
@@ -103,6 +103,12 @@ async def delete_tenant(request: Request, registry: TenantsDep, name: str) -> di
             await service.forget_tenant(removed.id, removed.name)
         except Exception:                  # removed all the same; only the freeing is late
             log.exception("tenant %r removed, but its caches and series were not dropped", name)
+    responses = request.app.state.responses
+    if responses is not None:
+        try:
+            await responses.forget_tenant(removed.id)
+        except Exception:                  # removed all the same: the tenant sweep drops them
+            log.exception("tenant %r removed, but its stored responses were not dropped", name)
     return {"id": name, "object": "tenant", "deleted": True}
 
 

@@ -56,7 +56,7 @@ async def create_chat_completion(request: Request, tenant: ArrivedTenantDep, ser
     why = refusal(n, parsers[0] is not None, inp.logprobs is not None)
     if body.resumable and why is not None:
         raise errors.invalid(f"stream_options.resumable: {why}", "stream_options.resumable")
-    view = ChatView(body.model, created, body.include_usage, why)
+    view = ChatView(body.model, created, body.include_usage, why, inp.service_tier)
     # kept with the record for a resume; `detached`: a disconnect does not cancel it
     inp = dataclasses.replace(inp, meta=view.to_meta(), detached=body.resumable)
     streams = await open_choices(service, inp, n)

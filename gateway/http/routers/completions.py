@@ -29,20 +29,21 @@ async def create_completion(request: Request, tenant: ArrivedTenantDep, service:
         outs = await until_disconnected(request, generate_choices(service, inp, n))
         return bodies.completion_body(outs, body.model, created)
     streams = await open_choices(service, inp, n)
-    rid, model = streams[0].request_id, body.model
+    rid, model, tier = streams[0].request_id, body.model, inp.service_tier
     extra = {"usage": None} if body.include_usage else {}
 
     def chunk(i: int, piece) -> dict:
         return {**bodies.completion_chunk(rid, model, created, piece.text, index=i,
-                                           logprobs=piece.logprobs), **extra}
+                                           service_tier=tier, logprobs=piece.logprobs), **extra}
 
     def final(i: int, out) -> dict:
-        return {**bodies.completion_chunk(rid, model, created, "", out.finish_reason, index=i),
+        return {**bodies.completion_chunk(rid, model, created, "", out.finish_reason, index=i,
+                                           service_tier=tier),
                 **extra, "specgate": bodies.spec_stats([out])}
 
     def usage(outs) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [], "usage": bodies.usage(outs)}
+                "service_tier": tier, "choices": [], "usage": bodies.usage(outs)}
 
     return sse_response(sse_events(streams, chunk=chunk, final=final,
                                    usage=usage if body.include_usage else None),

@@ -24,6 +24,7 @@ def _app(registry: TenantRegistry) -> TestClient:
     app.state.tenants = registry
     app.state.settings = Settings(metrics_key=METRICS)
     app.state.service = app.state.store_probe = None     # the registry alone: no engine, no probe
+    app.state.responses = None                           # nor stored responses
     app.include_router(router)
     return TestClient(app)
 

@@ -164,12 +164,15 @@ def test_generate_unary_maps_request_and_response(env):
             resp.speculation.tau) == (4, 1, 1, 2.0)
     assert env.service.inputs == [GenerateInput(
         tenant=env.tenant, model=MODEL, prompt="Say hi", max_tokens=2, temperature=0.5, top_k=4,
-        seed=7, stop=("\n", "END"), speculation=False, max_tree_tokens=3, user="u-1")]
+        seed=7, stop=("\n", "END"), speculation=False, max_tree_tokens=3, user="u-1",
+        service_tier="default")]                 # no tier asked: the tenant's default
+    assert resp.service_tier == "default"
 
 
 def test_unset_fields_take_rests_defaults(env):
     call(env.stub, "unary", pb.GenerateRequest(model=MODEL, prompt="p"))
-    assert env.service.inputs == [GenerateInput(tenant=env.tenant, model=MODEL, prompt="p")]
+    assert env.service.inputs == [GenerateInput(tenant=env.tenant, model=MODEL, prompt="p",
+                                                service_tier="default")]
 
 
 def test_chat_messages_and_token_ids(env):
@@ -181,8 +184,10 @@ def test_chat_messages_and_token_ids(env):
     chat_inp, ids_inp = env.service.inputs
     # "developer" is OpenAI's newer "system", as in REST.
     assert chat_inp == GenerateInput(tenant=env.tenant, model=MODEL, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert ids_inp == GenerateInput(tenant=env.tenant, model=MODEL, prompt_ids=(7, 8, 9))
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        service_tier="default")
+    assert ids_inp == GenerateInput(tenant=env.tenant, model=MODEL, prompt_ids=(7, 8, 9),
+                                    service_tier="default")
 
 
 @pytest.mark.parametrize("req,param", [

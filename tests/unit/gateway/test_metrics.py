@@ -78,23 +78,24 @@ def test_series_agree_with_the_responses(server):
     assert value(m, "specgate_requests_total", tenant="limited", status="rate_limited") == 1
     assert value(m, "specgate_rate_limit_refusals_total", tenant="limited", reason="rpm") == 1
     assert value(m, "specgate_generation_tokens_total", tenant="alpha") == tokens
-    for h in ("specgate_time_to_first_token_seconds", "specgate_e2e_request_latency_seconds",
-              "specgate_queue_time_seconds", "specgate_time_in_steps_seconds"):
-        assert value(m, h + "_count", tenant="alpha") == 5
-        assert value(m, h + "_sum", tenant="alpha") >= 0
+    for h, tier in (("specgate_time_to_first_token_seconds", {"tier": "default"}),
+                    ("specgate_e2e_request_latency_seconds", {}),
+                    ("specgate_queue_time_seconds", {}), ("specgate_time_in_steps_seconds", {})):
+        assert value(m, h + "_count", tenant="alpha", **tier) == 5
+        assert value(m, h + "_sum", tenant="alpha", **tier) >= 0
     # time in steps: at least the fake's sleep per step, and within each request's latency
     assert (value(m, "specgate_e2e_request_latency_seconds_sum", tenant="alpha")
             >= value(m, "specgate_time_in_steps_seconds_sum", tenant="alpha")
             >= FAKE_STEP_MS / 1000 * steps > 0)
     assert (value(m, "specgate_e2e_request_latency_seconds_sum", tenant="alpha")
-            >= value(m, "specgate_time_to_first_token_seconds_sum", tenant="alpha") > 0)
+            >= value(m, "specgate_time_to_first_token_seconds_sum", tenant="alpha", tier="default") > 0)
     # τ per step: one observation per step, and they add up to the tokens committed
     assert value(m, "specgate_tau_count", tenant="alpha", drafter="ngram") == steps
     assert value(m, "specgate_tau_sum", tenant="alpha", drafter="ngram") == tokens
     assert value(m, "specgate_drafted_tokens_total", tenant="alpha", drafter="ngram") == drafted
     assert value(m, "specgate_accepted_tokens_total", tenant="alpha", drafter="ngram") == accepted
     assert 0 < accepted <= drafted
-    assert value(m, "specgate_inter_token_latency_seconds_count", tenant="alpha") > 0
+    assert value(m, "specgate_inter_token_latency_seconds_count", tenant="alpha", tier="default") > 0
     assert value(m, "specgate_step_duration_seconds_count") >= steps // 2
     assert value(m, "specgate_batch_size_count") == value(m, "specgate_step_duration_seconds_count")
     assert value(m, "specgate_steps_total") == emb.step_loop.steps > 0

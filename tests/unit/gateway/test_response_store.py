@@ -12,7 +12,8 @@ import redis
 
 from gateway.builders.embedded import build_embedded
 from gateway.responses.objects import Header
-from gateway.responses.store import MemoryResponses, RedisResponses
+from gateway.responses.redis_store import RedisResponses
+from gateway.responses.store import MemoryResponses
 from gateway.service import GenerateInput
 from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter

@@ -226,7 +226,7 @@ def test_rebuild_restores_the_same_order():
 
 
 def test_factory():
-    assert set(POLICIES) == {"fcfs", "sjf", "las", "laps", "srpt"}
+    assert set(POLICIES) == {"fcfs", "sjf", "las", "laps", "srpt", "priority"}
     p = make_policy("laps", PolicyConfig(max_batch=4), n_levels=3, token_budget=32)
     assert (p.config.max_batch, p.config.token_budget, p.ordering.levels.n_levels) == (4, 32, 3)
     with pytest.raises(ValueError):
