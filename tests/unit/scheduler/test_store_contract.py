@@ -107,8 +107,8 @@ def test_implements_the_protocol(store):
 def test_a_commit_wakes_the_followers_of_what_it_touched_and_no_others(store):
     """`watch` (scheduler/store/watch.py): a commit from the step loop's thread wakes the
     followers of the requests it wrote, a commit made while nobody waited is not lost (the next
-    wait returns at once), an `add` wakes the followers of the request it adds, and nobody else
-    is woken. On Redis through the commit's own PUBLISH, heard by the store's subscriber."""
+    wait returns at once), an `add` wakes the followers of the request it adds, `end_requests`
+    those of the requests it ends, and nobody else is woken. On Redis through the commit's own PUBLISH, heard by the store's subscriber."""
     store.add(make_request("a"))
     store.add(make_request("b"))
 
@@ -127,6 +127,10 @@ def test_a_commit_wakes_the_followers_of_what_it_touched_and_no_others(store):
             assert await c.wait(30.0)
             assert not await b.wait(0.5)           # nothing of b's was written
             assert store.tail("a", 0).tokens == [7, 8]
+            ended = make_request("b").stats
+            ended.status = Status.FAILED
+            store.end_requests([ended])            # the write a full store still takes
+            assert await b.wait(30.0)
 
     asyncio.run(asyncio.wait_for(go(), 60))
 
