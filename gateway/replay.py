@@ -17,10 +17,18 @@ Cursors: `chars`, the content characters the client has (a chat stream's SSE ids
 the output tokens it has (gRPC's `Resume.after`: the token ids of the deltas it received; the
 text a live delta ends on is that of its last token, so both cursors are exact). A follower asks
 for no generation: a resumed stream costs no verification work.
+
+A follower of a running request reads the store when a step has committed its tokens, not on a
+clock: it waits on the store's notification (`StateStore.watch`, scheduler/store/watch.py),
+which holds no thread. It also reads when `fallback_s` pass without one: a safety net for a writer
+that does not publish (an older release's, during a rolling update), never the way it keeps up.
+What a follower may hold (a slot of its tenant's, charged to its rpm) is decided before it is
+opened: gateway/followers.py.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
@@ -31,8 +39,9 @@ from gateway.tenancy.records import Tenant
 from gateway.text import OutputText
 from scheduler.request import Request, RequestStats, Status, finish_reason
 from scheduler.store import StateStore
+from scheduler.store.base import Watch
 
-POLL_S = 0.02        # how often a follower reads a running request's new tokens
+FALLBACK_S = 1.0     # a follower reads this long after its last read even if nothing woke it
 # a read of more tokens than this (a resume's catch-up) is decoded on a worker thread: the text
 # of a whole output is work in proportion to it, which the event loop must not do
 INLINE_TOKENS = 64
@@ -53,11 +62,12 @@ class Cursor:
 
 
 class Replayer:
-    def __init__(self, records: StateStore, tokenizer: Any, *, poll_s: float = POLL_S) -> None:
+    def __init__(self, records: StateStore, tokenizer: Any, *,
+                 fallback_s: float = FALLBACK_S) -> None:
         """`records`: the scheduler's state store, read only."""
         self.records = records
         self.tokenizer = tokenizer
-        self.poll_s = poll_s
+        self.fallback_s = fallback_s
 
     async def _io(self, fn: Callable, *args: Any, **kw: Any) -> Any:
         return await errors.store_call(self.records.remote, fn, *args, **kw)
@@ -96,30 +106,50 @@ class ReplayStream:
         self._closed = True
 
     async def _events(self) -> AsyncIterator[StreamChunk | GenerateOutput]:
-        r = self.replayer
-        tokens, stats, read = list(self._req.output_ids), self._req.stats, len(self._req.output_ids)
-        stopped_at = None
-        while not self._closed:
-            chunk = await self._take(tokens)
-            if chunk is not None:
-                yield chunk
-            if self._text.stopped and stopped_at is None:
-                stopped_at = asyncio.get_running_loop().time()
-            if stats.status.terminal or (stopped_at is not None and
-                                         asyncio.get_running_loop().time() - stopped_at > STOP_WAIT_S):
-                break
-            await asyncio.sleep(r.poll_s)
-            tail = await r._io(r.records.tail, self.request_id, read)
-            if tail is None:
-                raise not_found(self.request_id)     # expired while followed
-            tokens, stats = tail.tokens, tail.stats
-            read += len(tokens)
-        if self._closed:
+        try:
+            async with (self.replayer.records.watch(self.request_id) as watch,
+                        contextlib.aclosing(self._followed(watch)) as followed):
+                stats = None
+                async for item in followed:
+                    if isinstance(item, RequestStats):
+                        stats = item
+                    else:
+                        yield item
+        except errors.STORE_ERRORS:     # the notifications, lost with Redis: the client's 503
+            raise errors.store_unavailable() from None
+        if self._closed or stats is None:
             return
         chunk = self._chunk(self._visible(self._text.finish()))
         if chunk is not None:
             yield chunk
         yield self._output(stats)
+
+    async def _followed(self, watch: Watch) -> AsyncIterator[StreamChunk | RequestStats]:
+        """The chunks of what the record holds and of what steps commit, read when `watch`
+        wakes; then the record's last stats (the request ended, or a stop string cut it)."""
+        r = self.replayer
+        tokens, stats, read = list(self._req.output_ids), self._req.stats, len(self._req.output_ids)
+        stopped_at = None
+        fresh = True            # the watch began after `open` read: read once more before waiting
+        while not self._closed:
+            chunk = await self._take(tokens)
+            if chunk is not None:
+                yield chunk
+            now = asyncio.get_running_loop().time()
+            if self._text.stopped and stopped_at is None:
+                stopped_at = now
+            if stats.status.terminal or (stopped_at is not None and now - stopped_at > STOP_WAIT_S):
+                yield stats
+                return
+            if not fresh:      # cut by a stop string: wait for its end what is left of STOP_WAIT_S
+                await watch.wait(r.fallback_s if stopped_at is None
+                                 else stopped_at + STOP_WAIT_S - now)
+            fresh = False
+            tail = await r._io(r.records.tail, self.request_id, read)
+            if tail is None:
+                raise not_found(self.request_id)     # expired while followed
+            tokens, stats = tail.tokens, tail.stats
+            read += len(tokens)
 
     async def _take(self, tokens: Sequence[int]) -> StreamChunk | None:
         """`_advance`, on a worker thread when the read is long (the first read of a resume).

@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     step_profile: Path | None = None
     max_live: int = Field(4096, ge=1)          # queued + running: more is 503
     max_live_per_tenant: int = Field(1024, ge=1)   # default tenant queue (tenant.max_queued wins)
+    # streams one tenant may follow at once (resumes, GET /v1/responses/{id}?stream=true, gRPC
+    # Resume), on every replica together: each holds a connection and an ingress slot while the
+    # request it follows runs (gateway/followers.py says why this is not max_concurrent)
+    max_followers_per_tenant: int = Field(16, ge=1)
     # structured outputs: caps on a schema's size and shape, checked before any compile (400
     # schema_too_complex naming the cap; workers/speculation/schema_caps.py says why each)
     schema_max_bytes: int = Field(131_072, ge=1)

@@ -148,12 +148,13 @@ def _ray(settings: dict, bodies: list[dict], concurrency: int, threads: int, dra
     from ray import serve
 
     from gateway.builders.ray_app import build_ray_app as build
-    from gateway.ray_serve.config import DeploymentOptions, RayAppConfig, StreamingOptions
+    from gateway.ray_serve.config import (DeploymentOptions, IngressOptions, RayAppConfig,
+                                          StreamingOptions)
     from gateway.ray_serve.replica_secrets import export_secrets
     from gateway.http.server import free_port
 
     # a Redis URL's password reaches the replicas through the environment, never the config
-    cfg = RayAppConfig(settings=export_secrets(settings), ingress=StreamingOptions(num_replicas=1, num_cpus=0.1),
+    cfg = RayAppConfig(settings=export_secrets(settings), ingress=IngressOptions(num_replicas=1, num_cpus=0.1),
                        scheduler=StreamingOptions(num_cpus=0.1),
                        verifier=DeploymentOptions(num_replicas=1, num_cpus=1, torch_threads=threads),
                        draft=DeploymentOptions(num_replicas=1, num_cpus=0.1) if draft_workers else None)

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from gateway.assembly.replica import ReplicaLease, scheduler_prefix
 from gateway.assembly.target import Target
+from gateway.followers import FollowerGate
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.replay import Replayer
@@ -62,6 +63,7 @@ class Embedded:
     replica: ReplicaLease | None = None         # the replica id's lease (gateway/assembly/replica.py)
     responses: ResponseService | None = None    # the Responses API (gateway/responses/service.py)
     replayer: Replayer | None = None    # resumed streams (REST and gRPC) read the state store
+    followers: FollowerGate | None = None   # what following a stream costs (REST and gRPC)
     cancelled: list[str] = field(default_factory=list)   # recovered, nobody left to receive them
 
     def start(self) -> None:
@@ -147,9 +149,11 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     store_full=store_room.full if store_room else None)
     emb.responses = responses_service(settings, emb.service, step_loop.store, target.tokenizer)
     emb.replayer = Replayer(step_loop.store, target.tokenizer)
+    emb.followers = FollowerGate(limiter, settings.max_followers_per_tenant, metrics=metrics)
     # new requests fail fast while Redis is away (`store_probe`)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics, replayer=emb.replayer,
-                        responses=emb.responses, store_probe=store_probe, store_room=store_room)
+                        responses=emb.responses, store_probe=store_probe, store_room=store_room,
+                        followers=emb.followers)
     return emb
 
 

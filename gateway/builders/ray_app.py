@@ -57,9 +57,13 @@ def _deployment(cls: type, name: str, opts: DeploymentOptions, **extra: Any):
         # size from that variable (a 2-thread matmul ran at 1-thread speed there until this was set).
         actor["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": str(opts.torch_threads)}}
     options: dict[str, Any] = dict(
-        name=name, max_ongoing_requests=opts.max_ongoing_requests, ray_actor_options=actor,
+        name=name, max_ongoing_requests=opts.max_ongoing_requests,
+        max_queued_requests=opts.max_queued_requests, ray_actor_options=actor,
         health_check_period_s=opts.health_check_period_s,
         graceful_shutdown_timeout_s=opts.graceful_shutdown_timeout_s, **extra)
+    if opts.backpressure_retry_after_s is not None:      # Serve's 503 says when to retry
+        options["backpressure_config"] = {"status_code": 503,
+                                          "retry_after_s": opts.backpressure_retry_after_s}
     if opts.autoscaling_config is not None:
         options["autoscaling_config"] = opts.autoscaling_config
     else:

@@ -129,4 +129,4 @@ async def start_grpc(emb: Embedded) -> GrpcServer:
     return await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port or 0,
                                    host=s.host, replayer=emb.replayer,
                                    max_message_bytes=s.max_body_bytes,
-                                   keepalive_s=s.stream_keepalive_s)
+                                   keepalive_s=s.stream_keepalive_s, followers=emb.followers)

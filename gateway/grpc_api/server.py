@@ -33,6 +33,7 @@ from gateway import errors, schemas
 from gateway.http.deps import field_names
 from gateway.keepalive import KEEPALIVE_S, with_keepalive
 from gateway.errors import ApiError, store_refusal
+from gateway.followers import FollowerGate
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.replay import Cursor, Replayer
@@ -91,7 +92,8 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
                             limiter: Limiter | None, port: int, host: str = "127.0.0.1", *,
                             max_message_bytes: int | None = None,
                             replayer: Replayer | None = None,
-                            keepalive_s: float = KEEPALIVE_S) -> GrpcServer:
+                            keepalive_s: float = KEEPALIVE_S,
+                            followers: FollowerGate | None = None) -> GrpcServer:
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
@@ -100,11 +102,15 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     `max_message_bytes` caps a request message as `max_body_bytes` caps a REST body (None:
     gRPC's default, 4 MiB): gRPC refuses a larger one itself, with RESOURCE_EXHAUSTED, before
     it is parsed. `replayer`: reads the state store for `Resume` (None: Resume answers
-    NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring; 0: none)."""
+    NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring; 0: none).
+    `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one over
+    `limiter`)."""
     server = grpc.aio.server(options=message_options(max_message_bytes) + keepalive_options(keepalive_s))
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(service, tenants, replayer, max_message_bytes=max_message_bytes,
-                           keepalive_s=keepalive_s), server)
+                           keepalive_s=keepalive_s,
+                           followers=followers if followers is not None else FollowerGate(limiter)),
+        server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -140,15 +146,17 @@ def message_options(max_message_bytes: int | None) -> list[tuple[str, int]]:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, tenants: TenantRegistry,
                  replayer: Replayer | None = None, *, max_message_bytes: int | None = None,
-                 keepalive_s: float = KEEPALIVE_S):
+                 keepalive_s: float = KEEPALIVE_S, followers: FollowerGate | None = None):
         """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND);
         `max_message_bytes`: the request cap (`arrived_input`); `keepalive_s`: a waiting stream's
-        keep-alive message (0: none)."""
+        keep-alive message (0: none); `followers`: what a `Resume` costs its tenant (None:
+        nothing)."""
         self.service = service
         self.tenants = tenants
         self.replayer = replayer
         self.max_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
+        self.followers = followers if followers is not None else FollowerGate(None)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
@@ -184,17 +192,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
         # the rest of a stream, from the state store (gateway/replay.py); closing it cancels
-        # nothing: the request is not this call's
+        # nothing: the request is not this call's. It is a request of its tenant's, charged and
+        # holding a follower slot before anything else (gateway/followers.py)
         try:
             tenant = await authed_tenant(self.tenants, context.invocation_metadata())
-            if self.replayer is None:
-                raise ApiError(404, "this deployment does not resume streams", code="not_found")
-            record = await self.replayer.open(tenant, request.request_id)
-            stream = self.replayer.stream(record, Cursor(tokens=request.after))
-            async with contextlib.aclosing(kept_alive(stream_messages(stream),
-                                                      self.keepalive_s)) as messages:
-                async for message in messages:
-                    await context.write(message)
+            async with self.followers.held(tenant):
+                if self.replayer is None:
+                    raise ApiError(404, "this deployment does not resume streams", code="not_found")
+                record = await self.replayer.open(tenant, request.request_id)
+                stream = self.replayer.stream(record, Cursor(tokens=request.after))
+                async with contextlib.aclosing(kept_alive(stream_messages(stream),
+                                                          self.keepalive_s)) as messages:
+                    async for message in messages:
+                        await context.write(message)
         except Exception as exc:
             await abort_with(context, exc)
 

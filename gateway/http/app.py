@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from gateway import errors
+from gateway.followers import FollowerGate
 from gateway.http.deps import ClientDisconnected
 from gateway.http.routers import admin, chat, completions, health, models
 from gateway.http.routers import metrics as metrics_router
@@ -32,11 +33,14 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
               metrics: GatewayMetrics, *, replayer: Replayer | None = None,
               responses: ResponseService | None = None,
               store_probe: StoreProbe | None = None,
-              store_room: StoreRoom | None = None) -> FastAPI:
+              store_room: StoreRoom | None = None,
+              followers: FollowerGate | None = None) -> FastAPI:
     """`replayer`: reads the state store to resume chat streams (None: resume answers 404);
     `responses`: the Responses API (None: its routes answer 404); `store_probe`: Redis's
     readiness, so new requests fail fast while it is away (None: no Redis); `store_room`:
-    Redis's memory against its watermark, which /ready reports (None: no Redis)."""
+    Redis's memory against its watermark, which /ready reports (None: no Redis); `followers`:
+    what following a stream costs its tenant (default: over `limiter`,
+    `max_followers_per_tenant`; share one with the gRPC front)."""
     # NOTE: /docs, /redoc and /openapi.json are off unless `openapi_docs`: they map the admin API
     # for anyone who asks. Not admin-only instead: the docs pages fetch /openapi.json with no
     # key, so behind a key they would not load. `app.openapi()` gives the schema either way.
@@ -54,6 +58,8 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.state.responses = responses
     app.state.store_probe = store_probe
     app.state.store_room = store_room
+    app.state.followers = followers if followers is not None else FollowerGate(
+        limiter, settings.max_followers_per_tenant, metrics=metrics)
     errors.install_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
     for r in (completions.router, chat.router, responses_router.router, models.router, health.router,

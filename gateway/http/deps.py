@@ -330,8 +330,9 @@ async def sse_events(streams: Sequence[EventStream], *,
     output)` chunk (finish_reason, specgate stats), `usage(outputs)` once every choice has
     ended, when asked for, then `data: [DONE]`. `chunk` and `final` may give a list of events
     (or none: a tool call's text is held until it is whole, gateway/tool_calls.py). Once the 200 has
-    gone out an error can only be an event: a failed generation or an unexpected exception ends
-    the stream with an OpenAI error object. The streams are closed however this ends; a client
+    gone out an error can only be an event: a failed generation, a refusal (a follower whose
+    state store went away: `store_unavailable`) or an unexpected exception ends the stream with
+    an OpenAI error object. The streams are closed however this ends; a client
     that disconnects cancels every choice that way (a detached one runs on: gateway/service/stream.py).
     `ids`: each event's SSE `id:` (None: no ids)."""
     outs: dict[int, GenerateOutput] = {}
@@ -352,6 +353,9 @@ async def sse_events(streams: Sequence[EventStream], *,
                     yield sse(event, event_id)
         if usage is not None and outs:
             yield sse(usage([outs[i] for i in sorted(outs)]), ids and ids.usage())
+        yield SSE_DONE
+    except ApiError as exc:            # a refusal once the 200 is out (a follower's store gone)
+        yield sse(exc.body())
         yield SSE_DONE
     except Exception:
         log.exception("stream %s failed", streams[0].request_id)

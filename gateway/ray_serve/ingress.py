@@ -10,6 +10,7 @@ tokenizes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi import FastAPI
 
 from gateway.assembly.replica import scheduler_prefix
 from gateway.assembly.serving import responses_service, room_of
+from gateway.followers import FollowerGate
 from gateway.grpc_api.server import (arrived_input, authed_tenant, kept_alive, response_message,
                                      status_of, stream_messages)
 from gateway.http.app import build_app
@@ -57,6 +59,9 @@ class IngressServer:
         self.room = room_of(s) if s.redis_url else None
         self.service = RemoteService(scheduler, models=[s.model_id], limiter=self.limiter,
                                      store_full=self.room.full if self.room else None)
+        # followers (resumes, streamed GETs of responses) are charged here, where they hold a
+        # slot of this replica's (gateway/followers.py), before anything reaches the scheduler
+        self.followers = FollowerGate(self.limiter, s.max_followers_per_tenant)
         # the scheduler's state store, read only (opening it does no I/O)
         self.records = open_store(s.redis_url, scheduler_prefix(s), ended_ttl_s=s.ended_ttl_s,
                                   timeout_s=s.redis_timeout_s)
@@ -79,7 +84,7 @@ class IngressServer:
         responses = responses_service(self.settings, self.service, self.records, tokenizer, local=False)
         return build_app(self.settings, self.service, self.tenants, self.limiter,
                          SchedulerMetrics(self.scheduler), replayer=self.replayer,
-                         responses=responses, store_room=self.room)
+                         responses=responses, store_room=self.room, followers=self.followers)
 
     # ---- gRPC (gateway/grpc_api/proto/specgate.proto), as gateway.grpc_api.server serves it in embedded mode ----
 
@@ -111,10 +116,13 @@ class IngressServer:
     async def Resume(self, request, grpc_context):
         try:
             tenant = await authed_tenant(self.tenants, grpc_context.invocation_metadata())
-            record = await self.replayer.open(tenant, request.request_id)
-            messages = stream_messages(self.replayer.stream(record, Cursor(tokens=request.after)))
-            async for message in kept_alive(messages, self.settings.stream_keepalive_s):
-                yield message
+            async with self.followers.held(tenant):
+                record = await self.replayer.open(tenant, request.request_id)
+                stream = self.replayer.stream(record, Cursor(tokens=request.after))
+                async with contextlib.aclosing(kept_alive(stream_messages(stream),
+                                                          self.settings.stream_keepalive_s)) as messages:
+                    async for message in messages:
+                        yield message
         except Exception as exc:
             _fail_grpc(grpc_context, exc)
 

@@ -15,7 +15,9 @@ tokens and their text, decoded once when it ends), in the response store
 (gateway/responses/store.py); its tokens while it runs, in the scheduler's state store
 (`StateStore.tail`), which a step writes before it streams anything. A follower reads and decodes
 only the tokens it has not seen; a read of many (a GET of a running response, a resumed stream's
-catch-up) is decoded on a worker thread, never on the event loop.
+catch-up) is decoded on a worker thread, never on the event loop. It reads when a step has
+committed (`StateStore.watch`: a wait that holds no thread), or `fallback_s` after its last read
+(gateway/replay.py says why).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from gateway.responses.events import EventLog, text_of
 from gateway.responses.objects import Header, Outcome, deleted, response
 from gateway.responses.quota import Quota, quota_of, refusal
 from gateway.responses.request import ResponseRequest
-from gateway.replay import INLINE_TOKENS, POLL_S
+from gateway.replay import FALLBACK_S, INLINE_TOKENS
 from gateway.responses.store import ResponseStore, Stored
 from gateway.schemas import SpeculationOptions
 from gateway.service import GenerateInput, GenerateOutput
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 # the generation service's names for fields this API names otherwise
 _PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
 CANCEL_WAIT_S = 5.0    # how long a cancel waits to return the cancelled response
+ADMIT_WAIT_S = 30.0    # how long a follower of a created response waits for its request's record
 
 
 def new_response_id() -> str:
@@ -71,7 +74,7 @@ def _reason(tail: Tail) -> str | None:
 
 class ResponseService:
     def __init__(self, generation: Any, responses: ResponseStore, records: StateStore,
-                 tokenizer: Any, *, poll_s: float = POLL_S,
+                 tokenizer: Any, *, fallback_s: float = FALLBACK_S,
                  cancel: Callable[[str], Any] | None = None, quota: Quota | None = None) -> None:
         """`generation`: `GenerationService` (or Ray mode's remote one); `records`: the
         scheduler's state store, read only; `cancel(request_id)`: ends a request (default: the
@@ -82,7 +85,7 @@ class ResponseService:
         self.quota = quota
         self.records = records
         self.tokenizer = tokenizer
-        self.poll_s = poll_s
+        self.fallback_s = fallback_s
         self._cancel = cancel if cancel is not None else generation.cancel
         self._held: set[asyncio.Task] = set()
 
@@ -254,36 +257,40 @@ class ResponseService:
         then new ones as steps commit them, until it ends. Nothing here asks for generation: a
         resumed stream is read from the stores."""
         log_: EventLog | None = None
-        start, waited = 0, 0.0
-        while True:
-            tail = await self._tail(header.id, start, prompt=log_ is None)
-            if tail is None:
-                held = await self._kept(self.responses.get, header.id)
-                if held is not None and held.final is not None:   # the record expired: kept here
-                    tail = _tail_of_final(held.final, start if log_ is not None else 0)
-                elif log_ is None and waited < 30.0:              # created, not admitted yet
-                    await asyncio.sleep(self.poll_s)
-                    waited += self.poll_s
-                    continue
-                else:
-                    raise not_found(header.id)
-            if log_ is None:
-                log_ = EventLog(header, self.tokenizer, tail.prompt_ids or [])
-                for ev in log_.start():
-                    if ev["sequence_number"] > after:
-                        yield ev
-            start += len(tail.tokens)
-            for ev in await self._pushed(log_, tail.tokens):
-                if ev["sequence_number"] > after:
-                    yield ev
-            s = tail.stats
-            if s.status.terminal:
-                outcome = Outcome(s.status, _reason(tail), "", s.prompt_len, start, s.finished_s)
-                for ev in log_.finish(outcome):
-                    if ev["sequence_number"] > after:
-                        yield ev
-                return
-            await asyncio.sleep(self.poll_s)
+        start, admit_by = 0, time.monotonic() + ADMIT_WAIT_S
+        try:
+            async with self.records.watch(header.id) as watch:
+                while True:
+                    tail = await self._tail(header.id, start, prompt=log_ is None)
+                    if tail is None:
+                        held = await self._kept(self.responses.get, header.id)
+                        if held is not None and held.final is not None:   # expired: kept here
+                            tail = _tail_of_final(held.final, start if log_ is not None else 0)
+                        elif log_ is None and time.monotonic() < admit_by:  # not admitted yet
+                            await watch.wait(min(self.fallback_s, admit_by - time.monotonic()))
+                            continue
+                        else:
+                            raise not_found(header.id)
+                    if log_ is None:
+                        log_ = EventLog(header, self.tokenizer, tail.prompt_ids or [])
+                        for ev in log_.start():
+                            if ev["sequence_number"] > after:
+                                yield ev
+                    start += len(tail.tokens)
+                    for ev in await self._pushed(log_, tail.tokens):
+                        if ev["sequence_number"] > after:
+                            yield ev
+                    s = tail.stats
+                    if s.status.terminal:
+                        outcome = Outcome(s.status, _reason(tail), "", s.prompt_len, start,
+                                          s.finished_s)
+                        for ev in log_.finish(outcome):
+                            if ev["sequence_number"] > after:
+                                yield ev
+                        return
+                    await watch.wait(self.fallback_s)
+        except errors.STORE_ERRORS:      # the notifications, lost with Redis: the client's 503
+            raise errors.store_unavailable() from None
 
     # ---- end -------------------------------------------------------------------------------------
     def finalize(self, response_id: str) -> bool:
@@ -309,14 +316,18 @@ class ResponseService:
 
     async def _until_ended(self, response_id: str, deadline: float) -> None:
         """Wait for a response's request to end (or `deadline`), reading its status and only the
-        tokens not yet read: its text is decoded once, when it has ended."""
+        tokens not yet read, as steps commit them: its text is decoded once, when it has ended."""
         seen = 0
-        while time.monotonic() < deadline:
-            tail = await self._tail(response_id, seen)
-            if tail is None or tail.stats.status.terminal:
-                return
-            seen += len(tail.tokens)
-            await asyncio.sleep(self.poll_s)
+        try:
+            async with self.records.watch(response_id) as watch:
+                while (left := deadline - time.monotonic()) > 0:
+                    tail = await self._tail(response_id, seen)
+                    if tail is None or tail.stats.status.terminal:
+                        return
+                    seen += len(tail.tokens)
+                    await watch.wait(min(left, self.fallback_s))
+        except errors.STORE_ERRORS:
+            raise errors.store_unavailable() from None
 
     async def delete(self, tenant: Tenant, response_id: str) -> dict:
         held = await self._stored(tenant, response_id)

@@ -8,6 +8,7 @@ Redis layout (`P` = prefix; tenant names come last, after a fixed kind):
                                 bucket is full again, so an idle tenant leaves nothing behind
     P rl:tpm:<tenant>   string  TAT of the token bucket, same
     P rl:conc:<tenant>  zset    grant id -> lease expiry (seconds): the tenant's requests in flight
+    P rl:<pool>:<tenant> zset   the same for another pool of slots (`Grant.pool`; gateway/followers.py)
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class MemoryBuckets:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tats: dict[tuple[str, str], float] = {}           # (kind, tenant) -> TAT
-        self._grants: dict[str, dict[str, float]] = {}          # tenant -> grant id -> expiry
+        self._grants: dict[str, dict[str, float]] = {}   # "pool:tenant" -> grant id -> expiry
 
     def arrive(self, tenant: Tenant, now: float) -> Verdict:
         with self._lock:
@@ -36,17 +37,18 @@ class MemoryBuckets:
         with self._lock:
             return self._usage(tenant.name, now)
 
-    def _usage(self, name: str, now: float) -> Usage:
+    def _usage(self, name: str, now: float, pool: str = "conc") -> Usage:
         """The tenant's token TAT and its grants still live at `now` (the caller holds the lock)."""
-        live = sum(expiry > now for expiry in self._grants.get(name, {}).values())
+        live = sum(expiry > now for expiry in self._grants.get(f"{pool}:{name}", {}).values())
         return Usage(self._tats.get(("tpm", name), 0.0), live)
 
-    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
+    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float,
+                pool: str) -> Verdict:
         with self._lock:
-            grants = self._grants.setdefault(tenant.name, {})
+            grants = self._grants.setdefault(f"{pool}:{tenant.name}", {})
             for gid in [g for g, expiry in grants.items() if expiry <= now]:
                 del grants[gid]
-            verdict = check(tenant, self._usage(tenant.name, now), now, tokens)
+            verdict = check(tenant, self._usage(tenant.name, now, pool), now, tokens)
             if verdict.allowed:
                 self._tats[("tpm", tenant.name)] = verdict.tat
                 grants[grant_id] = now + lease_s
@@ -54,7 +56,8 @@ class MemoryBuckets:
 
     def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         with self._lock:
-            if self._grants.get(grant.tenant, {}).pop(grant.grant_id, None) is None and not orphan:
+            held = self._grants.get(f"{grant.pool}:{grant.tenant}", {})
+            if held.pop(grant.grant_id, None) is None and not orphan:
                 return False
             if grant.tpm is not None and used_tokens != grant.tokens:
                 key = ("tpm", grant.tenant)
@@ -64,7 +67,7 @@ class MemoryBuckets:
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
         with self._lock:
-            grants = self._grants.get(grant.tenant, {})
+            grants = self._grants.get(f"{grant.pool}:{grant.tenant}", {})
             if grants.get(grant.grant_id, 0.0) <= now:
                 return False
             grants[grant.grant_id] = now + lease_s
@@ -170,10 +173,11 @@ class RedisBuckets:
             return Verdict(True, 0.0)               # the TAT stays in Redis
         return Verdict(False, 0.0, "rpm", float(reply[1]))
 
-    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float) -> Verdict:
+    def acquire(self, tenant: Tenant, tokens: int, now: float, grant_id: str, lease_s: float,
+                pool: str) -> Verdict:
         name = tenant.name
         reply = self._acquire(
-            keys=[self._key("tpm", name), self._key("conc", name)],
+            keys=[self._key("tpm", name), self._key(pool, name)],
             args=[repr(now), tokens, tenant.tpm or 0, tenant.max_concurrent or 0,
                   grant_id, repr(lease_s), repr(WINDOW_S), repr(CONCURRENCY_RETRY_S), repr(EPS)])
         if int(reply[0]) == 1:
@@ -191,11 +195,11 @@ class RedisBuckets:
 
     def release(self, grant: Grant, used_tokens: int, now: float, orphan: bool = False) -> bool:
         return bool(self._release(
-            keys=[self._key("tpm", grant.tenant), self._key("conc", grant.tenant)],
+            keys=[self._key("tpm", grant.tenant), self._key(grant.pool, grant.tenant)],
             args=[grant.grant_id, used_tokens - grant.tokens, grant.tpm or 0, repr(now),
                   repr(WINDOW_S), "1" if orphan else "0"]))
 
     def renew(self, grant: Grant, now: float, lease_s: float) -> bool:
-        return bool(self._renew(keys=[self._key("conc", grant.tenant)],
+        return bool(self._renew(keys=[self._key(grant.pool, grant.tenant)],
                                 args=[grant.grant_id, repr(now), repr(now + lease_s),
                                       math.ceil(lease_s * 1000) + 1000]))

@@ -67,16 +67,17 @@ class Limiter:
         if not verdict.allowed:
             raise refusal(tenant, 0, verdict)
 
-    def acquire(self, tenant: Tenant, tokens: int) -> Grant:
+    def acquire(self, tenant: Tenant, tokens: int, *, pool: str = "conc") -> Grant:
         """Admit one request that may use `tokens` tokens (prompt + max_tokens), charging those
-        tokens and one concurrency slot, or nothing: raises LimitExceeded."""
+        tokens and one slot of `pool` (against its `max_concurrent`; a follower's: "follow",
+        gateway/followers.py), or nothing: raises LimitExceeded."""
         if tokens < 0:
             raise ValueError("tokens must be >= 0")
         grant_id = uuid.uuid4().hex
-        verdict = self._buckets.acquire(tenant, tokens, self._clock(), grant_id, self.lease_s)
+        verdict = self._buckets.acquire(tenant, tokens, self._clock(), grant_id, self.lease_s, pool)
         if not verdict.allowed:
             raise refusal(tenant, tokens, verdict)
-        return Grant(tenant.name, grant_id, tokens, tenant.tpm)
+        return Grant(tenant.name, grant_id, tokens, tenant.tpm, pool)
 
     def precheck(self, tenant: Tenant, tokens: int) -> None:
         """Raise LimitExceeded if a request of at least `tokens` tokens would be refused by

@@ -49,6 +49,7 @@ class Grant:
     grant_id: str
     tokens: int                  # tokens charged to the TPM bucket at acquire
     tpm: int | None              # the TPM limit charged against (a later change does not matter)
+    pool: str = "conc"           # whose slots it holds (only "conc" grants are kept: `to_list`)
 
     def to_list(self) -> list:
         """As plain JSON (kept with the request, so a restarted gateway can correct it)."""

@@ -13,6 +13,7 @@ the memory store has the same value semantics as Redis: a caller never holds the
 """
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -45,6 +46,11 @@ class StepWrite:
     def __bool__(self) -> bool:
         return bool(self.appended or self.updated or self.ended or self.virtual_time)
 
+    def touched(self) -> set[str]:
+        """Every request this step writes something of: whose followers it wakes."""
+        return {*self.appended, *(s.request_id for s in self.updated),
+                *(s.request_id for s in self.ended)}
+
     def stats_by_id(self) -> dict[str, RequestStats]:
         """Every request whose stats this step writes; an ended entry wins over an updated one."""
         out = {s.request_id: s for s in self.updated}
@@ -71,6 +77,12 @@ class StoredState:
 class StoreFull(Exception):
     """The store refused a write for want of memory (Redis at `maxmemory`, `noeviction`): nothing
     of it was written. Not an outage: waiting does not make room (scheduler/store/writer.py)."""
+
+
+class Watch(Protocol):
+    async def wait(self, timeout_s: float) -> bool:
+        """Until the watched request's next commit (True) or `timeout_s` (False); raises a
+        Redis error once the store's notifications have stopped (Redis away)."""
 
 
 @runtime_checkable
@@ -103,6 +115,12 @@ class StateStore(Protocol):
         """What a reader following a request needs: the output tokens from index `start` on and
         its stats now, in one consistent read (and its prompt, when asked: a reader needs it
         once); None if unknown or expired. One round trip, O(new tokens)."""
+
+    def watch(self, request_id: str) -> AbstractAsyncContextManager[Watch]:
+        """A reader's wait for the request's commits (scheduler/store/watch.py): enter it on the
+        event loop that waits, before the read it must not miss a commit after. Waiting holds no
+        thread; a commit (or its `add`) after entering wakes it, from any process over the same
+        store."""
 
     def save_model(self, name: str, doc: dict[str, Any]) -> bool:
         """Keep a learned model's weights (plain JSON data with an integer "version") under

@@ -3,7 +3,8 @@
 It keeps records in the codec's dict form, not the caller's objects, so it behaves like the Redis
 store: `load` and `get` return fresh copies, and a caller mutating its own `RequestStats` changes
 nothing here until the next `commit_step` says so. A lock makes each call atomic, as MULTI/EXEC
-does for Redis: in the embedded app a gateway thread may `get` while the step loop commits.
+does for Redis: in the embedded app a gateway thread may `get` while the step loop commits. A
+commit (and an `add`) wakes the followers of the requests it touched (`watch`), once it is in.
 """
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import copy
 import threading
 import time
 from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager
 from typing import Any, Callable, Sequence
 
 from scheduler.request import Request, RequestStats
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, Account, StepWrite, StoredState, Tail,
-                                  check_step, model_version, params_to_dict, request_from_dict,
-                                  stats_from_dict, stats_to_dict)
+                                  Watch, check_step, model_version, params_to_dict,
+                                  request_from_dict, stats_from_dict, stats_to_dict)
+from scheduler.store.watch import Watchers, watching
 
 
 @dataclass(slots=True)
@@ -47,6 +50,7 @@ class MemoryStore:
         self._vt: dict[Account, float] = {}
         self._models: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
+        self._watchers = Watchers()
 
     def add(self, req: Request) -> None:
         rid = req.request_id
@@ -59,10 +63,15 @@ class MemoryStore:
             if rid in self._live or rid in self._ended:
                 raise ValueError(f"request {rid!r} is already stored")
             self._live[rid] = rec
+        self._watchers.wake((rid,))
+
+    def watch(self, request_id: str) -> AbstractAsyncContextManager[Watch]:
+        return watching(self._watchers, request_id)
 
     def commit_step(self, step: StepWrite) -> None:
         with self._lock:
             self._commit(step)
+        self._watchers.wake(step.touched())
 
     def _commit(self, step: StepWrite) -> None:
         check_step(step, self._live)            # before any write: all or nothing

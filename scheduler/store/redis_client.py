@@ -1,7 +1,8 @@
 """The one place a Redis client is built, and the bounded ping that says whether Redis answers.
 
 Every client specgate opens (the scheduler's state store, the length learner's, the tenant
-registry's, the limiter's, Ray mode's scheduler lease) comes from `redis_client`, so every call
+registry's, the limiter's, Ray mode's scheduler lease; the state store's subscriber, from
+`async_redis_client`) comes from here, so every call
 has a socket timeout and a connect timeout: a Redis that accepts connections but never answers
 (stopped, swapping, partitioned) costs a caller at most `timeout_s` per call, then
 `redis.TimeoutError`, which the gateway answers with 503 and Retry-After
@@ -18,6 +19,8 @@ import threading
 import time
 
 import redis
+import redis.asyncio
+import redis.asyncio.retry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -53,6 +56,17 @@ def redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> redis.Redis:
         raise ValueError("timeout_s must be > 0")
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
                                 retry=Retry(NoBackoff(), 0))
+
+
+def async_redis_client(url: str, timeout_s: float = REDIS_TIMEOUT_S) -> redis.asyncio.Redis:
+    """`redis_client`'s asyncio twin, for what waits on Redis on an event loop instead of a
+    thread (the state store's subscriber, scheduler/store/redis_watch.py): the same timeouts and
+    no retries. Use it on one event loop only."""
+    if timeout_s <= 0:
+        raise ValueError("timeout_s must be > 0")
+    return redis.asyncio.Redis.from_url(url, socket_timeout=timeout_s,
+                                        socket_connect_timeout=timeout_s,
+                                        retry=redis.asyncio.retry.Retry(NoBackoff(), 0))
 
 
 class StoreProbe:

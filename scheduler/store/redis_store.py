@@ -14,15 +14,17 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
     P out:ID     list         committed output tokens                        (RPUSH per step)
     P tau:ID     list         τ per step, RequestStats.tau_history           (RPUSH per step)
     P model:NAME string       a learned model's weights, JSON with a "version" (the newest kept)
+    P commits    channel      pub/sub: the ids each commit (and `add`) touched, published in it
+                              (scheduler/store/redis_watch.py: followers wake on it)
 
 The kind comes before the id (`rec:ID`, not `ID:rec`), so no id can make one request's key equal
 another's. A step therefore writes O(what it did): a few tokens, one small JSON and a τ per served
 request. An ended request leaves `live` and its three keys get a TTL (PEXPIRE).
 
-Round trips: `commit_step` is one MULTI/EXEC; `add` is one EVALSHA (a Lua script, because the
-duplicate check, the sequence number and the writes must be one atomic step); `get` is one
-MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests; `end_requests`
-(the step loop's write when Redis is full) one EVALSHA.
+Round trips: `commit_step` is one MULTI/EXEC (its PUBLISH included); `add` is one EVALSHA (a
+Lua script, because the duplicate check, the sequence number and the writes must be one atomic
+step); `get` is one MULTI/EXEC; `load` is a ZRANGE then one pipeline per 500 requests;
+`end_requests` (the step loop's write when Redis is full) one EVALSHA.
 
 One writer: the scheduler. `commit_step` checks ids against the live ids this object knows (from
 its own `add`s and its last `load`) instead of asking the server, which keeps a step at one round
@@ -32,22 +34,26 @@ hash slots, so this is for a single Redis server (or a replicated one), not Redi
 """
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, AsyncIterator, Iterable, Sequence
 
 import redis
 
 from scheduler.request import Request, RequestStats
 from scheduler.store.base import (DEFAULT_ENDED_TTL_S, DEFAULT_PREFIX, Account, StepWrite,
-                                  StoredState, StoreFull, Tail, account_from_str, account_to_str, check_step,
-                                  model_version, params_to_dict, request_from_dict,
-                                  stats_from_dict, stats_to_dict)
-from scheduler.store.redis_client import redis_client, store_full
+                                  StoredState, StoreFull, Tail, Watch, account_from_str,
+                                  account_to_str, check_step, model_version, params_to_dict,
+                                  request_from_dict, stats_from_dict, stats_to_dict)
+from scheduler.store.redis_client import REDIS_TIMEOUT_S, redis_client, store_full
+from scheduler.store.redis_watch import RedisCommits, channel_of, message_of
+from scheduler.store.watch import Waiter
 
 FORMAT_VERSION = 1
 _LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
 
-# KEYS: rec, out, tau, live, seq.  ARGV: id, prompt, params, stats, n_out, out..., tau...
+# KEYS: rec, out, tau, live, seq, commits.  ARGV: id, prompt, params, stats, n_out, out..., tau...
 # Returns 0 if the id is already stored (live or ended within its TTL), else its sequence number.
 _ADD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -64,6 +70,7 @@ local n_out = tonumber(ARGV[5])
 push(KEYS[2], 6, 5 + n_out)
 push(KEYS[3], 6 + n_out, #ARGV)
 redis.call('ZADD', KEYS[4], seq, ARGV[1])
+redis.call('PUBLISH', KEYS[6], cjson.encode({ARGV[1]}))
 return seq
 """ % FORMAT_VERSION
 
@@ -78,7 +85,8 @@ redis.call('SET', KEYS[1], ARGV[1])
 return 1
 """
 
-# KEYS: live, then rec, out, tau of each request.  ARGV: the ended TTL (ms), then each request's
+# KEYS: live, then rec, out, tau of each request, then the commits channel (its followers wake:
+# PUBLISH adds no data either).  ARGV: the ended TTL (ms), then each request's
 # id and stats (JSON).  NOTE: ZREM first. It adds nothing, so a full Redis runs it; and once a
 # script has written, Redis lets it run to its end (it cannot stop an atomic script halfway), the
 # HSETs included, which a full Redis refuses on their own. Each replaces a request's stats with
@@ -92,6 +100,7 @@ for i = 1, n do
   redis.call('HSET', KEYS[3 * i - 1], 'stats', ARGV[2 * i + 1])
   for k = 3 * i - 1, 3 * i + 1 do redis.call('PEXPIRE', KEYS[k], ARGV[1]) end
 end
+redis.call('PUBLISH', KEYS[#KEYS], cjson.encode(ids))
 return n
 """
 
@@ -115,9 +124,12 @@ class RedisStore:
     remote = True                          # every call is a round trip, bounded by the client's timeout
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
-                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False) -> None:
+                 ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False,
+                 commits: RedisCommits | None = None) -> None:
         """`client`: any redis-py client (not connected until first used). `owns_client`: close it
-        in `close()`."""
+        in `close()`. `commits`: the subscriber `watch` waits on (`from_url` makes one); a store
+        without one, over a bare client (a writer: replica adoption), has followers read only
+        when their wait times out."""
         if ended_ttl_s <= 0:
             raise ValueError("ended_ttl_s must be > 0")
         self.prefix = prefix
@@ -128,6 +140,8 @@ class RedisStore:
         self._save_model_script = client.register_script(_SAVE_MODEL_LUA)
         self._end_script = client.register_script(_END_LUA)
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
+        self._channel = channel_of(prefix)
+        self._commits = commits
         # The writer's view: live id -> τ entries already stored (what the next step appends after).
         self._taus: dict[str, int] = {}
         self._outs: dict[str, int] = {}         # live id -> output tokens already stored
@@ -137,8 +151,9 @@ class RedisStore:
                  ended_ttl_s: float = DEFAULT_ENDED_TTL_S,
                  timeout_s: float | None = None) -> "RedisStore":
         """Over a client of its own, every call bounded by `timeout_s` (redis_client.py)."""
-        client = redis_client(url) if timeout_s is None else redis_client(url, timeout_s)
-        return cls(client, prefix, ended_ttl_s=ended_ttl_s, owns_client=True)
+        timeout_s = REDIS_TIMEOUT_S if timeout_s is None else timeout_s
+        return cls(redis_client(url, timeout_s), prefix, ended_ttl_s=ended_ttl_s, owns_client=True,
+                   commits=RedisCommits(url, prefix, timeout_s))
 
     def _keys(self, rid: str) -> tuple[str, str, str]:
         p = self.prefix
@@ -150,7 +165,7 @@ class RedisStore:
         rec, out, tau = self._keys(rid)
         outputs, taus = [int(t) for t in req.output_ids], [int(t) for t in s.tau_history]
         seq = self._add_script(
-            keys=[rec, out, tau, self._live_key, self._seq_key],
+            keys=[rec, out, tau, self._live_key, self._seq_key, self._channel],
             args=[rid, _dumps([int(t) for t in req.prompt_ids]), _dumps(params_to_dict(req)),
                   _dumps(stats_to_dict(s, tau_history=False)), len(outputs), *outputs, *taus])
         if not seq:
@@ -185,6 +200,9 @@ class RedisStore:
         if step.virtual_time:
             pipe.hset(self._vt_key, mapping={account_to_str(a): repr(float(v))
                                              for a, v in step.virtual_time.items()})
+        touched = step.touched()
+        if touched:                             # in the transaction: heard once it is written
+            pipe.publish(self._channel, message_of(touched))
         try:
             pipe.execute()
         except redis.ResponseError as exc:      # MULTI/EXEC: refused whole, nothing written
@@ -207,7 +225,7 @@ class RedisStore:
                 raise ValueError(f"end_requests: request {s.request_id!r} is {s.status.value}")
             keys.extend(self._keys(s.request_id))
             args += [s.request_id, _dumps(stats_to_dict(s, tau_history=False))]
-        self._end_script(keys=keys, args=args)
+        self._end_script(keys=keys + [self._channel], args=args)
         for s in ended:
             self._taus.pop(s.request_id, None)
             self._outs.pop(s.request_id, None)
@@ -247,6 +265,11 @@ class RedisStore:
             pipe.delete(key)
 
     # ---- reads ------------------------------------------------------------------------------
+    def watch(self, request_id: str) -> AbstractAsyncContextManager[Watch]:
+        if self._commits is None:
+            return _unwoken()
+        return self._commits.watch(request_id)
+
     def load(self) -> StoredState:
         ids = [_text(x) for x in self._r.zrange(self._live_key, 0, -1)]
         requests: list[Request] = []
@@ -314,3 +337,9 @@ class RedisStore:
         return request_from_dict({"prompt_ids": json.loads(prompt), **json.loads(params),
                                   "stats": {**json.loads(stats), "tau_history": taus},
                                   "output_ids": outputs})
+
+
+@asynccontextmanager
+async def _unwoken() -> AsyncIterator[Watch]:
+    """A store with no subscriber: a waiter nothing wakes (its waits time out)."""
+    yield Waiter(asyncio.get_running_loop())

@@ -7,6 +7,8 @@ gateway process killed with SIGKILL. The shared server is never paused or stoppe
     off the loop     a new request gets 503 + Retry-After within 2 s; /health stays fast meanwhile
     /ready           goes 503 while Redis does not answer, 200 again when it does
     streams          a stream in flight pauses and resumes with exactly its tokens, each once
+    followers        a follower waiting on a request when Redis hangs ends with 503
+                     `store_unavailable` within seconds; a new one gets its 503 at once
     slots            renewed past their lease while a stream runs; released after a failed try;
                      a killed gateway's slot frees itself within the short lease
 """
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,6 +37,7 @@ from gateway.http.server import background_server, free_port
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import TenantRegistry
+from scheduler.request import Request, RequestStats
 from scheduler.store.redis_store import RedisStore
 from test_faults import TOK, OwnRedis, body, check_refused, check_stored, expected_ids, post
 
@@ -292,6 +296,116 @@ def test_a_stream_in_flight_pauses_and_resumes_with_each_token_once(own_redis, c
         lines = [r.getMessage() for r in caplog.records if r.name == "scheduler.store.writer"]
         assert sum("streams pause" in m for m in lines) == 1, lines     # reported once
         assert sum("streams resume" in m for m in lines) == 1, lines
+    finally:
+        emb.stop()
+
+
+async def follow_until_it_ends(client: httpx.AsyncClient, url: str, key: str, own: OwnRedis,
+                               after: int = 3) -> tuple[list, float]:
+    """Follow `url` (an SSE stream); once `after` events came, pause Redis and read on until the
+    stream ends. Returns the events (JSON, or "[DONE]") and the seconds it took to end."""
+    events: list = []
+    async with client.stream("GET", url, headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200, await r.aread()
+        lines = r.aiter_lines()
+        async for line in lines:
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            if len(events) >= after:
+                break
+        with paused(own):
+            t0 = time.monotonic()
+            async for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            return events, time.monotonic() - t0
+
+
+def test_a_wait_on_commits_ends_within_seconds_when_redis_hangs_and_works_once_it_answers(own_redis):
+    """The state store's commit notifications (scheduler/store/redis_watch.py) find a Redis that
+    stops answering without closing the connection (a PING unanswered), and end every wait on it
+    with a Redis error within seconds, though the wait asked for much longer; once Redis answers,
+    a new watch is woken by a commit again."""
+    prefix = f"rf:{uuid.uuid4().hex}:"
+    writer = RedisStore.from_url(own_redis.url, prefix)
+    reader = RedisStore.from_url(own_redis.url, prefix)
+
+    async def wait_while_paused() -> float:
+        async with reader.watch("r1") as watch:
+            await watch.wait(0.1)                 # subscribed: whatever came before, heard
+            with paused(own_redis):
+                t0 = time.monotonic()
+                with pytest.raises(redis.RedisError):
+                    await watch.wait(60.0)
+                return time.monotonic() - t0
+
+    async def woken_by_a_commit() -> bool:
+        async with reader.watch("r2") as watch:
+            await watch.wait(0.1)
+            req = Request(RequestStats("r2", "acme", 0.0, prompt_len=1, max_tokens=4), [5])
+            threading.Timer(0.2, writer.add, args=(req,)).start()
+            return await watch.wait(30.0)
+
+    try:
+        assert asyncio.run(wait_while_paused()) < 5.0
+        assert asyncio.run(woken_by_a_commit())
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_a_follower_waiting_while_redis_hangs_ends_with_503_in_seconds(own_redis):
+    """A follower waits on the store's commit notifications (no thread held): when Redis stops
+    answering, the wait ends within seconds with `store_unavailable` (an error event: the 200 is
+    out; the client resumes after Retry-After), for a chat resume and a streamed GET of a
+    response alike; a new follower meanwhile gets its 503 with Retry-After at once."""
+    emb = gateway(own_redis, f"rf:{uuid.uuid4().hex}:")
+    emb.tenants.put(Tenant("acme"), ["sk-acme"])
+    headers = {"Authorization": "Bearer sk-acme"}
+    emb.start()
+    try:
+        with background_server(emb.app, log_level="critical") as url:
+            async def scenario():
+                async with httpx.AsyncClient(timeout=30) as client:
+                    model = emb.settings.model_id
+                    resp = (await client.post(url + "/v1/responses", headers=headers, json={
+                        "model": model, "input": "hi", "max_output_tokens": 3000,
+                        "background": True})).json()["id"]
+                    async with client.stream("POST", url + "/v1/chat/completions", headers=headers,
+                                             json={"model": model, "max_tokens": 3000,
+                                                   "messages": [{"role": "user", "content": "hi"}],
+                                                   "stream": True,
+                                                   "stream_options": {"resumable": True}}) as r:
+                        async for line in r.aiter_lines():    # its first event; then it leaves
+                            if line.startswith("data: "):
+                                chat = json.loads(line[6:])["id"]
+                                break
+                    followed = {}
+                    for name, path in (("response", f"/v1/responses/{resp}?stream=true"),
+                                       ("chat", f"/v1/chat/completions/{chat}/stream")):
+                        followed[name] = await follow_until_it_ends(client, url + path, "sk-acme",
+                                                                     own_redis)
+                        await asyncio.sleep(1.5)       # Redis answers again; the probe sees it
+                    with paused(own_redis):
+                        t0 = time.monotonic()
+                        fresh = await client.get(f"{url}/v1/responses/{resp}?stream=true",
+                                                 headers=headers)
+                        fresh_s = time.monotonic() - t0
+                    return resp, chat, followed, fresh, fresh_s
+
+            resp, chat, followed, fresh, fresh_s = asyncio.run(scenario())
+            emb.service.cancel(resp)
+            emb.service.cancel(chat)
+        for name, (events, ended_s) in followed.items():
+            errors = [e.get("error", e) for e in events
+                      if isinstance(e, dict) and ("error" in e or e.get("type") == "error")]
+            assert errors, (name, events[-3:])
+            error = errors[-1]
+            assert error["code"] == "store_unavailable", (name, error)
+            assert ended_s < 5.0, (name, ended_s)
+        check_refused(fresh, (503,))
+        assert fresh.json()["error"]["code"] == "store_unavailable"
+        assert fresh_s < 2.5, fresh_s
     finally:
         emb.stop()
 

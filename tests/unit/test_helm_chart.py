@@ -124,6 +124,25 @@ def test_the_serve_config_is_a_valid_application_config(case):
     assert cfg.scheduler.graceful_shutdown_timeout_s >= 600
 
 
+def test_the_ingress_caps_the_slots_streams_hold_and_the_queue_past_them():
+    """Every request holds an ingress slot until it ends, before admission sees it: the Serve
+    config the chart carries sets the ingress's slots and a short queue with a 503 + Retry-After
+    past it, deliberately (values.yaml), and leaves every other deployment's queue as Serve's."""
+    def ingress_of(values: dict):
+        svc = by_kind(render(values), "RayService")[0]
+        (app,) = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"]
+        return RayAppConfig(**app["args"])
+
+    cfg = ingress_of(BASE)
+    assert (cfg.ingress.max_ongoing_requests, cfg.ingress.max_queued_requests) == (256, 64)
+    assert cfg.ingress.backpressure_retry_after_s == 1
+    assert Settings().max_followers_per_tenant * 4 <= cfg.ingress.max_ongoing_requests
+    assert cfg.scheduler.max_queued_requests == cfg.verifier.max_queued_requests == -1
+    sized = ingress_of({**BASE, "serve": {"ingressMaxOngoingRequests": 512,
+                                          "ingressMaxQueuedRequests": 16}})
+    assert (sized.ingress.max_ongoing_requests, sized.ingress.max_queued_requests) == (512, 16)
+
+
 def test_grpc_goes_through_serves_grpc_proxy_and_can_be_switched_off():
     from gateway.ray_serve.ingress import GRPC_SERVICER
 
@@ -245,6 +264,8 @@ def test_monitoring_objects_carry_the_shipped_rules_and_dashboards():
     {"networkPolicy": {"externalRedis": {"to": [], "port": 0}}},
     {"networkPolicy": {"prometheus": {"podSelector": {}, "namespace": "monitoring"}}},
     {"ray": {"dashboard": {"allowFrom": [{"everyone": True}]}}},
+    {"serve": {"ingressMaxOngoingRequests": 0}},
+    {"serve": {"ingressMaxQueuedRequests": -1}},           # unbounded: a flood waits unseen
 ])
 def test_the_values_schema_refuses_bad_values(bad):
     with pytest.raises(helm.HelmError):

@@ -24,6 +24,31 @@ def test_draining_stream_carriers_wait_out_long_streams_while_other_deployments_
         assert cfg.verifier.graceful_shutdown_timeout_s == 30.0
 
 
+def test_the_ingress_caps_the_slots_streams_hold_and_serve_is_given_the_caps():
+    """A request holds an ingress slot until its answer or stream ends, before fairness or
+    admission sees it; past the slots it waits in Serve's queue, unseen. So the ingress's slots
+    are sized well above what one tenant may hold for long (its followers here), its queue is
+    short, and past it Serve answers 503 with Retry-After at once: in the defaults, in the
+    shipped config and in a config that overrides other ingress options."""
+    from ray.serve._private.build_app import build_app
+
+    from gateway.builders.ray_app import build_ray_app
+
+    (app,) = yaml.safe_load(SHIPPED.read_text())["applications"]
+    followers = Settings().max_followers_per_tenant
+    for cfg in (RayAppConfig(), RayAppConfig(**app["args"]), RayAppConfig(ingress={"num_replicas": 3})):
+        ingress = cfg.ingress
+        assert followers * 4 <= ingress.max_ongoing_requests
+        assert 0 < ingress.max_queued_requests < ingress.max_ongoing_requests
+        assert ingress.backpressure_retry_after_s == 1.0
+    built = {d.name: d._deployment_config for d in
+             build_app(build_ray_app(RayAppConfig()), name="specgate").deployments}
+    ingress = built["ingress"]
+    assert (ingress.max_ongoing_requests, ingress.max_queued_requests) == (256, 64)
+    assert (ingress.backpressure_config.status_code, ingress.backpressure_config.retry_after_s) == (503, 1.0)
+    assert all(built[name].max_queued_requests == -1 for name in ("scheduler", "verifier", "draft"))
+
+
 # ---- secrets: never in what Serve keeps -------------------------------------------------------------
 ADMIN, METRICS = "adm-secret-key-0123456789", "met-secret-key-0123456789"
 PEPPER, REDIS_PASSWORD = "pep-secret-" + "0" * 32, "pw-secret-0123456789"

@@ -4,7 +4,9 @@ for calls (gateway/tool_calls.py): `message.tool_calls`, streamed as tool-call d
 
 GET /v1/chat/completions/{id}/stream (specgate extension): a stream resumed after the
 `Last-Event-ID` its client sends (or `?after=`), read from the request's record
-(gateway/replay.py); the ids, and which streams can be resumed: gateway/http/chat_stream.py."""
+(gateway/replay.py); the ids, and which streams can be resumed: gateway/http/chat_stream.py.
+A resume is a request of its tenant's: charged to its rpm, holding a follower slot while it
+streams (gateway/followers.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +21,7 @@ from gateway.http.chat_stream import ChatChunks, ChatIds, ChatView, refusal, res
 from gateway.http.choices import check_choices, generate_choices, open_choices
 from gateway.http.deps import (ArrivedTenantDep, ServiceDep, SettingsDep, TenantDep, json_body,
                                sse_events, sse_response, until_disconnected)
+from gateway.http.followers import FollowerDep
 from gateway.replay import Replayer, not_found
 from gateway.schemas import ChatRequest
 
@@ -66,8 +69,9 @@ async def create_chat_completion(request: Request, tenant: ArrivedTenantDep, ser
 
 
 @router.get("/v1/chat/completions/{request_id}/stream")
-async def resume_chat_completion(request_id: str, tenant: TenantDep, replayer: ReplayerDep,
-                                 settings: SettingsDep, after: str | None = None,
+async def resume_chat_completion(request_id: str, tenant: TenantDep, _: FollowerDep,
+                                 replayer: ReplayerDep, settings: SettingsDep,
+                                 after: str | None = None,
                                  last_event_id: Annotated[str | None, Header()] = None) -> Any:
     # the header wins: an EventSource reconnecting sends the newest id, to the same URL
     resume = resume_from(last_event_id if last_event_id is not None else after)

@@ -1,6 +1,8 @@
 """The Responses API: POST /v1/responses, GET /v1/responses/{id} (with `stream=true&
 starting_after=N`: its events after N, then live ones), POST /v1/responses/{id}/cancel, DELETE
-/v1/responses/{id}. The work is gateway/responses/service.py's; this file is HTTP only."""
+/v1/responses/{id}. The work is gateway/responses/service.py's; this file is HTTP only. A GET is
+a request of its tenant's: charged to its rpm, and streamed, holding a follower slot while it
+streams (gateway/followers.py)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,7 @@ from gateway import errors
 from gateway.errors import ApiError
 from gateway.http.deps import (ArrivedTenantDep, SettingsDep, TenantDep, json_body, sse_response,
                                until_disconnected)
+from gateway.http.followers import ResponseReaderDep
 from gateway.responses.request import ResponseRequest
 from gateway.responses.service import ResponseService
 
@@ -67,8 +70,8 @@ async def create_response(request: Request, tenant: ArrivedTenantDep, responses:
 
 
 @router.get("/v1/responses/{response_id}")
-async def get_response(response_id: str, tenant: TenantDep, responses: ResponsesDep,
-                       settings: SettingsDep, stream: bool = False,
+async def get_response(response_id: str, tenant: TenantDep, _: ResponseReaderDep,
+                       responses: ResponsesDep, settings: SettingsDep, stream: bool = False,
                        starting_after: int | None = None) -> Any:
     if starting_after is not None and not stream:
         raise errors.invalid("starting_after needs stream=true", "starting_after")

@@ -160,7 +160,7 @@ def test_a_follower_decodes_only_the_tokens_it_has_not_seen(tok):
         store, counted = MemoryStore(), Counted(tok)
         req = record("chatcmpl-f", acme, tok.encode("Say:"), [], Status.RUNNING)
         store.add(req)
-        replayer = Replayer(store, counted, poll_s=0.001)
+        replayer = Replayer(store, counted)
 
         async def commit():
             for i in range(0, n, 16):

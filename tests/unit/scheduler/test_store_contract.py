@@ -6,9 +6,11 @@ objects sharing state (restart recovery), prefix isolation, the key layout, roun
 """
 from __future__ import annotations
 
+import asyncio
 import doctest
 import json
 import random
+import threading
 import time
 from dataclasses import fields
 
@@ -100,6 +102,37 @@ def store(open_) -> StateStore:
 # ---- the contract ----------------------------------------------------------------------------
 def test_implements_the_protocol(store):
     assert isinstance(store, StateStore)
+
+
+def test_a_commit_wakes_the_followers_of_what_it_touched_and_no_others(store):
+    """`watch` (scheduler/store/watch.py): a commit from the step loop's thread wakes the
+    followers of the requests it wrote, a commit made while nobody waited is not lost (the next
+    wait returns at once), an `add` wakes the followers of the request it adds, `end_requests`
+    those of the requests it ends, and nobody else is woken. On Redis through the commit's own PUBLISH, heard by the store's subscriber."""
+    store.add(make_request("a"))
+    store.add(make_request("b"))
+
+    async def go() -> None:
+        async with store.watch("a") as a, store.watch("b") as b, store.watch("c") as c:
+            for w in (a, b, c):
+                await w.wait(0.05)                 # (Redis: subscribing wakes every waiter once)
+            writer = threading.Timer(0.1, store.commit_step, args=(StepWrite(appended={"a": [7]}),))
+            writer.start()
+            t0 = time.monotonic()
+            assert await a.wait(30.0) and time.monotonic() - t0 < 10
+            writer.join()                          # one writer at a time, as the step loop
+            store.commit_step(StepWrite(appended={"a": [8]}))     # nobody waits now
+            assert await a.wait(30.0)
+            store.add(make_request("c"))
+            assert await c.wait(30.0)
+            assert not await b.wait(0.5)           # nothing of b's was written
+            assert store.tail("a", 0).tokens == [7, 8]
+            ended = make_request("b").stats
+            ended.status = Status.FAILED
+            store.end_requests([ended])            # the write a full store still takes
+            assert await b.wait(30.0)
+
+    asyncio.run(asyncio.wait_for(go(), 60))
 
 
 def test_add_then_load_round_trips_every_field(store):
