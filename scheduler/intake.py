@@ -3,7 +3,7 @@
 `submit`, `adopt`, `cancel`, `set_tenant`, `drop_tenant` and `attach` may be called from any
 thread (the gateway's). They admit (admission counts and limits, sinks: one lock), persist a new
 request before anyone is told it was admitted, and enqueue a message; the loop applies the inbox
-at its next step boundary (`StepLoop._apply_inbox`), so the policy, the state and the worker are
+at its next step boundary (`Intake.apply`, called by `StepLoop.step`), so the policy, the state and the worker are
 touched by the loop's thread alone. Events go out to each request's sink (`emit`), on the loop's
 thread.
 

@@ -73,7 +73,7 @@ class StepLoop:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
         self.worker = worker
-        self.store = store if store is not None else MemoryStore()
+        store = store if store is not None else MemoryStore()
         self.admission = admission or AdmissionControl()
         self.max_resident = max_resident
         self.clock = clock
@@ -87,11 +87,12 @@ class StepLoop:
         self._limits: dict[str, int] = {}              # request id -> output token limit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.intake = Intake(worker, self.store, self.admission, clock, policy.fairness.weights)
+        self.intake = Intake(worker, store, self.admission, clock, policy.fairness.weights)
         self.kv = KVResidency(worker, self.state, self._requests, self._limits, max_resident,
-                              chunked=self.chunked, failed=self._prefill_failed,
+                              chunked=self.chunked,
+                              failed=lambda rid, exc: self._end(rid, Status.FAILED, "error", str(exc)),
                               predict=self._predict)
-        self._writer = StoreWriter(self.store, self._stop)
+        self._writer = StoreWriter(store, self._stop)
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
@@ -138,6 +139,15 @@ class StepLoop:
             self.lengths.stop()
 
     @property
+    def store(self) -> StateStore:
+        """The state store the intake adds to and the writer commits to (one, set for both)."""
+        return self.intake.store
+
+    @store.setter
+    def store(self, store: StateStore) -> None:
+        self.intake.store = self._writer.store = store
+
+    @property
     def store_down_since(self) -> float | None:
         """Monotonic time the state store stopped taking writes; None while it takes them."""
         return self._writer.down_since
@@ -155,11 +165,9 @@ class StepLoop:
                 wake.clear()
 
     def recover(self) -> list[str]:
-        """Take over every live request from the store (after a restart). Returns their ids.
-
-        Call before the first step. Their KV is rebuilt lazily: a recovered request is prefilled
-        with prompt + committed output when a plan first picks it. Requests this loop already
-        holds (admitted here while it waited to take over) are left as they are."""
+        """Take over every live request from the store (after a restart; call before the first
+        step); returns their ids. KV is rebuilt lazily (prompt + committed output, prefilled when
+        first planned); requests admitted here while it waited to take over are left as they are."""
         stored = self.store.load()
         self.state.virtual_time.update(stored.virtual_time)
         stored.requests = [r for r in stored.requests if r.stats.request_id not in self._requests]
@@ -258,9 +266,6 @@ class StepLoop:
         for s in ended:
             self._forget(s, "the state store is full")
 
-    def _prefill_failed(self, request_id: str, exc: Exception) -> None:
-        self._end(request_id, Status.FAILED, "error", str(exc))
-
     def _predict(self, req: Request, features: Sequence[float], committed: int, *,
                  touch: bool = True) -> None:
         """Re-predict a request's remaining length (`LengthLearner.predict`); `touch`: between
@@ -272,11 +277,7 @@ class StepLoop:
             self.policy.touch(req.request_id)
 
     def _apply_inbox(self) -> None:
-        self.intake.apply(self.policy, self._admit, self._cancel)
-
-    def _cancel(self, request_id: str, status: Status, cause: str | None) -> None:
-        if request_id in self.state.requests:
-            self._end(request_id, status, cause)
+        self.intake.apply(self.policy, self._admit, self._end)   # a cancel ends it
 
     def _admit(self, req: Request) -> None:
         """A submitted (or adopted) request joins the plan. With a length predictor and KV room
