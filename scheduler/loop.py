@@ -45,8 +45,9 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-from scheduler.admission import Admitted, AdmissionControl, Refused
+from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
 from scheduler.events import Delta, Event, Finished, Sink
+from scheduler.forecast import MissForecast
 from scheduler.intake import Intake
 from scheduler.length_learner import LengthLearner
 from scheduler.policies.planner import BatchPlanner
@@ -93,11 +94,15 @@ class StepLoop:
                               failed=lambda rid, exc: self._end(rid, Status.FAILED, "error", str(exc)),
                               predict=self._predict)
         self._writer = StoreWriter(store, self._stop)
+        self.forecast = MissForecast(policy)           # off until configured (scheduler/forecast.py)
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
         """Admit a request or refuse it (`Intake.submit`)."""
-        return self.intake.submit(req, sink)
+        verdict = self.intake.submit(req, sink)
+        if verdict is ADMITTED and self.forecast.enabled:
+            self.forecast.admitted(req.stats, self.clock())     # ahead of later newcomers
+        return verdict
 
     def adopt(self, requests: Sequence[Request]) -> list[str]:
         """Take over a dead replica's requests (`Intake.adopt`); returns the ids taken."""
@@ -217,6 +222,7 @@ class StepLoop:
         now = self.clock()
         self.steps += 1
         self._record(results, now, now - start)
+        self.forecast.refresh(self.state, now)         # the miss predictor's queue, if on
         self.busy_s += time.perf_counter() - t0        # plan, prefills, step, commit, persist
         return True
 

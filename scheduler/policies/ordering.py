@@ -9,7 +9,7 @@ aging, tenant fairness, KV, chunked prefill and tree sizing, is the batch planne
 
 `Ordering` declares the whole capability with defaults that are right for a policy without it,
 so the planner never probes: `key` is required; `refresh`, `node_urgency`, `finished` and
-`reset` default to nothing, and `ages` to true. An ordering is built from the planner's `PolicyConfig` and its own
+`reset` default to nothing, `remaining_tokens` to the request's own bounds, and `ages` to true. An ordering is built from the planner's `PolicyConfig` and its own
 options (`build`); one that reads the config (laps: the step cost) overrides `build`.
 """
 from __future__ import annotations
@@ -43,6 +43,15 @@ class Ordering(Protocol):
     def refresh(self, state: SchedulerState, s: RequestStats) -> None:
         """Move a request that was served since it was last ranked (levels, perceptible, predicted
         remaining time); called just before it is re-keyed."""
+
+    def remaining_tokens(self, s: RequestStats) -> float:
+        """Output tokens the request is expected still to produce, as far as this order knows
+        (what the miss predictor, scheduler/forecast.py, reads): without a length model of its
+        own, its arrival prediction (else its max_tokens) less what it committed."""
+        left = s.max_tokens - s.committed
+        if s.predicted_len is not None:
+            left = min(left, s.predicted_len - s.committed)
+        return float(max(1, left))
 
     def node_urgency(self, stats: list[RequestStats]) -> list[float] | None:
         """Weights on the chosen requests' draft-node worths (scheduler/sizing.py `urgency`);
