@@ -77,6 +77,9 @@ class RequestQueues:
         if counts[s.tenant] == 0:
             del counts[s.tenant]
             del self._queues[cls][s.tenant]   # its entries are all stale now
+            if not counts:                    # its class's last: a class with no tenant left
+                del self._counts[cls], self._queues[cls]   # has none to be fair between
+                self._classes.remove(cls)
 
     def touch(self, request_id: str) -> None:
         """Rank a live request again before the next choice (it was served, or its stats

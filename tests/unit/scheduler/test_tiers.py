@@ -181,3 +181,17 @@ def test_a_tiers_fairness_account_survives_the_stores_codec():
     for tier in TIERS:
         account = (plan_class(tier, 3), "acme:eu")
         assert account_from_str(account_to_str(account)) == account
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_tier_emptied_before_a_queued_one_is_skipped_not_fatal(name):
+    """A class whose last request ended stays out of the plan: the planner once kept it, with no
+    tenant to be fair between, and failed the step loop planning the flex queue behind it."""
+    from scheduler.request import Status
+
+    p = policy(name, max_batch=1)
+    state = build(p, [tiered("d", "default")])
+    p.remove(state, "d", Status.CANCELLED, None, 1.0)
+    for rid in ("f1", "f2"):
+        p.add(state, tiered(rid, "flex", tenant=rid, arrival=2.0))
+    assert p.plan(state, 3.0).request_ids in (["f1"], ["f2"])
