@@ -88,6 +88,16 @@ def forbidden_tier(tier: str, allowed: Iterable[str]) -> ApiError:
                     param="service_tier", code="service_tier_not_allowed")
 
 
+def slo_unattainable(status: int, tier: str, objective_s: float, predicted_s: float,
+                     retry_after_s: float) -> ApiError:
+    """A request predicted to miss its tier's TTFT target (scheduler/miss.py): 429 when its own
+    tenant's requests make the wait, 503 when everyone's do; Retry-After, when it would make it."""
+    return ApiError(status, f"service_tier {tier!r} promises a first token within "
+                    f"{objective_s:g} s; with the requests queued ahead it would take about "
+                    f"{predicted_s:.1f} s; retry later", param="service_tier",
+                    code="slo_unattainable", retry_after_s=max(retry_after_s, 1.0))
+
+
 def unknown_model(model: str) -> ApiError:
     return ApiError(404, f"the model {model!r} does not exist", param="model",
                     code="model_not_found")

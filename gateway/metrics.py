@@ -32,6 +32,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2
                    10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2,
                          0.3, 0.5, 0.75, 1.0, 2.5)
+# measured − predicted seconds: early and late alike (a histogram's sum ÷ count is the bias)
+ERROR_BUCKETS = (-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, 0.0, 0.05, 0.1, 0.25, 0.5,
+                 1.0, 2.5, 5.0, 10.0)
 TAU_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -57,6 +60,10 @@ class GatewayMetrics:
         self.ttft = Histogram("specgate_time_to_first_token_seconds",
                               "From arrival at the gateway to the first output token",
                               ["tenant", "tier"], buckets=LATENCY_BUCKETS, registry=r)
+        # measured − predicted TTFT of each request admission predicted (scheduler/miss.py)
+        self.ttft_error = Histogram("specgate_ttft_prediction_error_seconds",
+                                    "A request's measured minus predicted time to first token",
+                                    ["tier"], buckets=ERROR_BUCKETS, registry=r)
         self.itl = Histogram("specgate_inter_token_latency_seconds",
                              "Gap between output tokens (a step that commits k tokens counts "
                              "its gap ÷ k, k times)", ["tenant", "tier"],
@@ -135,9 +142,9 @@ class GatewayMetrics:
     def admitted(self, tenant: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
 
-    def times(self, tenant: str, tier: str) -> "RequestTimes":
-        """A new request's latencies, as its tokens come."""
-        return RequestTimes(self, tenant, tier)
+    def times(self, tenant: str, tier: str, predicted_ttft_s: float | None = None) -> "RequestTimes":
+        """A new request's latencies, as its tokens come (`predicted_ttft_s`: admission's)."""
+        return RequestTimes(self, tenant, tier, predicted_ttft_s)
 
     def done(self, tenant: str, status: str, seconds: float, completion_tokens: int) -> None:
         self.requests.labels(tenant, status).inc()
@@ -181,8 +188,10 @@ class RequestTimes:
     token and its gaps go to the histograms by tenant and tier, and when it ends, whether it met
     its tier's objectives to `specgate_slo_requests_total` (`gateway.tiers.attainment`)."""
 
-    def __init__(self, metrics: GatewayMetrics, tenant: str, tier: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, tenant: str, tier: str,
+                 predicted_ttft_s: float | None = None) -> None:
         self.metrics, self.tenant, self.tier = metrics, tenant, tier
+        self.predicted_ttft_s = predicted_ttft_s
         self.objectives = metrics.tiers.get(tier)
         self.ttft_s: float | None = None
         self.gaps = self.slow_gaps = 0
@@ -190,6 +199,8 @@ class RequestTimes:
     def first_token(self, seconds: float) -> None:
         self.ttft_s = seconds
         self.metrics.ttft.labels(self.tenant, self.tier).observe(seconds)
+        if self.predicted_ttft_s is not None:
+            self.metrics.ttft_error.labels(self.tier).observe(seconds - self.predicted_ttft_s)
 
     def tokens(self, gap_s: float, n: int) -> None:
         """`n` tokens arrived `gap_s` after the previous ones (each counts gap ÷ n)."""

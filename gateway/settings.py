@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # does about a request about to pass it; JSON, a tier's fields over its defaults
     service_tiers: dict[Literal[TIERS], TierObjectives] = Field(
         default_factory=lambda: dict(DEFAULT_TIERS))
+    # predict each request's TTFT from the queue ahead (scheduler/miss.py) and refuse, or move
+    # to flex, one that would miss its tier's target (`on_predicted_miss`); docs/operations.md
+    slo_admission: bool = False
     drafters: str = "ngram"                    # comma-separated; the first is the default
     grpc_port: int | None = Field(None, ge=0, le=65535)
     # the scheduler

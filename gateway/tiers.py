@@ -8,7 +8,8 @@ met by `percentile` per cent of its requests (the rest is the error budget the b
 watch), a maximum queue wait, and what the planner does about a request about to pass it
 (`on_miss`): `promote` plans it ahead of its band (aging per tier: it waits no longer, at the
 cost of the order the policy would have chosen), `count` leaves it where the order puts it (its
-miss is only counted). Which tiers a tenant may use, and its default for `auto`, are the
+miss is only counted). With miss prediction on (`slo_admission`), a request predicted to miss
+its TTFT target is refused early or moved to flex (`on_predicted_miss`). Which tiers a tenant may use, and its default for `auto`, are the
 tenant's (`gateway.tenancy.records.Tenant`).
 """
 from __future__ import annotations
@@ -36,6 +37,10 @@ class TierObjectives(BaseModel):
     # the planner's aging bound (60 s)
     max_queue_wait_s: float | None = Field(default=None, gt=0)
     on_miss: Literal["promote", "count"] = "promote"
+    # what admission does with a request predicted to miss the TTFT target (scheduler/miss.py;
+    # with `SPECGATE_SLO_ADMISSION` on): refuse it (429/503 slo_unattainable, Retry-After),
+    # move it to `flex` where its tenant may use flex and flex would make it, or admit it
+    on_predicted_miss: Literal["refuse", "flex", "admit"] = "refuse"
 
     @property
     def objective(self) -> float:
@@ -45,7 +50,7 @@ class TierObjectives(BaseModel):
 
 DEFAULT_TIERS: dict[str, TierObjectives] = {
     "priority": TierObjectives(ttft_s=1.0, tbt_s=0.1, percentile=99),
-    "default": TierObjectives(ttft_s=2.5, tbt_s=0.2, percentile=99),
+    "default": TierObjectives(ttft_s=2.5, tbt_s=0.2, percentile=99, on_predicted_miss="flex"),
     "flex": TierObjectives(ttft_s=30.0, tbt_s=0.5, percentile=95, max_queue_wait_s=300.0),
 }
 

@@ -189,6 +189,10 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
     step_loop = StepLoop(policy, worker, store, admission=admission, max_resident=max_resident,
                          lengths=lengths, kv_budgets=kv_budgets)
     worker.follow(step_loop)
+    if settings.slo_admission:                  # miss prediction: scheduler/forecast.py
+        tiers = settings.service_tiers
+        step_loop.forecast.configure({t: o.ttft_s for t, o in tiers.items()},
+                                     {t: o.on_predicted_miss for t, o in tiers.items()})
     return step_loop
 
 

@@ -7,7 +7,7 @@ deployment handle to that endpoint.
 
 Wire format, one tuple per message:
 
-    ("admitted", request_id)          first message of a stream
+    ("admitted", (request_id, tier))  first message of a stream (the tier it runs in)
     ("chunk", StreamChunk)            new text and tokens
     ("output", GenerateOutput)        last message of a stream, or a `generate` answer
     ("error", {status, message, type, param, code, retry_after_s})   a refusal (ApiError)
@@ -85,7 +85,7 @@ class SchedulerEndpoint:
             yield error_message(refusal_of(e))
             return
         try:
-            yield ("admitted", stream.request_id)
+            yield ("admitted", (stream.request_id, stream.service_tier))
             async for item in stream:
                 yield ("output", item) if isinstance(item, GenerateOutput) else ("chunk", item)
         finally:
@@ -165,14 +165,15 @@ class RemoteService:
             raise
         if kind == "error":
             raise_error(value)
-        return RemoteStream(value, gen)
+        return RemoteStream(*value, gen)
 
 
 class RemoteStream:
     """`RequestStream`'s interface over the endpoint's message stream."""
 
-    def __init__(self, request_id: str, gen: Any) -> None:
+    def __init__(self, request_id: str, service_tier: str, gen: Any) -> None:
         self.request_id = request_id
+        self.service_tier = service_tier
         self._gen = gen
         self._done = False
 

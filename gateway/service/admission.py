@@ -6,6 +6,10 @@
     precheck  the tenant's token and concurrency limits as they stand (429 with Retry-After),
               before any work on its prompt: a tenant over its limits costs no tokenization;
     prepare   gateway/service/prepare.py (400, 403, 404, 413);
+    predict   with miss prediction on (`slo_admission`, scheduler/miss.py): a request predicted
+              to miss its tier's TTFT target is refused (429 when its tenant's own requests make
+              the wait, else 503; `slo_unattainable`, Retry-After when it would make it), or moved
+              to `flex` where its tier and its tenant allow; charged nothing but the request;
     acquire   the tenant's token and concurrency limits, charged (429 with Retry-After; 400 for a
               request larger than the tenant's whole TPM, which waiting cannot help);
     submit    to the step loop, with the tenant's priority, weight and speculation policy
@@ -17,6 +21,8 @@ The limiter's and the state store's calls may wait on the network (`remote`): th
 admission on a worker thread then.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from gateway import errors
 from gateway.errors import ApiError
@@ -31,6 +37,7 @@ from gateway.tenancy.limits import Grant, LimitExceeded, Limiter
 from gateway.tenancy.records import Tenant
 from scheduler.admission import ADMITTED
 from scheduler.loop import StepLoop
+from scheduler.miss import judge
 
 
 class Admission:
@@ -72,6 +79,7 @@ class Admission:
         except ApiError:
             self.metrics.rejected(tenant.name)
             raise
+        prep = self._predict(prep)
         return prep, self._acquire(prep)
 
     def submit(self, stream: RequestStream) -> None:
@@ -86,6 +94,26 @@ class Admission:
             raise
         if self.grants is not None and grant is not None:
             self.grants.hold(grant)                   # renewed while the request runs
+
+    def _predict(self, prep: Prepared) -> Prepared:
+        """The request's predicted TTFT and admission's verdict on it (module docstring:
+        predict): raises ApiError for a refusal; returns `prep` with the prediction, and with
+        its tier moved to flex if it was."""
+        forecast = self.step_loop.forecast
+        if not forecast.enabled:
+            return prep
+        s, now = prep.request.stats, self.step_loop.clock()
+        verdict = judge(s.tier, lambda tier: forecast.predict(tier, s.tenant, s.prompt_len,
+                                                              s.max_tokens, now),
+                        forecast.ttft_s, forecast.on_miss, prep.tenant.allows_tier("flex"))
+        p = verdict.predicted
+        if verdict.action == "refuse":
+            self.metrics.refused(s.tenant, "slo_unattainable",
+                                 "rate_limited" if verdict.status == 429 else "overloaded")
+            raise errors.slo_unattainable(verdict.status, s.tier, forecast.ttft_s[s.tier],
+                                          p.ttft_s, verdict.retry_after_s)
+        s.tier = verdict.tier                     # flex, if moved: echoed as the tier it ran in
+        return replace(prep, predicted_ttft_s=p.ttft_s) if p is not None else prep
 
     def _precheck(self, inp: GenerateInput, tenant: Tenant) -> None:
         """429 now if the tenant's limits would refuse even the least this request can cost.

@@ -58,7 +58,7 @@ class RequestStream:
         self._t0 = t0
         self._last_t: float | None = None
         req = prep.request
-        self._times = parts.metrics.times(req.stats.tenant, req.stats.tier)
+        self._times = parts.metrics.times(req.stats.tenant, req.stats.tier, prep.predicted_ttft_s)
         self._text = OutputText(parts.tokenizer, req.prompt_ids, prep.stops)
         self._ids: list[int] = []
         self._pending_ids: list[int] = []
@@ -71,6 +71,11 @@ class RequestStream:
         self._closed = False
         self._detached = bool(req.meta.get("detached"))
         self._adopted = False        # detached, and handed on when closed early
+
+    @property
+    def service_tier(self) -> str:
+        """The tier it runs in (admission may have moved it to flex, gateway/service/admission.py)."""
+        return self.prep.request.stats.tier
 
     # ---- the loop's thread ----------------------------------------------------------------------
     def sink(self, event: Delta | Finished) -> None:

@@ -97,6 +97,7 @@ class EventStream(Protocol):
     """What `open_stream` returns: `RequestStream` here, `gateway.ray_serve.remote.RemoteStream`
     in a Ray ingress; `StreamChunk`s, then one `GenerateOutput`."""
     request_id: str
+    service_tier: str      # the tier it runs in: admission may have moved it (to flex)
 
     def __aiter__(self) -> AsyncIterator[StreamChunk | GenerateOutput]: ...
 
@@ -110,6 +111,8 @@ class Prepared:
     tenant: Tenant
     model: str
     stops: tuple[str, ...]
+    # its TTFT as admission predicted it (scheduler/miss.py), from admission; None: not predicted
+    predicted_ttft_s: float | None = None
 
 
 def new_request_id(kind: str) -> str:

@@ -60,6 +60,8 @@ async def create_chat_completion(request: Request, tenant: ArrivedTenantDep, ser
     # kept with the record for a resume; `detached`: a disconnect does not cancel it
     inp = dataclasses.replace(inp, meta=view.to_meta(), detached=body.resumable)
     streams = await open_choices(service, inp, n)
+    # the tier it runs in: admission may have moved it to flex (gateway/service/admission.py)
+    view = dataclasses.replace(view, service_tier=streams[0].service_tier)
     chunks = ChatChunks(view, streams[0].request_id, parsers)
     return sse_response(sse_events(streams, chunk=chunks.chunk, final=chunks.final,
                                    openings=chunks.openings(),

@@ -29,7 +29,7 @@ async def create_completion(request: Request, tenant: ArrivedTenantDep, service:
         outs = await until_disconnected(request, generate_choices(service, inp, n))
         return bodies.completion_body(outs, body.model, created)
     streams = await open_choices(service, inp, n)
-    rid, model, tier = streams[0].request_id, body.model, inp.service_tier
+    rid, model, tier = streams[0].request_id, body.model, streams[0].service_tier
     extra = {"usage": None} if body.include_usage else {}
 
     def chunk(i: int, piece) -> dict:
