@@ -14,8 +14,10 @@ queued; between two refreshes, each admitted request is added to the backlogs it
 against the queue as it was before the burst.
 
 The step's seconds are the measured average (`SchedulerState.step_s`): a waiting newcomer waits
-behind a full batch, and the steps measured under a queue are full ones; before any step is
-measured, the step-cost model's full-batch step; with neither there is no prediction (admitted).
+behind a full batch, and the steps measured under a queue are full ones. A measured step holds
+the prefills run in it, on average, so the prefills ahead are not counted again (only the
+newcomer's own is). Before any step is measured, the step-cost model's full-batch step, and the
+prefills ahead priced by it; with neither there is no prediction (admitted).
 
 Off (`enabled` false: no objectives configured) it takes nothing and predicts nothing.
 """
@@ -71,8 +73,10 @@ class MissForecast:
         requests.sort(key=lambda s: (rank[tier_of(s.tier)], s.status is not Status.RUNNING,
                                      s.arrival_s))
         backlogs, by_tier = {}, {t: [] for t in TIERS}
+        measured = state.step_s is not None     # its average holds the prefills (docstring)
         for s in requests:
-            by_tier[tier_of(s.tier)].append(self._work(s, tau))
+            w = self._work(s, tau)
+            by_tier[tier_of(s.tier)].append(Work(w.tenant, w.steps) if measured else w)
         ahead: list[Work] = []
         batch = self.planner.config.max_batch
         for tier in TIERS:                     # each tier waits behind itself and those above
