@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Sequence
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
 from scheduler.events import Event, Finished, Sink
+from scheduler.forecast import MissForecast
 from scheduler.policies.planner import BatchPlanner
 from scheduler.request import Request, Status
 from scheduler.store import StateStore
@@ -43,6 +44,9 @@ class Intake:
         self._sinks: dict[str, Sink] = {}
         self._tenant_caps: dict[str, int] = dict(admission.limits.per_tenant)
         self._finish_times: collections.deque = collections.deque(maxlen=64)
+        # the miss predictor's queue (scheduler/forecast.py), told of each admission: set by the
+        # step loop; None or off, told nothing
+        self.forecast: MissForecast | None = None
 
     # ---- any thread --------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
@@ -74,6 +78,8 @@ class Intake:
                 self._sinks.pop(s.request_id, None)
             raise
         self._post(("submit", req))
+        if self.forecast is not None and self.forecast.enabled:
+            self.forecast.admitted(req.stats, self.clock())      # ahead of later newcomers
         return ADMITTED
 
     def adopt(self, requests: Sequence[Request]) -> list[str]:

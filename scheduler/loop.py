@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Callable, Mapping, Sequence
 
-from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
+from scheduler.admission import Admitted, AdmissionControl, Refused
 from scheduler.events import Delta, Event, Finished, Sink
 from scheduler.forecast import MissForecast
 from scheduler.intake import Intake
@@ -72,17 +72,14 @@ class StepLoop:
         """`clock`, `lengths`, `kv_budgets`: the module docstring's "Construction"."""
         if max_resident < policy.config.max_batch:
             raise ValueError("max_resident must hold at least one full batch")
-        self.policy = policy
-        self.worker = worker
+        self.policy, self.worker = policy, worker
         store = store if store is not None else MemoryStore()
         self.admission = admission or AdmissionControl()
         self.max_resident = max_resident
-        self.clock = clock
-        self.lengths = lengths
+        self.clock, self.lengths = clock, lengths
         self.kv_budgets = kv_budgets
         self.chunked = policy.config.prefill_chunk_tokens > 0
-        self.state = SchedulerState()
-        self.steps = 0
+        self.state, self.steps = SchedulerState(), 0
         self.busy_s = 0.0              # wall time of the iterations that verified something
         self._requests: dict[str, Request] = {}
         self._limits: dict[str, int] = {}              # request id -> output token limit
@@ -94,15 +91,12 @@ class StepLoop:
                               failed=lambda rid, exc: self._end(rid, Status.FAILED, "error", str(exc)),
                               predict=self._predict)
         self._writer = StoreWriter(store, self._stop)
-        self.forecast = MissForecast(policy)           # off until configured (scheduler/forecast.py)
+        self.forecast = self.intake.forecast = MissForecast(policy)   # off until configured
 
     # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
         """Admit a request or refuse it (`Intake.submit`)."""
-        verdict = self.intake.submit(req, sink)
-        if verdict is ADMITTED and self.forecast.enabled:
-            self.forecast.admitted(req.stats, self.clock())     # ahead of later newcomers
-        return verdict
+        return self.intake.submit(req, sink)
 
     def adopt(self, requests: Sequence[Request]) -> list[str]:
         """Take over a dead replica's requests (`Intake.adopt`); returns the ids taken."""
