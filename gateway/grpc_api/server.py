@@ -178,7 +178,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                       context.invocation_metadata(), self.max_message_bytes)
             stream = await self.service.open_stream(inp)                       # admits, or raises
             await context.send_initial_metadata((("request-id", stream.request_id),
-                                                 ("service-tier", inp.service_tier or "")))
+                                                 ("service-tier", stream.service_tier)))
             async with contextlib.aclosing(kept_alive(stream_messages(stream),
                                                       self.keepalive_s)) as messages:
                 async for message in messages:

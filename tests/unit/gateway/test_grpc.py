@@ -110,6 +110,7 @@ class FakeStream:
     """Like the service's RequestStream: a cancelled wait for the next event cancels nothing;
     only `aclose()` before the end cancels the request."""
     request_id = "cmpl-1"
+    service_tier = "default"
 
     def __init__(self, service: FakeService, items: list):
         self.service, self.items, self.sent = service, items, 0

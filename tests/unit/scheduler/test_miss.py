@@ -133,3 +133,21 @@ def test_a_forecast_without_objectives_or_step_time_predicts_nothing():
     f.configure(OBJ, {})
     f.refresh(SchedulerState(), now=0.0)                           # no step measured, no cost
     assert f.predict("default", "t", 8, 4, now=0.0) is None
+
+
+def test_a_priority_newcomer_is_never_refused_for_the_lower_tiers_load():
+    planner = make_policy("fcfs", max_batch=1)
+    f = MissForecast(planner)
+    f.configure(OBJ, {})
+    state = SchedulerState(step_s=0.1)
+    for i in range(20):                          # 20 s of default and flex work queued
+        s = _live(f"d{i}", "default" if i % 2 else "flex", max_tokens=10, arrival=float(i))
+        state.requests[s.request_id] = s
+    f.refresh(state, now=50.0)
+
+    def forecast(tier):
+        return f.predict(tier, "x", 8, 4, now=50.0)
+
+    assert judge("priority", forecast, OBJ, {"priority": "refuse"}, True).action == "admit"
+    assert forecast("priority").wait_s == 0
+    assert judge("default", forecast, OBJ, {"default": "refuse"}, True).action == "refuse"
