@@ -65,6 +65,7 @@ class _ReadAhead:
 
     def __init__(self, stream: EventStream, items: list) -> None:
         self.stream, self.request_id, self._items = stream, stream.request_id, items
+        self.service_tier = stream.service_tier
 
     @classmethod
     async def first_of(cls, stream: EventStream) -> "_ReadAhead":
