@@ -92,6 +92,7 @@ class ReplayStream:
     def __init__(self, replayer: Replayer, req: Request, cursor: Cursor) -> None:
         self.replayer = replayer
         self.request_id = req.stats.request_id
+        self.service_tier = req.stats.tier
         self._req = req
         self._cursor = cursor
         self._text = OutputText(replayer.tokenizer, req.prompt_ids, req.stop)
