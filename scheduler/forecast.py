@@ -2,7 +2,7 @@
 tier would wait behind (scheduler/miss.py), taken on the step loop's thread and read by
 admission on any thread.
 
-Taken every `refresh_s` at most, after a step (`refresh`): the work of every live request is
+Taken every `refresh_s` (0.5 s) at most, after a step (`refresh`): the work of every live request is
 its predicted remaining tokens (the planner's order's own belief, `Ordering.remaining_tokens`:
 laps' calibrated length model, else the request's bounds) ÷ its tokens per step (its mean τ,
 else the mean over the live requests that have stepped, else 1), plus the chunked-prefill steps
@@ -27,7 +27,7 @@ import math
 import threading
 from typing import Mapping
 
-from scheduler.miss import Backlog, OnMiss, Prediction, Work, backlog, elapse, predict, push
+from scheduler.miss import Backlog, OnMiss, Prediction, Work, backlogs, elapse, predict, push
 from scheduler.policies.planner import BatchPlanner
 from scheduler.request import RequestStats, Status
 from scheduler.state import SchedulerState
@@ -37,7 +37,7 @@ from scheduler.tiers import TIERS, tier_of
 class MissForecast:
     """Per-tier backlogs of one step loop (module docstring)."""
 
-    def __init__(self, planner: BatchPlanner, refresh_s: float = 0.1) -> None:
+    def __init__(self, planner: BatchPlanner, refresh_s: float = 0.5) -> None:
         self.planner = planner
         self.refresh_s = refresh_s
         # tier -> its TTFT objective and what a predicted miss does (`configure`); empty: off
@@ -72,18 +72,15 @@ class MissForecast:
         rank = {t: i for i, t in enumerate(TIERS)}
         requests.sort(key=lambda s: (rank[tier_of(s.tier)], s.status is not Status.RUNNING,
                                      s.arrival_s))
-        backlogs, by_tier = {}, {t: [] for t in TIERS}
+        by_tier: dict[str, list[Work]] = {t: [] for t in TIERS}
         measured = state.step_s is not None     # its average holds the prefills (docstring)
         for s in requests:
-            w = self._work(s, tau)
-            by_tier[tier_of(s.tier)].append(Work(w.tenant, w.steps) if measured else w)
-        ahead: list[Work] = []
-        batch = self.planner.config.max_batch
-        for tier in TIERS:                     # each tier waits behind itself and those above
-            ahead += by_tier[tier]
-            backlogs[tier] = backlog(ahead, batch, step_s)
+            by_tier[tier_of(s.tier)].append(self._work(s, tau, measured))
+        # each tier waits behind itself and those above
+        taken = dict(zip(TIERS, backlogs((by_tier[t] for t in TIERS),
+                                         self.planner.config.max_batch, step_s)))
         with self._lock:
-            self._backlogs, self._at, self._taken, self._tau = backlogs, now, now, tau
+            self._backlogs, self._at, self._taken, self._tau = taken, now, now, tau
 
     def _step_s(self, state: SchedulerState) -> float | None:
         if state.step_s is not None:
@@ -93,11 +90,15 @@ class MissForecast:
             return None
         return c.step_cost(c.max_batch, c.max_batch)
 
-    def _work(self, s: RequestStats, tau: float) -> Work:
+    def _work(self, s: RequestStats, tau: float, measured: bool) -> Work:
+        """`measured`: the step time is measured, its prefills in it (no prefill pass counted).
+        NOTE: asked afresh each time, not cached by request: laps' belief about a waiting
+        request moves as its tenant's other requests finish (a cache went stale enough to
+        break the calibration bound)."""
         per_step = s.tau_sum / s.n_steps if s.n_steps else tau
         steps = self.planner.ordering.remaining_tokens(s) / max(per_step, 1.0)
         first, prefill_s = self._prefill(s.prompt_len if s.n_steps == 0 and not s.kv_tokens else 0)
-        return Work(s.tenant, steps + first - 1 if first else steps, prefill_s)
+        return Work(s.tenant, steps + first - 1, 0.0 if measured else prefill_s)
 
     def _prefill(self, prompt_len: int) -> tuple[float, float]:
         """(steps until a first token, seconds of a prefill pass) for a prompt not yet holding KV

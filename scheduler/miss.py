@@ -37,7 +37,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Mapping
 
-__all__ = ["Work", "Backlog", "Prediction", "Verdict", "backlog", "push", "elapse", "predict",
+__all__ = ["Work", "Backlog", "Prediction", "Verdict", "backlog", "backlogs", "push", "elapse", "predict",
            "judge", "OnMiss"]
 
 OnMiss = Literal["refuse", "flex", "admit"]    # what admission does with a predicted TTFT miss
@@ -92,16 +92,28 @@ class Verdict:
 
 def backlog(ahead: Iterable[Work], batch: int, step_s: float) -> Backlog:
     """The backlog of the queue `ahead`, in the order the planner serves it."""
+    return backlogs([ahead], batch, step_s)[0]
+
+
+def backlogs(bands: Iterable[Iterable[Work]], batch: int, step_s: float) -> list[Backlog]:
+    """The backlog behind each of `bands` served in order (each band waits behind itself and
+    every band before it): one pass over the whole queue, however many bands.
+
+    >>> [b.free_s for b in backlogs([[Work("t", 2)], [Work("t", 3)]], batch=1, step_s=1.0)]
+    [(2.0,), (5.0,)]
+    """
     if batch < 1 or step_s < 0:
         raise ValueError("batch must be ≥ 1 and step_s ≥ 0")
     free = [0.0] * batch
-    prefill, by_tenant = 0.0, {}
-    for w in ahead:
-        t = heapq.heappop(free)
-        heapq.heappush(free, t + w.steps * step_s)
-        prefill += w.prefill_s
-        by_tenant[w.tenant] = by_tenant.get(w.tenant, 0.0) + w.steps * step_s
-    return Backlog(tuple(sorted(free)), step_s, prefill, by_tenant)
+    prefill, by_tenant, out = 0.0, {}, []
+    pop_push = heapq.heapreplace
+    for band in bands:
+        for w in band:
+            pop_push(free, free[0] + w.steps * step_s)
+            prefill += w.prefill_s
+            by_tenant[w.tenant] = by_tenant.get(w.tenant, 0.0) + w.steps * step_s
+        out.append(Backlog(tuple(sorted(free)), step_s, prefill, dict(by_tenant)))
+    return out
 
 
 def push(b: Backlog, w: Work) -> Backlog:
