@@ -60,8 +60,9 @@ class ResponseService:
         self._cancel = cancel if cancel is not None else generation.cancel
         self._held: set[asyncio.Task] = set()
 
-    # What both rooms read, one value each: set here, both see it (a store swapped on one room
-    # alone would leave the other reading the old one).
+    # The stores both rooms use, one each: set here, both see it (a store swapped on one room
+    # alone would leave the other reading or writing the old one). The tokenizer and the quota
+    # are fixed at construction.
     @property
     def responses(self) -> ResponseStore:
         return self.reader.responses
@@ -79,14 +80,6 @@ class ResponseService:
         self.reader.records = self.keeper.records = store
 
     @property
-    def tokenizer(self) -> Any:
-        return self.reader.tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, tokenizer: Any) -> None:
-        self.reader.tokenizer = self.keeper.tokenizer = tokenizer
-
-    @property
     def fallback_s(self) -> float:
         """How long a follower waits for a commit's notification before it reads anyway."""
         return self.reader.fallback_s
@@ -94,14 +87,6 @@ class ResponseService:
     @fallback_s.setter
     def fallback_s(self, value: float) -> None:
         self.reader.fallback_s = value
-
-    @property
-    def quota(self) -> Quota | None:
-        return self.keeper.quota
-
-    @quota.setter
-    def quota(self, quota: Quota | None) -> None:
-        self.keeper.quota = quota
 
     # ---- create ----------------------------------------------------------------------------------
     async def create(self, tenant: Tenant, body: ResponseRequest) -> dict | AsyncIterator[dict]:
