@@ -203,7 +203,9 @@ BENCHES: tuple[Bench, ...] = (
           "setting: `--prefill-chunk-tokens 0,24`), `--rounds` with other arrivals and the order "
           "reversed: latency, TTFT, each request's time waiting and in steps (from each "
           "gateway's /metrics), completions/s and errors. With srpt a truth pass first gives the "
-          "clairvoyant bound on the real engine.",
+          "clairvoyant bound on the real engine. `--seeds 1,4,7` repeats the whole comparison "
+          "per seed; a run with several rounds or seeds gives each mean, p99 and TTFT figure and "
+          "each ratio against fcfs and sjf a 95% bootstrap interval, paired by seed and round.",
           "On the bursty mix with long answers, LAPS-SD's mean is well below FCFS's and SJF's, "
           "and below clairvoyant srpt's (srpt ranks by remaining tokens, LAPS-SD by predicted "
           "remaining steps, tokens ÷ E[τ]), with a lower p99 than FCFS; the order moved the time "

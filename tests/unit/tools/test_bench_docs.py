@@ -104,3 +104,26 @@ def test_specgate_docs_writes_both_pages_and_check_reports_drift(tmp_path, monke
     shutil.copy(root / "docs" / "cli.md", root / "docs" / "benchmarks.md")
     assert docs_cmd.run(args) == 1
     assert "docs/benchmarks.md is not what `specgate docs` writes" in capsys.readouterr().err
+
+
+def test_a_compare_result_with_intervals_shows_them_and_one_without_renders_as_before():
+    from loadtest.compare import comparison_intervals
+
+    row = {"mean_latency_s": 2.0, "p50_latency_s": 1.5, "p99_latency_s": 9.0, "completed": 40,
+           "requests": 40, "errors": 0}
+    doc = {"settings": {"rounds": 1}, "policies": {"fcfs": row, "laps": {**row, "mean_latency_s": 1.0}}}
+    before = bench_tables.compare(doc)
+    assert not any("bootstrap" in line for line in before)
+    runs = {"seed 1 round 0": 1.0, "seed 4 round 0": 1.3}
+    by_unit = {p: {u: {"e2e_s": [k * f * (1 + i % 7) for i in range(30)],
+                       "ttft_s": [0.1 * k * f] * 30} for u, f in runs.items()}
+               for p, k in (("fcfs", 2.0), ("laps", 1.0))}
+    iv = comparison_intervals(by_unit, resamples=200)
+    lines = bench_tables.compare({**doc, "intervals": iv})
+    assert lines[:len(before)] == before                      # the rows as before, then the intervals
+    text = "\n".join(lines)
+    assert "95% bootstrap intervals over 2 runs (seed 1 round 0, seed 4 round 0)" in text
+    assert "| policy | mean_latency s | p99_latency s | ttft_p50 s | ttft_p99 s |" in text
+    laps = iv["mean_latency_s"]["ratios"]["laps/fcfs"]
+    assert (f"| laps/fcfs | {laps['estimate']:.3f} [{laps['low']:.3f}, {laps['high']:.3f}] |"
+            in text)
