@@ -83,16 +83,17 @@ class Workload:
         self.policy.add(self.state, s)
         self.next_id += 1
 
-    def step(self) -> tuple[int, int, int]:
-        """One step: plan, the worker's part, update, arrivals. (plan ns, update ns, batch)."""
-        return self.step_plan()[:3]
+    def step(self) -> tuple[int, int, int, int]:
+        """One step: plan, the worker's part, update, arrivals. (plan ns, update ns, their CPU
+        ns, batch)."""
+        return self.step_plan()[:4]
 
-    def step_plan(self) -> tuple[int, int, int, Plan]:
+    def step_plan(self) -> tuple[int, int, int, int, Plan]:
         """`step`, and the plan it ran."""
         state, rng, requests = self.state, self.rng, self.state.requests
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         plan = self.policy.plan(state, self.now)
-        t1 = time.perf_counter_ns()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         for rid in plan.evict:
             _hold(state, requests[rid], 0, None)
         self.evictions += len(plan.evict)
@@ -110,14 +111,14 @@ class Workload:
                                       drafted=budget.max_nodes, accepted=tau - 1,
                                       draft_depth=depth))
         self.now += self.step_s
-        t2 = time.perf_counter_ns()
+        c2, t2 = time.thread_time_ns(), time.perf_counter_ns()
         finished = self.policy.update(state, records, self.now, self.step_s)
-        t3 = time.perf_counter_ns()
+        t3, c3 = time.perf_counter_ns(), time.thread_time_ns()
         for s in finished:
             _hold(state, s, 0, None)
             del self.lengths[s.request_id]
             self.arrive(self.now)
-        return t1 - t0, t3 - t2, len(plan.request_ids), plan
+        return t1 - t0, t3 - t2, (c1 - c0) + (c3 - c2), len(plan.request_ids), plan
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -129,18 +130,21 @@ def bench_scheduler(waiting: int, running: int, *, policy: str = "laps", steps: 
                     warmup: int = 20, seed: int = 0, batch_per_home: int = 8) -> dict[str, Any]:
     """Per-step cost of plan + update with `waiting` + `running` live requests (ms)."""
     w = Workload(waiting, running, policy=policy, seed=seed, batch_per_home=batch_per_home)
-    plan_ms, update_ms, batches = [], [], []
+    plan_ms, update_ms, cpu_ms, batches = [], [], [], []
     for i in range(warmup + steps):
-        p, u, n = w.step()
+        p, u, c, n = w.step()
         if i >= warmup:
             plan_ms.append(p / 1e6)
             update_ms.append(u / 1e6)
+            cpu_ms.append(c / 1e6)
             batches.append(n)
     total = [p + u for p, u in zip(plan_ms, update_ms)]
     return {"policy": policy, "waiting": waiting, "running": running, "homes": w.homes,
             "steps": steps, "median_ms": statistics.median(total), "p99_ms": _quantile(total, 0.99),
             "plan_median_ms": statistics.median(plan_ms),
             "update_median_ms": statistics.median(update_ms),
+            # the thread's own CPU time: on a shared machine, wall time also holds others' work
+            "cpu_median_ms": statistics.median(cpu_ms),
             "mean_batch": statistics.fmean(batches), "evictions": w.evictions}
 
 
@@ -177,8 +181,9 @@ def run(args) -> int:
     if not waiting or not running or min(waiting + running) < 1 or args.batch_per_home < 1:
         raise ValueError("--waiting and --running need positive counts, --batch-per-home ≥ 1")
     configs = []
-    print("| waiting | running | homes | median ms | p99 ms | plan ms | update ms | mean batch |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| waiting | running | homes | median ms | p99 ms | plan ms | update ms | CPU ms | "
+          "mean batch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in running:
         for q in waiting:
             c = bench_scheduler(q, r, policy=args.policy, steps=args.steps, warmup=args.warmup,
@@ -186,6 +191,7 @@ def run(args) -> int:
             configs.append(c)
             print(f"| {q} | {r} | {c['homes']} | {c['median_ms']:.3f} | {c['p99_ms']:.3f} | "
                   f"{c['plan_median_ms']:.3f} | {c['update_median_ms']:.3f} | "
+                  f"{c['cpu_median_ms']:.3f} | "
                   f"{c['mean_batch']:.0f} |", flush=True)
     grown = growth(configs)
     for label, x in grown.items():

@@ -27,7 +27,7 @@ def plan_digests(steps: int = 80, **kw) -> list[str]:
     w = Workload(300, 40, kv_headroom=0.8, step_s=1.0, **kw)
     out = []
     for _ in range(steps):
-        p = w.step_plan()[3]
+        p = w.step_plan()[4]
         text = json.dumps([p.request_ids, [[b.max_nodes, b.max_depth] for b in p.budgets], p.aged,
                            p.prefill, p.warm, p.evict, sorted(p.homes.items())])
         out.append(hashlib.sha256(text.encode()).hexdigest()[:16])
