@@ -302,6 +302,23 @@ def compare_intervals(iv: Doc | None) -> list[str]:
                    [(n, *(span(iv[k]["ratios"][n], ratio) for k in figures)) for n in names])]
 
 
+def scheduler(doc: Doc) -> list[str]:
+    """`bench scheduler`: plan + update per step by waiting and running requests, then the
+    growth with queue length at each running count."""
+    rows = [(num(c["waiting"]), num(c["running"]), num(c["homes"]), num(c["median_ms"], 3),
+             num(c["p99_ms"], 3), num(c["plan_median_ms"], 3), num(c["update_median_ms"], 3),
+             num(c.get("cpu_median_ms"), 3), num(c["mean_batch"], 0))
+            for c in doc["configs"]]
+    out = [*settings_line(doc.get("settings", {})),
+           *table(("waiting", "running", "KV homes", "plan + update median ms", "p99 ms",
+                   "plan median ms", "update median ms", "CPU median ms", "mean batch"), rows)]
+    grown = doc.get("growth") or {}
+    if grown:
+        out += ["", "Growth of the median with queue length: "
+                + "; ".join(f"{k}, {times(v, 2)}" for k, v in grown.items()) + "."]
+    return out
+
+
 def hostile(doc: Doc) -> list[str]:
     """`loadtest hostile`: per phase, the victim's p99s against the baseline, /health, what the
     attacker got, and PASS/FAIL with the targets that failed."""

@@ -127,3 +127,16 @@ def test_a_compare_result_with_intervals_shows_them_and_one_without_renders_as_b
     laps = iv["mean_latency_s"]["ratios"]["laps/fcfs"]
     assert (f"| laps/fcfs | {laps['estimate']:.3f} [{laps['low']:.3f}, {laps['high']:.3f}] |"
             in text)
+
+
+def test_a_scheduler_bench_result_shows_each_configuration_and_the_growth(tmp_path):
+    cfg = lambda q, r, ms: {"waiting": q, "running": r, "homes": r // 8, "median_ms": ms,   # noqa: E731
+                            "p99_ms": 2 * ms, "plan_median_ms": ms / 2, "update_median_ms": ms / 2,
+                            "cpu_median_ms": ms / 3, "mean_batch": float(r)}
+    doc = {"meta": META, "settings": {"policy": "laps"},
+           "configs": [cfg(100, 1000, 40.0), cfg(10000, 1000, 52.0)],
+           "growth": {"running 1000: waiting 100 -> 10000": 1.3}}
+    page = bench_docs.render(_tree(tmp_path, {"bench_scheduler.json": doc}))
+    section = page[page.index("## bench scheduler"):]
+    assert "| 10,000 | 1,000 | 125 | 52.000 | 104.000 | 26.000 | 26.000 | 17.333 | 1,000 |" in section
+    assert "running 1000: waiting 100 -> 10000, 1.30×" in section
