@@ -38,8 +38,8 @@ had exactly (greedy answers can differ by batch, where two tokens' scores are ne
 the arrivals of seed s + r, and the order keeps alternating across them. Rows pool every seed's
 rounds. `intervals` gives, for the mean, p99 and TTFT figures of each policy and for each
 policy's ratio against fcfs and sjf, a 95% bootstrap interval (loadtest/bootstrap.py) paired by
-(seed, round): with ~35 requests per policy and round a handful of long answers decide a mean,
-and one seed's gap between policies can be mostly noise, which the interval shows.
+(seed, round): with a few dozen requests per policy and round, a handful of long answers
+decide a mean, and one seed's gap between policies can be mostly noise, which the interval shows.
 """
 from __future__ import annotations
 

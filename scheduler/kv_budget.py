@@ -134,11 +134,11 @@ class KVBudget:
         self._loads: dict[str | None, int] | None = None   # once a start needs them
         self._budget_of = None if self.homes is None else self._budgets()
         # Homes by `placement_key`, lowest first, for the starts of this plan: a plan with many
-        # homes places a start per chosen request, and `most_room`'s scan of every home per
-        # start was most of a plan's time at scale. An entry whose key is no longer its home's
-        # is stale and dropped at the top; the home a start takes is pushed again with its new
-        # key (no other home's key moves). Built at the first start; dropped when `rooms` is
-        # replaced (`reopen`, `rooms_kept`).
+        # homes places a start per chosen request, and `most_room`'s scan of every home per start
+        # made a plan's cost grow with homes × starts. An entry whose key is no longer its
+        # home's is stale and dropped at the top; the home a start takes is pushed again with
+        # its new key (no other home's key moves). Built at the first start; dropped when
+        # `rooms` is replaced (`reopen`, `rooms_kept`).
         self._order: list[tuple[tuple, str | None]] | None = None
 
     @property

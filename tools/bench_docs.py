@@ -199,13 +199,13 @@ BENCHES: tuple[Bench, ...] = (
           "eviction are timed too). The bench plays the worker between steps and replaces each "
           "finished request with an arrival, keeping the queue's length. Wall and CPU time per "
           "step; the target is 2 ms per step at 10,000 waiting and 1,000 running.",
-          "The cost follows the running count far more than the queue: every running request "
-          "is placed, recorded, re-predicted and re-ranked each step in Python, while choosing "
-          "reads only the tops of per-tenant heaps. What grows with the queue is placement, "
-          "which counts each home's residents over every live request once per plan; at 100 "
-          "running that term is most of the growth. The target is missed at 1,000 running by "
-          "more than an order of magnitude even in CPU time, and missed at 100 running too. "
-          "Wall time on these shared cores is several times the CPU time.",
+          "The cost follows the running count: every running request is placed, recorded, "
+          "re-predicted and re-ranked each step in Python, while choosing reads only the tops of "
+          "per-tenant heaps, so a queue a hundred times longer adds little beside it (what grows "
+          "with the queue is placement counting each home's residents over every live request "
+          "once per plan). The target is missed at 1,000 running by more than an order of "
+          "magnitude even in CPU time, and at 100 running too. Wall time on these shared cores "
+          "is several times the CPU time and moves between runs with the machine's load.",
           ("results/bench_scheduler*.json",), t.scheduler),
     Bench("bench ray", "specgate bench ray --json results/bench_ray.json",
           "Tokens/s of the Ray Serve deployment against the embedded gateway on one machine, "

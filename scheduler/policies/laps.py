@@ -185,8 +185,8 @@ class LAPS(Ordering):
         self._full_step_s = step_cost(max_batch, max_batch) if step_cost is not None else None
         self._origin: float | None = None     # the first arrival ranked: keeps the credit small
         # (request, committed, steps, its remaining steps) as `refresh` just worked them out: the
-        # queues ask for the key right after refreshing, and working the length model out twice
-        # per served request was a fifth of a step's update at scale (`_remaining_steps`)
+        # queues ask for the key right after refreshing, and the length model is the costliest
+        # part of re-ranking every served request each step (`_remaining_steps`)
         self._refreshed: tuple[RequestStats, int, int, float] | None = None
 
     def reset(self) -> None:
