@@ -50,7 +50,9 @@ def row_quantile(q: float) -> RowStatistic:
         n = np.sum(~np.isnan(x), axis=1)
         s = np.sort(x, axis=1)                       # NaNs sort last
         rank = np.clip(np.ceil(q * n).astype(int) - 1, 0, max(x.shape[1] - 1, 0))
-        out = np.take_along_axis(s, rank[:, None], axis=1)[:, 0] if x.shape[1] else np.full(len(x), np.nan)
+        if not x.shape[1]:
+            return np.full(len(x), np.nan)
+        out = np.take_along_axis(s, rank[:, None], axis=1)[:, 0]
         return np.where(n > 0, out, np.nan)
     return stat
 
@@ -71,7 +73,8 @@ def units_of(samples: Samples, paired: bool = True) -> list[Hashable]:
     return units
 
 
-def _padded(by_unit: Mapping[Hashable, Sequence[float]], units: list[Hashable]) -> tuple[np.ndarray, np.ndarray]:
+def _padded(by_unit: Mapping[Hashable, Sequence[float]],
+            units: list[Hashable]) -> tuple[np.ndarray, np.ndarray]:
     """Each unit's values as a row, NaN-padded to the longest; and each row's length."""
     rows = [np.asarray(by_unit.get(u, ()), dtype=float) for u in units]
     n = np.array([len(r) for r in rows], dtype=int)

@@ -184,9 +184,8 @@ class LAPS(Ordering):
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
         self._full_step_s = step_cost(max_batch, max_batch) if step_cost is not None else None
         self._origin: float | None = None     # the first arrival ranked: keeps the credit small
-        # (request, committed, steps, its remaining steps) as `refresh` just worked them out: the
-        # queues ask for the key right after refreshing, and the length model is the costliest
-        # part of re-ranking every served request each step (`_remaining_steps`)
+        # (request, committed, steps, its remaining steps) from `refresh`, read once by the key
+        # the queues ask for right after: the length model is re-ranking's costliest part
         self._refreshed: tuple[RequestStats, int, int, float] | None = None
 
     def reset(self) -> None:
@@ -243,8 +242,7 @@ class LAPS(Ordering):
             s.predicted_remaining_s = steps * (state.step_s or 0.0)
 
     def _remaining_steps(self, s: RequestStats) -> float:
-        """`remaining_steps(s)`: the value `refresh` just worked out if it was for `s` as it is
-        now (the same request, committed and steps), else worked out again; read once."""
+        """`remaining_steps(s)`, from `refresh` if it just worked it out for `s` as it is now."""
         r, self._refreshed = self._refreshed, None
         if r is not None and r[0] is s and r[1] == s.committed and r[2] == s.n_steps:
             return r[3]
