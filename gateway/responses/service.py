@@ -39,7 +39,8 @@ from gateway.schemas import SpeculationOptions
 from gateway.service import GenerateInput, GenerateOutput
 from gateway.tenancy.records import Tenant
 from scheduler.request import RequestStats, Status, finish_reason
-from scheduler.store import StateStore, Tail
+from scheduler.store import Tail
+from scheduler.store.base import RecordReader
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def _reason(tail: Tail) -> str | None:
 
 
 class ResponseService:
-    def __init__(self, generation: Any, responses: ResponseStore, records: StateStore,
+    def __init__(self, generation: Any, responses: ResponseStore, records: RecordReader,
                  tokenizer: Any, *, fallback_s: float = FALLBACK_S,
                  cancel: Callable[[str], Any] | None = None, quota: Quota | None = None) -> None:
         """`generation`: `GenerationService` (or Ray mode's remote one); `records`: the
