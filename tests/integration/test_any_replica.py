@@ -66,14 +66,17 @@ def truth(rid: str, n: int) -> str:
     return TOK.decode(expected_ids(rid, n), skip_special_tokens=True)
 
 
-def events(url: str, path: str) -> list:
-    """Every SSE data line of a stream, parsed ("[DONE]" kept as is)."""
+def events(url: str, path: str, seen=None) -> list:
+    """Every SSE data line of a stream, parsed ("[DONE]" kept as is); `seen(event)` is called as
+    each arrives."""
     out = []
     with httpx.stream("GET", url + path, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+                if seen is not None:
+                    seen(out[-1])
     return out
 
 
@@ -86,13 +89,20 @@ def until(check, timeout_s: float = 30.0, what: str = "") -> None:
 
 def test_b_retrieves_and_streams_what_a_generates(two):
     a, b, a_store = two
-    n = 120
+    n = 400
     rid = create(a, n)
-    first = get(b, rid)
-    assert first.status_code == 200, first.text
-    assert first.json()["status"] in ("queued", "in_progress")
-    assert a_store.get(rid) is not None                  # it runs on A, not on B
-    streamed = events(b, f"/v1/responses/{rid}?stream=true")
+    until(lambda: len(a_store.get(rid).output_ids) > 0, what="A never ran it")   # on A, not B
+    mid = get(b, rid)
+    assert mid.status_code == 200, mid.text
+    assert mid.json()["status"] == "in_progress"        # A's record, read from B
+    live: list[bool] = []
+
+    def seen(event) -> None:                            # is A still generating as B streams?
+        if event["type"] == "response.output_text.delta" and not live:
+            live.append(not a_store.get(rid).stats.status.terminal)
+
+    streamed = events(b, f"/v1/responses/{rid}?stream=true", seen)
+    assert live == [True]                               # followed live, not read at the end
     seqs = [e["sequence_number"] for e in streamed]
     assert seqs == list(range(len(seqs)))                 # every event, once, in order
     assert streamed[-1]["type"] == "response.incomplete"  # its length reached: the fake never stops
