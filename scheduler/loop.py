@@ -73,7 +73,6 @@ class StepLoop:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
         self.worker = worker
-        store = store if store is not None else MemoryStore()
         self.admission = admission or AdmissionControl()
         self.max_resident = max_resident
         self.clock = clock
@@ -87,14 +86,13 @@ class StepLoop:
         self._limits: dict[str, int] = {}              # request id -> output token limit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        store = store if store is not None else MemoryStore()
         self.intake = Intake(worker, store, self.admission, clock, policy.fairness.weights)
         self.kv = KVResidency(worker, self.state, self._requests, self._limits, max_resident,
-                              chunked=self.chunked,
-                              failed=lambda rid, exc: self._end(rid, Status.FAILED, "error", str(exc)),
+                              chunked=self.chunked, failed=self._prefill_failed,
                               predict=self._predict)
         self._writer = StoreWriter(store, self._stop)
 
-    # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
         """Admit a request or refuse it (`Intake.submit`)."""
         return self.intake.submit(req, sink)
@@ -140,7 +138,7 @@ class StepLoop:
 
     @property
     def store(self) -> StateStore:
-        """The state store the intake adds to and the writer commits to (one, set for both)."""
+        """The state store the intake adds to and the writer commits to (set for both)."""
         return self.intake.store
 
     @store.setter
@@ -156,7 +154,6 @@ class StepLoop:
         """False while the step loop cannot write to its state store (streams are paused)."""
         return self._writer.down_since is None
 
-    # ---- the loop's thread -----------------------------------------------------------------------
     def run(self) -> None:
         wake = self.intake.wake
         while not self._stop.is_set():
@@ -276,13 +273,15 @@ class StepLoop:
         if touch:
             self.policy.touch(req.request_id)
 
+    def _prefill_failed(self, request_id: str, exc: Exception) -> None:
+        self._end(request_id, Status.FAILED, "error", str(exc))
+
     def _apply_inbox(self) -> None:
         self.intake.apply(self.policy, self._admit, self._end)   # a cancel ends it
 
     def _admit(self, req: Request) -> None:
-        """A submitted (or adopted) request joins the plan. With a length predictor and KV room
-        it is prefilled now: ranked with a prediction from now; with chunks, from when steps
-        have prefilled it with what their chosen requests leave of the budget."""
+        """A submitted (or adopted) request joins the plan. With a length predictor and KV room it
+        is prefilled now (ranked from now); with chunks, once steps have prefilled it."""
         rid = req.request_id
         self._requests[rid] = req
         self._limits[rid] = self.intake.limit(req)
