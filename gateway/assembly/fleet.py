@@ -26,6 +26,7 @@ in that window runs on to its end there.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any, Callable
@@ -160,13 +161,18 @@ class CancelInbox:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop popping: at once (the thread ends at its read's next return, within BLOCK_S, and
+        closes its client; what it has not popped waits in the list)."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(BLOCK_S + 2)
-            self._thread = None
-        self.client.close()
+        self._thread = None
 
     def _run(self) -> None:
+        try:
+            self._pop_until_stopped()
+        finally:
+            self.client.close()
+
+    def _pop_until_stopped(self) -> None:
         away = False
         while not self._stop.is_set():
             try:
@@ -178,6 +184,11 @@ class CancelInbox:
                 self._stop.wait(BLOCK_S)
                 continue
             away = False
-            if popped is not None:
-                rid = popped[1]
-                self.cancel_here(rid.decode() if isinstance(rid, bytes) else rid)
+            if popped is None:
+                continue
+            rid = popped[1].decode() if isinstance(popped[1], bytes) else popped[1]
+            if self._stop.is_set():             # the loop is stopping: for whoever runs it next
+                with contextlib.suppress(redis.RedisError):
+                    self.client.lpush(self.key, rid)
+                return
+            self.cancel_here(rid)

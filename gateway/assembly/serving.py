@@ -85,10 +85,10 @@ class Embedded:
         if self._sweeping is not None:
             self._sweeping.set()
             self._sweeping = None
-        if self.cancels is not None:
-            self.cancels.stop()
         self.step_loop.stop()
         self.thread = None
+        if self.cancels is not None:
+            self.cancels.stop()
         if self.replica is not None:
             self.replica.release()
         self.step_loop.store.close()
