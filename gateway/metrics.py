@@ -1,6 +1,6 @@
 """Prometheus metrics, `specgate_*`, on a registry of their own (one per app, never the global one).
 
-Three sources feed them:
+Four sources feed them:
   the service (event-loop side)   requests by tenant and outcome, TTFT and inter-token latency
                                   by tenant and service tier, whether each request met its tier's
                                   objectives (`RequestTimes`), end-to-end latency, tokens,
@@ -10,7 +10,8 @@ Three sources feed them:
                                   per step;
   the step loop                   step duration and batch size, preemptions (`InstrumentedWorker`,
                                   a pass-through around the worker), and, read when scraped, live
-                                  requests per scheduler level and status and perceptible requests.
+                                  requests per scheduler level and status and perceptible requests;
+  the app's event loop            how late it runs a task (gateway/looplag.py).
 prometheus-client's metrics are thread-safe, so both threads record directly.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.looplag import LoopLag
 from gateway.tiers import DEFAULT_TIERS, TierObjectives, attainment
 from scheduler.loop import StepLoop
 from scheduler.request import RequestStats
@@ -54,6 +56,7 @@ class GatewayMetrics:
         which requests are counted against and /metrics states (`specgate_slo_objective`)."""
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.tiers = dict(DEFAULT_TIERS if tiers is None else tiers)
+        self.loop_lag = LoopLag(r)          # fed while an app over these metrics runs
         self.requests = Counter("specgate_requests", "Requests by tenant and outcome "
                                 "(finished, cancelled, failed, rejected, rate_limited, "
                                 "queue_full, overloaded)", ["tenant", "status"], registry=r)

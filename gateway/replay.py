@@ -38,8 +38,7 @@ from gateway.service import GenerateOutput, SpecStats, StreamChunk
 from gateway.tenancy.records import Tenant
 from gateway.text import OutputText
 from scheduler.request import Request, RequestStats, Status, finish_reason
-from scheduler.store import StateStore
-from scheduler.store.base import Watch
+from scheduler.store.base import RecordReader, Watch
 
 FALLBACK_S = 1.0     # a follower reads this long after its last read even if nothing woke it
 # a read of more tokens than this (a resume's catch-up) is decoded on a worker thread: the text
@@ -62,7 +61,7 @@ class Cursor:
 
 
 class Replayer:
-    def __init__(self, records: StateStore, tokenizer: Any, *,
+    def __init__(self, records: RecordReader, tokenizer: Any, *,
                  fallback_s: float = FALLBACK_S) -> None:
         """`records`: the scheduler's state store, read only."""
         self.records = records

@@ -331,13 +331,25 @@ def hostile(doc: Doc) -> list[str]:
                      f"{num(h['p99'], 0)} / {num(h['max'], 0)}",
                      num(p["victim_until_settled"]["lost"]), num(p["server_errors"]),
                      ", ".join(f"{k}: {n}" for k, n in a["statuses"].items()) or DASH,
-                     ", ".join(a["codes"]) or DASH,
+                     ", ".join(a["codes"]) or DASH, _lag(p.get("loop_lag")),
                      " ".join([p.get("verdict", "quiet"), *failed])))
     return [*settings_line({k: doc["settings"].get(k) for k in (
                 "model", "redis", "window_s", "quotas", "attacker", "load_average")}),
             *table(("phase", "victim TTFT p99 ms (× baseline)", "victim TBT p99 ms (× baseline)",
                     "/health p99 / max ms", "victim lost", "5xx", "attacker statuses",
-                    "attacker refused with", "verdict, failed targets"), rows)]
+                    "attacker refused with", "loop lag p99 / max ms", "verdict, failed targets"),
+                   rows)]
+
+
+def _lag(lag: dict | None) -> str:
+    """The gateway's own event-loop lag over a phase (bucket bounds: "≤"), where it reports it;
+    "> 10 s" past the largest bound."""
+    if not lag or lag.get("wakeups") is None:
+        return DASH
+
+    def bound(le: float | None) -> str:
+        return "> 10 s" if le is None else f"≤ {num(le * 1000, 0)}"
+    return f"{bound(lag['p99_le_s'])} / {bound(lag['max_le_s'])}"
 
 
 def sim(doc: Doc) -> list[str]:

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from gateway.assembly.fleet import CancelInbox, FleetRecords, owners_prefix
 from gateway.assembly.replica import ReplicaLease, scheduler_prefix
 from gateway.assembly.target import Target
 from gateway.followers import FollowerGate
@@ -36,7 +37,8 @@ from scheduler.length_oracle import LengthOracle, true_remaining
 from scheduler.loop import StepLoop
 from scheduler.policies import make_policy
 from scheduler.sizing import SizingConfig
-from scheduler.store import StateStore, open_store
+from scheduler.store import open_store
+from scheduler.store.base import RecordReader
 from scheduler.store.redis_client import StoreProbe, redis_client
 from scheduler.store.room import StoreRoom
 
@@ -65,11 +67,14 @@ class Embedded:
     replayer: Replayer | None = None    # resumed streams (REST and gRPC) read the state store
     followers: FollowerGate | None = None   # what following a stream costs (REST and gRPC)
     cancelled: list[str] = field(default_factory=list)   # recovered, nobody left to receive them
+    cancels: CancelInbox | None = None  # other replicas' cancels of this one's requests (Redis)
 
     def start(self) -> None:
         self.thread = self.step_loop.start()
         if self.replica is not None:
             self.replica.hold(self.step_loop, on_lost=self.step_loop.stop, alive=self.loop_alive)
+        if self.cancels is not None:
+            self.cancels.start()
         every = self.settings.tenant_sweep_s
         if self.settings.redis_url and every > 0:      # in memory, every DELETE is heard here
             self._sweeping = threading.Event()
@@ -82,6 +87,8 @@ class Embedded:
             self._sweeping = None
         self.step_loop.stop()
         self.thread = None
+        if self.cancels is not None:
+            self.cancels.stop()
         if self.replica is not None:
             self.replica.release()
         self.step_loop.store.close()
@@ -147,8 +154,18 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     length_oracle=oracle, grammars=target.grammars,
                                     grammar_limits=GrammarLimits.from_settings(settings),
                                     store_full=store_room.full if store_room else None)
-    emb.responses = responses_service(settings, emb.service, step_loop.store, target.tokenizer)
-    emb.replayer = Replayer(step_loop.store, target.tokenizer)
+    records: RecordReader = step_loop.store
+    cancel = None                   # the service's: this replica's step loop
+    if settings.redis_url:          # any replica over this Redis answers for any request
+        fleet = FleetRecords.from_url(settings.redis_url, settings.store_prefix,
+                                      settings.replica_id, step_loop.store, step_loop.cancel,
+                                      settings.redis_timeout_s)
+        records, cancel = fleet, fleet.cancel
+        emb.cancels = CancelInbox(settings.redis_url, settings.store_prefix, settings.replica_id,
+                                  step_loop.cancel, settings.redis_timeout_s)
+    emb.responses = responses_service(settings, emb.service, records, target.tokenizer,
+                                      cancel=cancel)
+    emb.replayer = Replayer(records, target.tokenizer)
     emb.followers = FollowerGate(limiter, settings.max_followers_per_tenant, metrics=metrics)
     # new requests fail fast while Redis is away (`store_probe`)
     emb.app = build_app(settings, emb.service, tenants, limiter, metrics, replayer=emb.replayer,
@@ -174,8 +191,10 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,
         per_tenant={}))                               # filled per tenant by the service
     timeout_s = settings.redis_timeout_s        # every Redis client: scheduler/store/redis_client.py
+    # each request's owner recorded, for the other replicas' readers (gateway/assembly/fleet.py)
     store = open_store(settings.redis_url, scheduler_prefix(settings), ended_ttl_s=settings.ended_ttl_s,
-                       timeout_s=timeout_s)
+                       timeout_s=timeout_s,
+                       owner=(owners_prefix(settings.store_prefix), settings.replica_id))
     lengths = None
     if settings.length_predictor and not settings.fake_worker:
         # weights are shared by every replica of this model: the shared prefix, not the replica's
@@ -196,17 +215,18 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
     return step_loop
 
 
-def responses_service(settings: Settings, service: Any, records: StateStore, tokenizer: Any, *,
-                      local: bool = True) -> ResponseService:
+def responses_service(settings: Settings, service: Any, records: RecordReader, tokenizer: Any, *,
+                      local: bool = True, cancel: Callable[[str], Any] | None = None) -> ResponseService:
     """The Responses API over `service` (gateway/responses): stored responses under the shared
     prefix, so that any replica answers for any response; `records`: the scheduler's state store.
     `local`: the step loop runs in this process, so its detached requests are kept here when
-    they end (Ray mode's ingress: False; its scheduler replica keeps them)."""
+    they end (Ray mode's ingress: False; its scheduler replica keeps them). `cancel`: ends a
+    request (default: the service's `cancel`; embedded over Redis: wherever it runs)."""
     store = open_responses(settings.redis_url, settings.store_prefix, settings.responses_ttl_s,
                            settings.redis_timeout_s)
     quota = Quota(settings.responses_ttl_s, settings.max_stored_responses,
                   settings.max_stored_response_bytes)
-    responses = ResponseService(service, store, records, tokenizer, quota=quota)
+    responses = ResponseService(service, store, records, tokenizer, quota=quota, cancel=cancel)
     if local:
         service.detached_ended.append(responses.finalize)
     return responses

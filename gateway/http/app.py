@@ -7,7 +7,8 @@ many independent apps as they like, over the fake worker or a real model.
 from __future__ import annotations
 
 import json
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -48,7 +49,7 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app = FastAPI(title="specgate", version="0.1.0",
                   description="OpenAI-compatible gateway with tree speculative decoding",
                   openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
-                  redoc_url="/redoc" if docs else None)
+                  redoc_url="/redoc" if docs else None, lifespan=_lifespan(metrics))
     app.state.settings = settings
     app.state.service = service
     app.state.tenants = tenants
@@ -68,6 +69,15 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.openapi = _hoisting_body_schemas(app.openapi)
     return app
+
+
+def _lifespan(metrics: GatewayMetrics) -> Any:
+    """While the app serves: its event loop's lag measured (gateway/looplag.py)."""
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async with metrics.loop_lag.running():
+            yield
+    return lifespan
 
 
 def _hoisting_body_schemas(openapi: Any) -> Any:

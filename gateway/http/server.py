@@ -24,7 +24,7 @@ KEEP_ALIVE_S = 90
 
 def uvicorn_config(app: Any, **options: Any) -> Any:
     """The uvicorn.Config every specgate HTTP server runs with (`options`: host, port, …)."""
-    return uvicorn.Config(app, lifespan="off", timeout_keep_alive=KEEP_ALIVE_S, **options)
+    return uvicorn.Config(app, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S, **options)
 
 
 def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, main: Any) -> None:

@@ -16,7 +16,8 @@ from gateway.responses.quota import Quota, quota_of, refusal
 from gateway.responses.reader import kept, reason_of
 from gateway.responses.store import ResponseStore
 from gateway.tenancy.records import Tenant
-from scheduler.store import StateStore, Tail
+from scheduler.store import Tail
+from scheduler.store.base import RecordReader
 
 
 def final_of(tail: Tail, tokenizer: Any) -> dict[str, Any]:
@@ -33,7 +34,7 @@ class ResponseKeeper:
     """The response store's writes; `quota`: what a tenant may keep, where its record does not
     say (None: the store's TTL, no caps)."""
 
-    def __init__(self, responses: ResponseStore, records: StateStore, tokenizer: Any,
+    def __init__(self, responses: ResponseStore, records: RecordReader, tokenizer: Any,
                  quota: Quota | None = None) -> None:
         self.responses = responses
         self.records = records

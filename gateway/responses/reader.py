@@ -26,7 +26,8 @@ from gateway.responses.objects import Header, Outcome, response
 from gateway.responses.store import ResponseStore, Stored
 from gateway.tenancy.records import Tenant
 from scheduler.request import RequestStats, Status, finish_reason
-from scheduler.store import StateStore, Tail
+from scheduler.store import Tail
+from scheduler.store.base import RecordReader
 
 ADMIT_WAIT_S = 30.0    # how long a follower of a created response waits for its request's record
 
@@ -50,7 +51,7 @@ class ResponseReader:
     """A tenant's responses as objects and events, read from the response store and the
     scheduler's state store (read only)."""
 
-    def __init__(self, responses: ResponseStore, records: StateStore, tokenizer: Any, *,
+    def __init__(self, responses: ResponseStore, records: RecordReader, tokenizer: Any, *,
                  fallback_s: float = FALLBACK_S) -> None:
         self.responses = responses
         self.records = records

@@ -33,7 +33,7 @@ from gateway.responses.store import ResponseStore
 from gateway.schemas import SpeculationOptions
 from gateway.service import GenerateInput, GenerateOutput
 from gateway.tenancy.records import Tenant
-from scheduler.store import StateStore
+from scheduler.store.base import RecordReader
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def new_response_id() -> str:
 
 
 class ResponseService:
-    def __init__(self, generation: Any, responses: ResponseStore, records: StateStore,
+    def __init__(self, generation: Any, responses: ResponseStore, records: RecordReader,
                  tokenizer: Any, *, fallback_s: float = FALLBACK_S,
                  cancel: Callable[[str], Any] | None = None, quota: Quota | None = None) -> None:
         """`generation`: `GenerationService` (or Ray mode's remote one); `records`: the
@@ -72,11 +72,11 @@ class ResponseService:
         self.reader.responses = self.keeper.responses = store
 
     @property
-    def records(self) -> StateStore:
+    def records(self) -> RecordReader:
         return self.reader.records
 
     @records.setter
-    def records(self, store: StateStore) -> None:
+    def records(self, store: RecordReader) -> None:
         self.reader.records = self.keeper.records = store
 
     @property

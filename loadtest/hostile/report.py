@@ -45,7 +45,7 @@ class Phase:
     settled: float                      # when the gateway was idle again (≥ ended)
     outcomes: tuple[Outcome, ...] = ()  # the attacker's
     notes: tuple[str, ...] = ()
-    loop_lag: dict[str, float] | None = None     # loop-lag series of /metrics, where it has one
+    loop_lag: dict[str, Any] | None = None      # the gateway's loop lag over it (target.lag_between)
     attack: bool = True
     skipped: bool = False               # an attack that could not run here: judged on nothing
 

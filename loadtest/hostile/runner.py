@@ -120,8 +120,9 @@ def hostile(target: tg.Target, patterns: list[str], spec: AttackSpec, targets: T
             idle_ms = _idle_health_ms(probe, phases[0], targets.health_ms)
             for name in patterns:
                 _say(f"{name}: {args.window_s:g} s")
+                lag = _loop_lag(target)
                 result: AttackResult = attacker.submit(run_attack, replace(spec, pattern=name)).result()
-                phases.append(_settle(result, target, victim, probe, args.drain_s, idle_ms))
+                phases.append(_settle(result, target, victim, probe, args.drain_s, idle_ms, lag))
                 _say(f"{name}: {len(result.outcomes)} attacker requests; the gateway idle "
                      f"{phases[-1].settled - phases[-1].ended:.1f} s after the window")
             _say(f"after: {args.window_s:g} s of the victim alone")
@@ -160,10 +161,12 @@ def _say(text: str) -> None:
 
 def _quiet(name: str, window_s: float, target: tg.Target) -> Phase:
     """A window of the victim alone."""
+    lag = _loop_lag(target)
     t0 = time.monotonic()
     time.sleep(window_s)
     ended = time.monotonic()
-    return Phase(name, t0, ended, ended, loop_lag=_loop_lag(target), attack=False)
+    return Phase(name, t0, ended, ended, loop_lag=tg.lag_between(lag, _loop_lag(target)),
+                 attack=False)
 
 
 def _idle_health_ms(probe: HealthProbe, baseline: Phase, health_ms: float) -> float:
@@ -175,11 +178,12 @@ def _idle_health_ms(probe: HealthProbe, baseline: Phase, health_ms: float) -> fl
 
 
 def _settle(result: AttackResult, target: tg.Target, victim: Victim, probe: HealthProbe,
-            drain_s: float, health_ms: float) -> Phase:
+            drain_s: float, health_ms: float, lag: dict[str, float] | None) -> Phase:
     """The pattern's phase, once the gateway is idle again for IDLE_SETTLE_S, or `drain_s` has
     passed: no live requests beyond the victim's own (where /metrics can be read) and every
     /health probe answered within `health_ms` (work in the front, e.g. parsing bodies whose
-    clients are gone, holds no request yet still slows everyone)."""
+    clients are gone, holds no request yet still slows everyone). `lag`: the gateway's loop-lag
+    histogram as it stood before the attack, so the phase reports the lag measured since."""
     notes = list(result.notes)
     deadline = time.monotonic() + drain_s
     quiet_since = None
@@ -198,7 +202,8 @@ def _settle(result: AttackResult, target: tg.Target, victim: Victim, probe: Heal
         time.sleep(0.25)
     settled = max(time.monotonic(), result.ended)
     return Phase(result.pattern, result.started, result.ended, settled, tuple(result.outcomes),
-                 tuple(notes), loop_lag=_loop_lag(target), skipped=result.skipped)
+                 tuple(notes), loop_lag=tg.lag_between(lag, _loop_lag(target)),
+                 skipped=result.skipped)
 
 
 def _live(target: tg.Target) -> float | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -159,10 +160,12 @@ def rss_bytes(pid: int) -> int:
 
 
 def metric_samples(text: str) -> list[tuple[str, float]]:
-    """(name, value) of every sample on a /metrics page."""
+    """(name, value) of every sample on a /metrics page; a histogram's bucket is named with its
+    bound ('x_bucket{le="0.1"}')."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return [(s.name, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+    return [(f'{s.name}{{le="{s.labels["le"]}"}}' if "le" in s.labels else s.name, s.value)
+            for f in text_string_to_metric_families(text) for s in f.samples]
 
 
 def live_requests(samples: list[tuple[str, float]]) -> float | None:
@@ -171,14 +174,37 @@ def live_requests(samples: list[tuple[str, float]]) -> float | None:
     return sum(depth) if depth else None
 
 
+LOOP_LAG = "specgate_event_loop_lag_seconds"     # the gateway's histogram (gateway/looplag.py)
+
+
 def loop_lag(samples: list[tuple[str, float]]) -> dict[str, float] | None:
-    """The largest value of each series whose name says it is the event loop's lag; None where
-    the gateway has none (then /health's latency is the proxy)."""
-    out: dict[str, float] = {}
-    for name, v in samples:
-        if "loop_lag" in name:
-            out[name] = max(v, out.get(name, v))
+    """The gateway's event-loop lag histogram as it stands (its cumulative samples by name);
+    None where the gateway has none (then /health's latency is the proxy)."""
+    out = {name: v for name, v in samples if name.startswith(LOOP_LAG)}
     return out or None
+
+
+def lag_between(before: dict[str, float] | None,
+                after: dict[str, float] | None) -> dict[str, float | int | None] | None:
+    """The lag the gateway measured between two readings of its histogram (`loop_lag`): how
+    many wake-ups, their mean, and the bucket bounds under which 99% and all of them fell
+    (None: no reading, or the histogram was reset between them)."""
+    if not before or not after:
+        return None
+    n = after.get(LOOP_LAG + "_count", 0.0) - before.get(LOOP_LAG + "_count", 0.0)
+    if n <= 0:
+        return None
+    total = after.get(LOOP_LAG + "_sum", 0.0) - before.get(LOOP_LAG + "_sum", 0.0)
+    head = LOOP_LAG + '_bucket{le="'
+    bounds = sorted((float(name[len(head):-2]), after[name] - before.get(name, 0.0))
+                    for name in after if name.startswith(head))
+
+    def under(share: float) -> float | None:      # None: beyond the largest finite bound
+        le = next((le for le, c in bounds if c >= share * n - 1e-9), math.inf)
+        return None if math.isinf(le) else le
+
+    return {"wakeups": int(n), "mean_s": total / n, "p99_le_s": under(0.99),
+            "max_le_s": under(1.0)}
 
 
 def read_metrics(target: Target) -> list[tuple[str, float]] | None:

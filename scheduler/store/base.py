@@ -85,6 +85,18 @@ class Watch(Protocol):
         Redis error once the store's notifications have stopped (Redis away)."""
 
 
+class RecordReader(Protocol):
+    """What readers of requests (followers, a stored response's reads) use of a store: a
+    `StateStore` has it, and so has a reader of several stores (gateway/assembly/fleet.py)."""
+    remote: bool
+
+    def get(self, request_id: str) -> Request | None: ...
+
+    def tail(self, request_id: str, start: int, *, prompt: bool = False) -> Tail | None: ...
+
+    def watch(self, request_id: str) -> AbstractAsyncContextManager[Watch]: ...
+
+
 @runtime_checkable
 class StateStore(Protocol):
     # Does a call wait on the network (Redis)? Then callers on an event loop make it elsewhere.

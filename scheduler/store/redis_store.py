@@ -16,6 +16,9 @@ Layout (`P` = the prefix, default "specgate:"; `ID` = a request id):
     P model:NAME string       a learned model's weights, JSON with a "version" (the newest kept)
     P commits    channel      pub/sub: the ids each commit (and `add`) touched, published in it
                               (scheduler/store/redis_watch.py: followers wake on it)
+    O ID         string       with an `owner` (O, NAME): NAME, the writer that holds the request
+                              (set at `add`, so an adopter's add moves it; it expires with the
+                              record): where any replica over the same Redis finds it
 
 The kind comes before the id (`rec:ID`, not `ID:rec`), so no id can make one request's key equal
 another's. A step therefore writes O(what it did): a few tokens, one small JSON and a τ per served
@@ -53,22 +56,24 @@ from scheduler.store.watch import Waiter
 FORMAT_VERSION = 1
 _LOAD_CHUNK = 500        # requests per pipeline in load(): bounds one reply's size
 
-# KEYS: rec, out, tau, live, seq, commits.  ARGV: id, prompt, params, stats, n_out, out..., tau...
-# Returns 0 if the id is already stored (live or ended within its TTL), else its sequence number.
+# KEYS: rec, out, tau, live, seq, commits[, owner].  ARGV: id, prompt, params, stats, owner
+# name, n_out, out..., tau...  Returns 0 if the id is already stored (live or ended within its
+# TTL), else its sequence number.
 _ADD_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local seq = redis.call('INCR', KEYS[5])
 redis.call('HSET', KEYS[1], 'v', '%d', 'seq', seq, 'prompt', ARGV[2], 'params', ARGV[3],
            'stats', ARGV[4])
+if KEYS[7] then redis.call('SET', KEYS[7], ARGV[5]) end
 local function push(key, first, last)
   -- unpack() is bounded by Lua's C stack: push long lists in slices
   for i = first, last, 1000 do
     redis.call('RPUSH', key, unpack(ARGV, i, math.min(i + 999, last)))
   end
 end
-local n_out = tonumber(ARGV[5])
-push(KEYS[2], 6, 5 + n_out)
-push(KEYS[3], 6 + n_out, #ARGV)
+local n_out = tonumber(ARGV[6])
+push(KEYS[2], 7, 6 + n_out)
+push(KEYS[3], 7 + n_out, #ARGV)
 redis.call('ZADD', KEYS[4], seq, ARGV[1])
 redis.call('PUBLISH', KEYS[6], cjson.encode({ARGV[1]}))
 return seq
@@ -125,11 +130,13 @@ class RedisStore:
 
     def __init__(self, client: redis.Redis, prefix: str = DEFAULT_PREFIX, *,
                  ended_ttl_s: float = DEFAULT_ENDED_TTL_S, owns_client: bool = False,
-                 commits: RedisCommits | None = None) -> None:
+                 commits: RedisCommits | None = None,
+                 owner: tuple[str, str] | None = None) -> None:
         """`client`: any redis-py client (not connected until first used). `owns_client`: close it
         in `close()`. `commits`: the subscriber `watch` waits on (`from_url` makes one); a store
         without one, over a bare client (a writer: replica adoption), has followers read only
-        when their wait times out."""
+        when their wait times out. `owner`: (key prefix, this writer's name): each request's
+        owner key (layout above), for readers of every writer's requests (gateway/fleet.py)."""
         if ended_ttl_s <= 0:
             raise ValueError("ended_ttl_s must be > 0")
         self.prefix = prefix
@@ -142,6 +149,7 @@ class RedisStore:
         self._live_key, self._seq_key, self._vt_key = prefix + "live", prefix + "seq", prefix + "vt"
         self._channel = channel_of(prefix)
         self._commits = commits
+        self._owners, self._owner = owner if owner is not None else (None, "")
         # The writer's view: live id -> τ entries already stored (what the next step appends after).
         self._taus: dict[str, int] = {}
         self._outs: dict[str, int] = {}         # live id -> output tokens already stored
@@ -149,25 +157,33 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, *,
                  ended_ttl_s: float = DEFAULT_ENDED_TTL_S,
-                 timeout_s: float | None = None) -> "RedisStore":
+                 timeout_s: float | None = None,
+                 owner: tuple[str, str] | None = None) -> "RedisStore":
         """Over a client of its own, every call bounded by `timeout_s` (redis_client.py)."""
         timeout_s = REDIS_TIMEOUT_S if timeout_s is None else timeout_s
         return cls(redis_client(url, timeout_s), prefix, ended_ttl_s=ended_ttl_s, owns_client=True,
-                   commits=RedisCommits(url, prefix, timeout_s))
+                   commits=RedisCommits(url, prefix, timeout_s), owner=owner)
 
     def _keys(self, rid: str) -> tuple[str, str, str]:
         p = self.prefix
         return p + "rec:" + rid, p + "out:" + rid, p + "tau:" + rid
+
+    def _expiring(self, rid: str) -> tuple[str, ...]:
+        """The keys an ended request's TTL applies to: its three, and its owner key."""
+        keys = self._keys(rid)
+        return keys if self._owners is None else (*keys, self._owners + rid)
 
     # ---- writes -----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         rid, s = req.request_id, req.stats
         rec, out, tau = self._keys(rid)
         outputs, taus = [int(t) for t in req.output_ids], [int(t) for t in s.tau_history]
+        keys = [rec, out, tau, self._live_key, self._seq_key, self._channel]
         seq = self._add_script(
-            keys=[rec, out, tau, self._live_key, self._seq_key, self._channel],
+            keys=keys if self._owners is None else [*keys, self._owners + rid],
             args=[rid, _dumps([int(t) for t in req.prompt_ids]), _dumps(params_to_dict(req)),
-                  _dumps(stats_to_dict(s, tau_history=False)), len(outputs), *outputs, *taus])
+                  _dumps(stats_to_dict(s, tau_history=False)), self._owner, len(outputs),
+                  *outputs, *taus])
         if not seq:
             raise ValueError(f"request {rid!r} is already stored")
         self._taus[rid] = len(taus)
@@ -195,7 +211,7 @@ class RedisStore:
             new_counts[rid] = self._push_history(pipe, tau, known[rid], s.tau_history)
         for s in step.ended:
             pipe.zrem(self._live_key, s.request_id)
-            for key in self._keys(s.request_id):
+            for key in self._expiring(s.request_id):
                 pipe.pexpire(key, self.ended_ttl_ms)
         if step.virtual_time:
             pipe.hset(self._vt_key, mapping={account_to_str(a): repr(float(v))
@@ -226,6 +242,11 @@ class RedisStore:
             keys.extend(self._keys(s.request_id))
             args += [s.request_id, _dumps(stats_to_dict(s, tau_history=False))]
         self._end_script(keys=keys + [self._channel], args=args)
+        if self._owners is not None:            # PEXPIRE adds no data: a full Redis takes it
+            pipe = self._r.pipeline(transaction=False)
+            for s in ended:
+                pipe.pexpire(self._owners + s.request_id, self.ended_ttl_ms)
+            pipe.execute()
         for s in ended:
             self._taus.pop(s.request_id, None)
             self._outs.pop(s.request_id, None)

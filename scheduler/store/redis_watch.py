@@ -63,10 +63,15 @@ def _ids(data: Any) -> list[str] | None:
 
 
 class RedisCommits:
-    """The reader's side for one store prefix: `watch(request_id)` as `StateStore.watch` says."""
+    """The reader's side for one store prefix: `watch(request_id)` as `StateStore.watch` says.
+    `pattern`: instead, every store whose commits channel matches this glob (PSUBSCRIBE): a
+    reader of several writers' requests (gateway/fleet.py: every replica's) subscribes once."""
 
-    def __init__(self, url: str, prefix: str, timeout_s: float = REDIS_TIMEOUT_S) -> None:
-        self.url, self.channel, self.timeout_s = url, channel_of(prefix), timeout_s
+    def __init__(self, url: str, prefix: str, timeout_s: float = REDIS_TIMEOUT_S, *,
+                 pattern: str | None = None) -> None:
+        self.url, self.timeout_s = url, timeout_s
+        self.channel = pattern if pattern is not None else channel_of(prefix)
+        self.pattern = pattern is not None
         self._subscribers: dict[asyncio.AbstractEventLoop, _Subscriber] = {}
 
     @asynccontextmanager
@@ -130,7 +135,10 @@ class _Subscriber:
         loop = asyncio.get_running_loop()
         timeout_s = self.commits.timeout_s
         async with client.pubsub() as pubsub:
-            await pubsub.subscribe(self.commits.channel)
+            if self.commits.pattern:
+                await pubsub.psubscribe(self.commits.channel)
+            else:
+                await pubsub.subscribe(self.commits.channel)
             heard, pinged = loop.time(), False
             while True:
                 msg = await pubsub.get_message(timeout=HEARTBEAT_S)
@@ -146,14 +154,14 @@ class _Subscriber:
 
     def _heard(self, msg: dict) -> None:
         kind = msg.get("type")
-        if kind == "message":
+        if kind in ("message", "pmessage"):
             ids = _ids(msg.get("data"))
             if ids is None:                    # not our writer's: whoever it concerns, reads
                 log.warning("an unreadable message on %s", self.commits.channel)
                 self.watchers.wake_all()
             else:
                 self.watchers.wake(ids)
-        elif kind == "subscribe":
+        elif kind in ("subscribe", "psubscribe"):
             if self._outage_logged:
                 log.warning("state store commit notifications resumed")
                 self._outage_logged = False

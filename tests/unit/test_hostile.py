@@ -13,7 +13,8 @@ from loadtest.hostile.records import (MemorySample, Outcome, Probe, VictimSample
                                       event_error, grpc_outcome, sse_data)
 from loadtest.hostile.report import (TARGETS, Phase, Targets, build_report, counts, ratio, spread,
                                      summary)
-from loadtest.hostile.target import Quotas, live_requests, loop_lag, metric_samples, tenants_file
+from loadtest.hostile.target import (Quotas, lag_between, live_requests, loop_lag, metric_samples,
+                                     tenants_file)
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
@@ -157,10 +158,25 @@ def test_metrics_give_live_requests_and_loop_lag_only_where_there_is_one():
             "# TYPE specgate_steps counter\nspecgate_steps_total 7.0\n")
     samples = metric_samples(text)
     assert live_requests(samples) == 5.0 and loop_lag(samples) is None
-    lagged = metric_samples(text + "# TYPE specgate_event_loop_lag_seconds gauge\n"
-                                   "specgate_event_loop_lag_seconds 0.25\n")
-    assert loop_lag(lagged) == {"specgate_event_loop_lag_seconds": 0.25}
     assert live_requests(metric_samples("# TYPE x gauge\nx 1.0\n")) is None
+
+
+def _lag_page(buckets: dict[str, float], total: float) -> dict[str, float]:
+    lines = ["# TYPE specgate_event_loop_lag_seconds histogram"]
+    lines += [f'specgate_event_loop_lag_seconds_bucket{{le="{le}"}} {n}' for le, n in buckets.items()]
+    lines += [f"specgate_event_loop_lag_seconds_count {buckets['+Inf']}",
+              f"specgate_event_loop_lag_seconds_sum {total}"]
+    return loop_lag(metric_samples("\n".join(lines) + "\n"))
+
+
+def test_the_loop_lag_of_a_phase_is_the_difference_of_two_readings_of_the_histogram():
+    before = _lag_page({"0.01": 10, "0.1": 10, "1.0": 10, "+Inf": 10}, 0.02)
+    after = _lag_page({"0.01": 105, "0.1": 109, "1.0": 110, "+Inf": 110}, 0.02 + 0.9)
+    assert lag_between(before, after) == pytest.approx(
+        {"wakeups": 100, "mean_s": 0.009, "p99_le_s": 0.1, "max_le_s": 1.0})
+    beyond = _lag_page({"0.01": 105, "0.1": 109, "1.0": 109, "+Inf": 110}, 30.0)
+    assert lag_between(before, beyond)["max_le_s"] is None      # past the largest bound
+    assert lag_between(None, after) is None and lag_between(after, after) is None
 
 
 def test_the_tenants_file_is_one_the_gateway_reads(tmp_path):
