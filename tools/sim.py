@@ -69,6 +69,7 @@ from scheduler.sizing import expected_tau, size_trees
 from scheduler.store.null import NullStore
 from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
                                     with_arrivals)
+from tools.sim_slo import TierObjectivesMet, assign_tiers, parse_tiers, tier_wait_s
 from tools.sim_worker import STOP, TOKEN, SimPredictor, SimWorker, belief
 from workers.fake_worker import FakeClock
 from loadtest.results import write_result
@@ -98,6 +99,7 @@ class SimSettings:
     calibration_steps: int = 20_000
     max_resident: int | None = 32              # requests holding KV at once (the step loop's)
     prefill_chunk_tokens: int = 0              # 0: whole prefills, each in a pass of its own
+    tiers: tuple[tuple[str, float], ...] = ()  # (service tier, share of requests); (): all default
 
 
 @dataclass
@@ -114,15 +116,17 @@ class RunOutcome:
     reprefills: int = 0
     max_step_s: float = 0.0       # the longest step: the longest a decoding stream waits for a token
     loop: StepLoop | None = None  # the loop that ran them
+    slo: dict[str, Any] | None = None   # with tiers: `TierObjectivesMet.summary`
 
 
 def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
              spec: WorkloadSpec, admission: AdmissionLimits | None = None,
              stop_when_not_full: bool = False, max_steps: int | None = None,
-             max_resident: int | None = 32) -> RunOutcome:
+             max_resident: int | None = 32, tiers: list[str] | None = None) -> RunOutcome:
     """Run `requests` (sorted by arrival) through the real step loop planned by `policy` until
     all admitted ones finish (module docstring). `max_resident`: requests holding KV at once
-    (None: no limit), the loop's own."""
+    (None: no limit), the loop's own. `tiers`: each request's service tier, by index (None: all
+    default); then whether each met its tier's objectives is judged (tools/sim_slo.py)."""
     clock = FakeClock(0.0)
     worker = SimWorker(cost, clock, spec)
     lengths = SimPredictor(spec, worker.truth) if spec.repredict is not None else None
@@ -130,8 +134,11 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
                     max_resident=max_resident if max_resident is not None else 1 << 30,
                     clock=clock, lengths=lengths)
     finished: list[RequestStats] = []
+    slo = TierObjectivesMet(clock, policy.config.aging_bound_s) if tiers is not None else None
 
     def sink(event: Event) -> None:
+        if slo is not None:
+            slo.event(event)
         if isinstance(event, Finished):
             event.stats.tau_history = []        # the summary never reads it: 100k requests' worth
             finished.append(event.stats)
@@ -145,7 +152,11 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             r = requests[i]
             i += 1
             worker.expect(r)
-            if loop.submit(_request(r, spec), sink) is not ADMITTED:
+            req = _request(r, spec)
+            if slo is not None:
+                req.stats.tier = tiers[r.index]
+                slo.arrived(req.stats)
+            if loop.submit(req, sink) is not ADMITTED:
                 worker.release(r.request_id)
                 refused += 1
         if not live and not inbox:
@@ -166,7 +177,7 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
             clock.now = max(clock.now, requests[i].arrival_s)
     return RunOutcome(finished, refused, worker.steps, worker.busy_s, clock.now, loop.aged,
                       worker.batch_sum, worker.committed, worker.prefill_s, worker.reprefills,
-                      max_step, loop)
+                      max_step, loop, slo.summary(clock.now) if slo is not None else None)
 
 
 def _request(r: SimRequest, spec: WorkloadSpec) -> Request:
@@ -211,7 +222,8 @@ def _config(settings: SimSettings, cost: StepCostModel) -> PolicyConfig:
     return PolicyConfig(max_batch=settings.max_batch, token_budget=settings.token_budget,
                         aging_bound_s=settings.aging_bound_s, step_cost=cost,
                         max_resident=settings.max_resident,
-                        prefill_chunk_tokens=settings.prefill_chunk_tokens, learn_priors=False)
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens, learn_priors=False,
+                        tier_wait_s=tier_wait_s() if settings.tiers else {})
 
 
 def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepCostModel):
@@ -243,9 +255,10 @@ def run_policy(name: str, settings: SimSettings, rate: float) -> dict[str, Any]:
         opts.setdefault("oracle", srpt_oracle({r.request_id: r for r in reqs}, settings, cost))
         opts.setdefault("aging_bound_s", None)        # the clairvoyant bound, unconstrained
     policy = make_policy(name, _config(settings, cost), **opts)
+    tiers = assign_tiers(len(reqs), settings.tiers, settings.seed) if settings.tiers else None
     t0 = time.perf_counter()
     out = simulate(policy, reqs, cost, settings.workload, settings.admission,
-                   max_resident=settings.max_resident)
+                   max_resident=settings.max_resident, tiers=tiers)
     wall = time.perf_counter() - t0
     return summarize(name, out, policy, wall)
 
@@ -280,6 +293,7 @@ def summarize(name: str, out: RunOutcome, policy: Policy, wall_s: float) -> dict
         "committed_tokens_per_s": out.committed / out.end_s if out.end_s else 0.0,
         "aged_promotions": out.aged,
         "aging_bound_s": policy.config.aging_bound_s,
+        **(out.slo or {}),                # with tiers: slo_attainment, goodput_tok_s
         "wall_s": wall_s,
         "latencies_s": lat.tolist(),
     }
@@ -309,7 +323,8 @@ def run_sim(policies: list[str], settings: SimSettings, jobs: int = 1) -> dict[s
                      "predictor_sigma": settings.workload.predictor_sigma,
                      "repredict": settings.workload.repredict,
                      "profile_source": cost.source, "arrival_rate_per_s": rate,
-                     "saturated_goodput_tokens_per_s": capacity},
+                     "saturated_goodput_tokens_per_s": capacity,
+                     **({"tiers": dict(settings.tiers)} if settings.tiers else {})},
         "policies": {r["policy"]: r for r in results},
     }
 
@@ -390,6 +405,12 @@ def add_arguments(parser) -> None:
                              "'synthetic': the workload's own (arrival only)")
     parser.add_argument("--arrival-cv", type=float, default=1.0,
                         help="coefficient of variation of arrival gaps (1: Poisson, >1: bursty)")
+    parser.add_argument("--tiers", type=parse_tiers, default=(),
+                        metavar="TIER=SHARE,...",
+                        help="service tiers of the requests, e.g. priority=0.2,default=0.5,flex=0.3: "
+                             "each policy also reports the share of each tier's requests that met "
+                             "the gateway's objectives for it and the goodput of those (default: "
+                             "every request in the default tier, nothing judged)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="policies simulated in parallel (processes)")
     parser.add_argument("--json", dest="json_out", default=None, help="write results here")
@@ -412,7 +433,8 @@ def run(args) -> int:
                            max_resident=(max(args.max_resident, args.max_batch)
                                          if args.max_resident > 0 else None),
                            workload=workload, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                           calibration_requests=min(1000, max(200, args.requests)))
+                           calibration_requests=min(1000, max(200, args.requests)),
+                           tiers=args.tiers)
     if args.laps:
         settings = replace(settings, policy_options={"laps": json.loads(args.laps)})
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
