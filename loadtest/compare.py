@@ -25,7 +25,7 @@ within a round) and reverses the order of the policies every other round (fcfs,l
 Each policy's row pools its rounds' requests; `rounds` keeps each round's means and laps'
 reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the policy run first
 was the slowest in both of two real-model runs, so that laps came out far ahead of fcfs in one
-order and far behind it in the other (README.md at bd11715, "Scheduling policies on the real gateway").
+order and far behind it in the other.
 One pass of each policy measures the machine's drift as much as the policies.
 
 `srpt` among the policies: the clairvoyant bound on the real engine (scheduler/length_oracle.py).
