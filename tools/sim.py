@@ -72,6 +72,7 @@ from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, gene
 from tools.sim_slo import TierObjectivesMet, assign_tiers, parse_tiers, tier_wait_s
 from tools.sim_worker import STOP, TOKEN, SimPredictor, SimWorker, belief
 from workers.fake_worker import FakeClock
+from loadtest.bootstrap import LEVEL, RESAMPLES, STATISTICS, intervals
 from loadtest.results import write_result
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
@@ -329,6 +330,19 @@ def run_sim(policies: list[str], settings: SimSettings, jobs: int = 1) -> dict[s
     }
 
 
+def latency_intervals(result: dict[str, Any], resamples: int = RESAMPLES) -> dict[str, Any]:
+    """95% bootstrap intervals (loadtest/bootstrap.py) of each policy's mean and p99 latency and
+    of their ratios to fcfs and sjf (policy ÷ base). A run is one unit, one seed whose arrivals
+    every policy was offered, so only the second stage moves: requests resampled within the run.
+    The interval is this run's sampling spread, not the spread over arrival sequences (run seeds
+    for that). Needs every request's latency (`latencies_s`); memory grows as resamples × requests."""
+    unit = f"seed {result['settings']['seed']}"
+    samples = {p: {unit: r["latencies_s"]} for p, r in result["policies"].items()}
+    return {"level": LEVEL, "resamples": resamples, "units": [unit],
+            **{key: intervals(samples, STATISTICS[stat], resamples=resamples)
+               for key, stat in (("mean_latency_s", "mean"), ("p99_latency_s", "p99"))}}
+
+
 def measured_predictor(path: str | Path | None = MEASURED_PREDICTOR) -> dict[str, Any] | None:
     """WorkloadSpec fields for the predictor `bench lengths` measured (its JSON at `path`):
     the arrival error and the re-prediction error per checkpoint. None: no such file."""
@@ -411,6 +425,9 @@ def add_arguments(parser) -> None:
                              "each policy also reports the share of each tier's requests that met "
                              "the gateway's objectives for it and the goodput of those (default: "
                              "every request in the default tier, nothing judged)")
+    parser.add_argument("--intervals", action="store_true",
+                        help="add 95%% bootstrap intervals of each policy's mean and p99 latency "
+                             "and of their ratios to fcfs and sjf (requests resampled within the run)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="policies simulated in parallel (processes)")
     parser.add_argument("--json", dest="json_out", default=None, help="write results here")
@@ -441,6 +458,8 @@ def run(args) -> int:
     result = run_sim(names, settings, jobs=args.jobs)
     if args.plot:
         plot_cdfs(result, args.plot)
+    if args.intervals:
+        result["intervals"] = latency_intervals(result)
     if not args.keep_latencies:
         for r in result["policies"].values():
             r.pop("latencies_s")

@@ -232,3 +232,21 @@ def test_a_long_prompt_stalls_a_stream_only_with_whole_prefills():
     assert out24.prefill_s == pytest.approx(sum(cost.chunk(24, o) for o in range(0, 3999, 24)),
                                             rel=0.05)
     assert out0.prefill_s >= cost.prefill(3999)
+
+
+def test_bootstrap_intervals_bracket_each_policys_latency(small_run):
+    # every request's latency resampled within the run: the point estimate is the run's own mean,
+    # inside its interval, and the ratio to fcfs brackets the ratio of the means
+    import copy
+    iv = sim.latency_intervals(copy.deepcopy(small_run), resamples=300)
+    assert iv["level"] == 0.95 and iv["units"] == ["seed 1"]
+    for name, p in small_run["policies"].items():
+        m = iv["mean_latency_s"]["policies"][name]
+        assert m["estimate"] == pytest.approx(p["mean_latency_s"])
+        assert m["low"] < m["estimate"] < m["high"]
+        p99 = iv["p99_latency_s"]["policies"][name]
+        assert p99["low"] <= p99["estimate"] <= p99["high"]
+    ratio = iv["mean_latency_s"]["ratios"]["laps/fcfs"]
+    assert ratio["estimate"] == pytest.approx(small_run["policies"]["laps"]["mean_latency_s"]
+                                              / small_run["policies"]["fcfs"]["mean_latency_s"])
+    assert ratio["low"] <= ratio["estimate"] <= ratio["high"]
