@@ -84,6 +84,7 @@ class StepLoop:
         self.state = SchedulerState()
         self.steps = 0
         self.busy_s = 0.0              # wall time of the iterations that verified something
+        self.aged = 0                  # requests planned because aging promoted them, in all
         self._requests: dict[str, Request] = {}
         self._limits: dict[str, int] = {}              # request id -> output token limit
         self._stop = threading.Event()
@@ -191,6 +192,7 @@ class StepLoop:
         if self.kv_budgets is not None:
             self.state.kv_budgets = {home: budget for home, (budget, _) in self.kv_budgets().items()}
         plan = self.policy.plan(self.state, start)
+        self.aged += plan.aged
         for rid in plan.evict:                         # the KV budget: room for this step
             self.kv.evict(rid)
         if not plan.request_ids:

@@ -277,10 +277,12 @@ BENCHES: tuple[Bench, ...] = (
     Bench("sim",
           "specgate sim --policies fcfs,sjf,las,laps,srpt --requests 10000 --load 0.85 --seed 1 "
           "--json results/sim_default.json",
-          "Discrete-event simulation of the scheduling policies, with the policy code the "
-          "gateway runs, over a step-cost profile: per policy mean, p50 and p99 latency, the "
-          "longest wait, and latency split into time waiting and time inside steps (only the "
-          "waiting is the order of service's to move).",
+          "Discrete-event simulation of the scheduling policies: the gateway's own step loop, "
+          "planner and policies, over a simulated worker that samples acceptance from each "
+          "request's true α and charges the step-cost profile: per policy mean, p50 and p99 "
+          "latency, the longest wait, and latency split into time waiting and time inside steps "
+          "(only the waiting is the order of service's to move). `--arrival-cv 3 "
+          "--prefill-chunk-tokens 24` is the bursty regime with chunked prefill.",
           "At the engine's batch of 8 the CPU engine is close to processor sharing: a request "
           "spends most of its latency in the batch, which no order changes, so even clairvoyant "
           "srpt takes little off FCFS's mean. Where order matters (one sequence a step, load "

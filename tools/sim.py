@@ -1,44 +1,37 @@
-"""Discrete-event simulator: the real policy code (scheduler.policies) against a workload model and
-a measured step-cost model, one verification step at a time.
+"""Discrete-event simulator: the real step loop (scheduler.loop.StepLoop), with its planner,
+policies, tree sizing and KV residency, against a workload model and a measured step-cost model.
 
     while requests remain:
-        admit arrivals up to now (admission control), plan = policy.plan(state, now),
-        step time = prefill passes of planned requests without KV + profile(batch, tree tokens),
-        sample each request's τ from its true α and its tree budget, now += step time,
-        policy.update(state, records, now, step time)
+        submit the requests that have arrived by the simulated clock (the loop's admission),
+        loop.step(): plan, evict, prefill, step, commit, exactly as serving runs it,
+        and when nothing is live, move the clock on to the next arrival
 
-**Prefill and KV** follow the step loop (scheduler/loop.py): a planned request without KV is
-prefilled first, in a pass of its own at batch 1 (`Verifier.prefill`), and the step waits for it;
-at most `max_resident` requests (32, the gateway's default) hold KV, least recently served evicted
-first, and an evicted request pays a new prefill of prompt + committed output when it is next
-planned (`KVResidency`). The policies get the same limit (`PolicyConfig.max_resident`), so they
-start no request the KV cannot hold and eviction never happens; without that gate, aging and
-least-attained-service ordering thrash the cache once more than 32 requests are live (every
-aging promotion of an evicted request is a re-prefill that lengthens the step, which puts more
-requests at risk: the engine ends up doing nothing but prefills).
+Nothing of the loop is written here. What has a model behind it is simulated (tools/sim_worker.py):
+the worker samples each request's acceptance from its true α and the tree budget the planner
+gave it, and advances the simulated clock by what the measured profile says the loop's prefills,
+chunks and steps cost; the length predictor's beliefs carry the measured error. The loop writes
+to a `NullStore` (no persistence to pay for) and runs on this thread, one `step()` at a time.
 
-**Chunked prefill** (`--prefill-chunk-tokens N`, as the gateway's flag): a planned request
-without KV claims it without a pass of its own; the policy plans chunks of its context beside the
-other requests' trees (`Plan.prefill`), and the step that completes the context verifies its
-root and tree. Such a step costs profile(batch of the decoding requests, their tree tokens) plus
-each chunk's measured cost (`StepCostModel.chunk`: its rows, and its attention over the keys
-before it), the mixed step as the verifier runs it.
+**Prefill and KV** are the loop's (scheduler/residency.py): a planned request without KV is
+prefilled first, in a pass of its own at batch 1, and the step waits for it; at most
+`max_resident` requests (32, the gateway's default) hold KV, and an evicted request pays a new
+prefill of prompt + committed output when it is next planned. The policies get the same limit
+(`PolicyConfig.max_resident`), so they start no request the KV cannot hold; without that gate,
+aging and least-attained-service ordering thrash the cache once more than 32 requests are live.
+
+**Chunked prefill** (`--prefill-chunk-tokens N`, as the gateway's flag): the loop admits a
+planned request without a pass of its own, the plan carries chunks of its context beside the
+other requests' trees, and the step that completes the context verifies its root and tree. Such
+a step costs profile(batch of the verified requests, their tree tokens) plus each chunk's
+measured cost (`StepCostModel.chunk`), the mixed step as the verifier runs it.
 
 **Load** is defined as load = λ · E[L] ÷ C: λ the arrival rate (requests/s), E[L] the mean output
 length of the generated requests, and C the engine's saturated goodput, i.e. committed output
 tokens per second over the steps that ran at full batch when every request of an independent
 sample of the same workload (1,000 requests) is queued at t = 0 and served FCFS with the same tree
 budgets and prefill charges (at most 20,000 steps of it). At load 1 the arrivals ask for exactly
-what a full engine can commit. NOTE: a step costs much less at a small batch on the CPU profile
-(a batch of 8 commits little more than a batch of 4 does), so load 0.85 keeps the engine busy
-nearly all the time, at a mean batch well below max_batch (README.md, "Scheduling policies in
-the simulator").
-
-Acceptance in a step: a request with tree budget (n nodes, depth d) drafts width w = n ÷ d per
-depth; each depth is accepted with p = 1 − (1 − α_t)^w (w = 1: p = α_t), α_t its true α mixed
-with its opening α (workload_gen.py); accepted = consecutive successes (≤ d), τ = accepted + 1,
-verified = 1 + n. Each request draws from its own seeded RNG, so every policy sees the same
-acceptance luck per request and step (common random numbers).
+what a full engine can commit. A step costs much less at a small batch on the CPU profile, so a
+load below 1 keeps the engine busy nearly all the time at a mean batch well below max_batch.
 
 Output per policy: latency = finish − arrival (mean, p50, p99, max, per tenant); `max_wait_s` =
 the longest gap any request spent unserved (arrival → first step, or between two of its steps),
@@ -50,16 +43,14 @@ the waiting directly and the in-steps part only through the batch sizes it leads
 split shows in every run how much a policy has to work with.
 Engine defaults: max_batch 8 and token_budget 64, the range the default profile measured.
 
-How much the order of service can matter here, and why the issue's targets are out of reach on
-this engine, is written up in scheduler/policies/laps.py; the figures are in README.md,
-"Scheduling policies in the simulator".
+How much the order of service can matter here is written up in scheduler/policies/laps.py; the
+figures are in docs/benchmarks.md (`specgate docs`, from results/sim_*.json).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import random
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -69,14 +60,19 @@ from typing import Any
 import numpy as np
 
 from scheduler.admission import ADMITTED, AdmissionControl, AdmissionLimits
-from scheduler.length_learner import better
+from scheduler.events import Event, Finished
+from scheduler.loop import StepLoop
 from scheduler.policies import Policy, PolicyConfig, make_policy
 from scheduler.profile import StepCostModel, prefill_steps
-from scheduler.request import RequestStats, StepRecord
+from scheduler.request import Request, RequestStats
 from scheduler.sizing import expected_tau, size_trees
-from scheduler.state import SchedulerState
+from scheduler.store.null import NullStore
 from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
                                     with_arrivals)
+from tools.sim_slo import TierObjectivesMet, assign_tiers, parse_tiers, tier_wait_s
+from tools.sim_worker import STOP, TOKEN, SimPredictor, SimWorker, belief
+from workers.fake_worker import FakeClock
+from loadtest.bootstrap import LEVEL, RESAMPLES, STATISTICS, intervals
 from loadtest.results import write_result
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
@@ -104,6 +100,7 @@ class SimSettings:
     calibration_steps: int = 20_000
     max_resident: int | None = 32              # requests holding KV at once (the step loop's)
     prefill_chunk_tokens: int = 0              # 0: whole prefills, each in a pass of its own
+    tiers: tuple[tuple[str, float], ...] = ()  # (service tier, share of requests); (): all default
 
 
 @dataclass
@@ -119,161 +116,79 @@ class RunOutcome:
     prefill_s: float = 0.0
     reprefills: int = 0
     max_step_s: float = 0.0       # the longest step: the longest a decoding stream waits for a token
-
-
-class KVResidency:
-    """Which requests hold KV, as the step loop keeps it (scheduler/loop.py): at most `limit` at
-    once, least recently served evicted first (never one planned for this step); a planned
-    request without KV is prefilled first, with its prompt plus the output it has committed, in a
-    pass of its own at batch 1 (`Verifier.prefill`), and the step waits for it. `chunked`: it
-    only claims the KV (`prefill_left` set to its whole context), its steps' chunks compute it."""
-
-    def __init__(self, cost: StepCostModel, limit: int | None, enabled: bool = True,
-                 chunked: bool = False) -> None:
-        self.cost, self.limit, self.enabled, self.chunked = cost, limit, enabled, chunked
-        self._held: dict[str, None] = {}
-        self.prefill_s = 0.0                  # time spent prefilling, in all
-        self.reprefills = 0                   # prefills of evicted requests (preemption's cost)
-
-    def admit(self, planned: list[str], live: dict[str, RequestStats]) -> float:
-        """Make every planned request resident; returns the prefill time this costs."""
-        held, dt = self._held, 0.0
-        for rid in planned:
-            if rid in held:
-                held[rid] = held.pop(rid)     # most recently served last
-                continue
-            if self.limit is not None:
-                while len(held) >= self.limit:
-                    victim = next((r for r in held if r not in planned), None)
-                    if victim is None:
-                        break
-                    del held[victim]
-                    if victim in live:
-                        live[victim].prefill_left = None
-            held[rid] = None
-            if self.enabled:
-                s = live[rid]
-                if s.n_steps:
-                    self.reprefills += 1
-                if self.chunked:
-                    s.prefill_left = s.unprefilled_context
-                else:
-                    dt += self.cost.prefill(max(1, s.unprefilled_context))
-        self.prefill_s += dt
-        return dt
-
-    def release(self, request_id: str) -> None:
-        self._held.pop(request_id, None)
+    loop: StepLoop | None = None  # the loop that ran them
+    slo: dict[str, Any] | None = None   # with tiers: `TierObjectivesMet.summary`
 
 
 def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
              spec: WorkloadSpec, admission: AdmissionLimits | None = None,
              stop_when_not_full: bool = False, max_steps: int | None = None,
-             max_resident: int | None = 32) -> RunOutcome:
-    """Run `requests` (sorted by arrival) through `policy` until all admitted ones finish.
-    `max_resident`: requests holding KV at once (None: no limit), as the step loop's."""
-    state = SchedulerState()
-    ac = AdmissionControl(admission)
-    chunked = policy.config.prefill_chunk_tokens > 0 and spec.prefill
-    kv = KVResidency(cost, max_resident, spec.prefill, chunked)
-    truth: dict[str, tuple[SimRequest, random.Random]] = {}
+             max_resident: int | None = 32, tiers: list[str] | None = None) -> RunOutcome:
+    """Run `requests` (sorted by arrival) through the real step loop planned by `policy` until
+    all admitted ones finish (module docstring). `max_resident`: requests holding KV at once
+    (None: no limit), the loop's own. `tiers`: each request's service tier, by index (None: all
+    default); then whether each met its tier's objectives is judged (tools/sim_slo.py)."""
+    clock = FakeClock(0.0)
+    worker = SimWorker(cost, clock, spec)
+    lengths = SimPredictor(spec, worker.truth) if spec.repredict is not None else None
+    loop = StepLoop(policy, worker, NullStore(), admission=AdmissionControl(admission),
+                    max_resident=max_resident if max_resident is not None else 1 << 30,
+                    clock=clock, lengths=lengths)
     finished: list[RequestStats] = []
-    now = busy = 0.0
-    i = refused = steps = aged = batch_sum = committed_total = 0
-    max_step = 0.0
+    slo = TierObjectivesMet(clock, policy.config.aging_bound_s) if tiers is not None else None
+
+    def sink(event: Event) -> None:
+        if slo is not None:
+            slo.event(event)
+        if isinstance(event, Finished):
+            event.stats.tau_history = []        # the summary never reads it: 100k requests' worth
+            finished.append(event.stats)
+
+    live, inbox = loop.state.requests, loop.intake.inbox
+    i = refused = 0
     n = len(requests)
-    fade = [math.exp(-k / spec.early_steps) for k in range(int(12 * spec.early_steps))]
-    while i < n or state.requests:
-        while i < n and requests[i].arrival_s <= now:
+    max_step = 0.0
+    while True:
+        while i < n and requests[i].arrival_s <= clock.now:
             r = requests[i]
             i += 1
-            if ac.admit(r.tenant) is not ADMITTED:
+            worker.expect(r)
+            req = _request(r, spec)
+            if slo is not None:
+                req.stats.tier = tiers[r.index]
+                slo.arrived(req.stats)
+            if loop.submit(req, sink) is not ADMITTED:
+                worker.release(r.request_id)
                 refused += 1
-                continue
-            truth[r.request_id] = (r, random.Random(r.seed))
-            stats = RequestStats(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.max_tokens,
-                                 r.priority, r.predicted_len)
-            if spec.repredict is not None:
-                stats.length_belief = _belief(r, spec, 0)
-            policy.add(state, stats)
-        if not state.requests:
-            now = requests[i].arrival_s
+        if not live and not inbox:
+            if i >= n:
+                break
+            clock.now = requests[i].arrival_s   # idle: on to the next arrival
             continue
-        if stop_when_not_full and len(state.requests) < policy.config.max_batch:
+        if stop_when_not_full and len(live) + len(inbox) < policy.config.max_batch:
             break                               # too few left for a full batch
-        plan = policy.plan(state, now)
-        if max_steps is not None and steps >= max_steps:
+        if max_steps is not None and loop.steps >= max_steps:
             break
-        live = state.requests
-        dt = kv.admit(plan.request_ids, live)
-        records, tokens, chunk_s = [], 0, 0.0
-        chunks = plan.prefill if chunked and plan.prefill else [0] * len(plan)
-        first_warm = len(plan) - plan.warm
-        for j, (rid, budget, k) in enumerate(zip(plan.request_ids, plan.budgets, chunks)):
-            r, rng = truth[rid]
-            s = live[rid]
-            if k:                               # a chunk of its context, in this step's pass
-                left = s.unprefilled
-                k = min(k, left)
-                chunk_s += cost.chunk(k, s.unprefilled_context - left)
-                s.prefill_left = left - k
-                if s.prefill_left or j >= first_warm:
-                    continue                    # no root yet: nothing verified, nothing committed
-            tokens += 1 + budget.max_nodes
-            rec = _sample_step(r, s, budget.max_nodes, budget.max_depth, rng, fade)
-            if spec.repredict is not None and rec.finish is None:
-                at = spec.repredict_at(s.committed + rec.committed)[0]
-                if at > r.extra.get("checkpoint", 0):
-                    r.extra["checkpoint"] = at
-                    new = _belief(r, spec, at)
-                    if better(new, s.length_belief):        # as the step loop keeps them
-                        s.length_belief = new
-            committed_total += rec.committed
-            records.append(rec)
-        dt += cost(max(len(records), 1), max(tokens, 1)) + chunk_s
-        kv.prefill_s += chunk_s
-        max_step = max(max_step, dt)
-        now += dt
-        busy += dt
-        steps += 1
-        aged += plan.aged
-        batch_sum += len(records)
-        for s in policy.update(state, records, now, dt):
-            ac.release(s.tenant)
-            kv.release(s.request_id)
-            finished.append(s)
-            del truth[s.request_id]
-    return RunOutcome(finished, refused, steps, busy, now, aged, batch_sum, committed_total,
-                      kv.prefill_s, kv.reprefills, max_step)
+        t0 = clock.now
+        if loop.step():
+            max_step = max(max_step, clock.now - t0)
+        elif live:                              # nothing runnable: only an arrival changes that
+            if i >= n:
+                raise RuntimeError(f"the step loop planned nothing for {len(live)} live requests")
+            clock.now = max(clock.now, requests[i].arrival_s)
+    return RunOutcome(finished, refused, worker.steps, worker.busy_s, clock.now, loop.aged,
+                      worker.batch_sum, worker.committed, worker.prefill_s, worker.reprefills,
+                      max_step, loop, slo.summary(clock.now) if slo is not None else None)
 
 
-def _belief(r: SimRequest, spec: WorkloadSpec, committed: int) -> tuple[float, float, int]:
-    """The predictor's (μ, σ, committed) for `r` at a checkpoint: ln of the true remaining length
-    (before any max_tokens cut) plus N(0, σ(c)²) error. At arrival the error is the one its
-    `predicted_len` has; at each later checkpoint a fresh draw, from a stream of its own (so that
-    acceptance luck stays the same across policies)."""
-    at, sigma = spec.repredict_at(committed)
-    z = r.pred_err if at == 0 else random.Random(r.seed * 1_000_003 + at).gauss(0.0, 1.0)
-    return math.log(max(1, r.natural_len - at)) + sigma * z, sigma, at
-
-
-def _sample_step(r: SimRequest, s: RequestStats, nodes: int, depth: int, rng: random.Random,
-                 fade: list[float]) -> StepRecord:
-    accepted = tried = 0
-    if nodes and depth:
-        k = s.n_steps
-        a = r.alpha if k >= len(fade) else r.alpha + fade[k] * (r.alpha_early - r.alpha)
-        p = a if nodes <= depth else 1.0 - (1.0 - a) ** (nodes / depth)
-        while accepted < depth and rng.random() < p:
-            accepted += 1
-        tried = accepted + (accepted < depth)
-    tau = accepted + 1
-    left = r.output_len - s.committed
-    drafted = nodes if depth else 0
-    if tau >= left:
-        return StepRecord(r.request_id, 1 + nodes, left,
-                          "length" if r.hits_length else "stop", tried, drafted, accepted)
-    return StepRecord(r.request_id, 1 + nodes, tau, None, tried, drafted, accepted)
+def _request(r: SimRequest, spec: WorkloadSpec) -> Request:
+    """What a client would send for `r`: a prompt of its length, its bound, its tenant; the
+    belief at arrival when the predictor re-predicts (the gateway's, before its first step)."""
+    stats = RequestStats(r.request_id, r.tenant, r.arrival_s, r.prompt_len, r.max_tokens,
+                         r.priority, r.predicted_len)
+    if spec.repredict is not None:
+        stats.length_belief = belief(r, spec, 0)
+    return Request(stats, [TOKEN] * r.prompt_len, stop_token_ids=(STOP,))
 
 
 # ---- workload at a load ---------------------------------------------------------------------
@@ -308,7 +223,8 @@ def _config(settings: SimSettings, cost: StepCostModel) -> PolicyConfig:
     return PolicyConfig(max_batch=settings.max_batch, token_budget=settings.token_budget,
                         aging_bound_s=settings.aging_bound_s, step_cost=cost,
                         max_resident=settings.max_resident,
-                        prefill_chunk_tokens=settings.prefill_chunk_tokens, learn_priors=False)
+                        prefill_chunk_tokens=settings.prefill_chunk_tokens, learn_priors=False,
+                        tier_wait_s=tier_wait_s() if settings.tiers else {})
 
 
 def srpt_oracle(truth: dict[str, SimRequest], settings: SimSettings, cost: StepCostModel):
@@ -340,9 +256,10 @@ def run_policy(name: str, settings: SimSettings, rate: float) -> dict[str, Any]:
         opts.setdefault("oracle", srpt_oracle({r.request_id: r for r in reqs}, settings, cost))
         opts.setdefault("aging_bound_s", None)        # the clairvoyant bound, unconstrained
     policy = make_policy(name, _config(settings, cost), **opts)
+    tiers = assign_tiers(len(reqs), settings.tiers, settings.seed) if settings.tiers else None
     t0 = time.perf_counter()
     out = simulate(policy, reqs, cost, settings.workload, settings.admission,
-                   max_resident=settings.max_resident)
+                   max_resident=settings.max_resident, tiers=tiers)
     wall = time.perf_counter() - t0
     return summarize(name, out, policy, wall)
 
@@ -377,6 +294,7 @@ def summarize(name: str, out: RunOutcome, policy: Policy, wall_s: float) -> dict
         "committed_tokens_per_s": out.committed / out.end_s if out.end_s else 0.0,
         "aged_promotions": out.aged,
         "aging_bound_s": policy.config.aging_bound_s,
+        **(out.slo or {}),                # with tiers: slo_attainment, goodput_tok_s
         "wall_s": wall_s,
         "latencies_s": lat.tolist(),
     }
@@ -406,9 +324,23 @@ def run_sim(policies: list[str], settings: SimSettings, jobs: int = 1) -> dict[s
                      "predictor_sigma": settings.workload.predictor_sigma,
                      "repredict": settings.workload.repredict,
                      "profile_source": cost.source, "arrival_rate_per_s": rate,
-                     "saturated_goodput_tokens_per_s": capacity},
+                     "saturated_goodput_tokens_per_s": capacity,
+                     **({"tiers": dict(settings.tiers)} if settings.tiers else {})},
         "policies": {r["policy"]: r for r in results},
     }
+
+
+def latency_intervals(result: dict[str, Any], resamples: int = RESAMPLES) -> dict[str, Any]:
+    """95% bootstrap intervals (loadtest/bootstrap.py) of each policy's mean and p99 latency and
+    of their ratios to fcfs and sjf (policy ÷ base). A run is one unit, one seed whose arrivals
+    every policy was offered, so only the second stage moves: requests resampled within the run.
+    The interval is this run's sampling spread, not the spread over arrival sequences (run seeds
+    for that). Needs every request's latency (`latencies_s`); memory grows as resamples × requests."""
+    unit = f"seed {result['settings']['seed']}"
+    samples = {p: {unit: r["latencies_s"]} for p, r in result["policies"].items()}
+    return {"level": LEVEL, "resamples": resamples, "units": [unit],
+            **{key: intervals(samples, STATISTICS[stat], resamples=resamples)
+               for key, stat in (("mean_latency_s", "mean"), ("p99_latency_s", "p99"))}}
 
 
 def measured_predictor(path: str | Path | None = MEASURED_PREDICTOR) -> dict[str, Any] | None:
@@ -487,6 +419,15 @@ def add_arguments(parser) -> None:
                              "'synthetic': the workload's own (arrival only)")
     parser.add_argument("--arrival-cv", type=float, default=1.0,
                         help="coefficient of variation of arrival gaps (1: Poisson, >1: bursty)")
+    parser.add_argument("--tiers", type=parse_tiers, default=(),
+                        metavar="TIER=SHARE,...",
+                        help="service tiers of the requests, e.g. priority=0.2,default=0.5,flex=0.3: "
+                             "each policy also reports the share of each tier's requests that met "
+                             "the gateway's objectives for it and the goodput of those (default: "
+                             "every request in the default tier, nothing judged)")
+    parser.add_argument("--intervals", action="store_true",
+                        help="add 95%% bootstrap intervals of each policy's mean and p99 latency "
+                             "and of their ratios to fcfs and sjf (requests resampled within the run)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="policies simulated in parallel (processes)")
     parser.add_argument("--json", dest="json_out", default=None, help="write results here")
@@ -509,13 +450,16 @@ def run(args) -> int:
                            max_resident=(max(args.max_resident, args.max_batch)
                                          if args.max_resident > 0 else None),
                            workload=workload, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                           calibration_requests=min(1000, max(200, args.requests)))
+                           calibration_requests=min(1000, max(200, args.requests)),
+                           tiers=args.tiers)
     if args.laps:
         settings = replace(settings, policy_options={"laps": json.loads(args.laps)})
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     result = run_sim(names, settings, jobs=args.jobs)
     if args.plot:
         plot_cdfs(result, args.plot)
+    if args.intervals:
+        result["intervals"] = latency_intervals(result)
     if not args.keep_latencies:
         for r in result["policies"].values():
             r.pop("latencies_s")

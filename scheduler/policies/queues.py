@@ -127,6 +127,8 @@ class RequestQueues:
                     limit: int, admit: Admit) -> None:
         """Append this class's best requests to `chosen`, tenants merged under fair sharing."""
         queues, counts = self._queues[cls], self._counts[cls]
+        if not counts:                           # every request of the class has left
+            return
         back: Back = []
         cand: list[Candidate] = []
         if len(counts) == 1:                     # one tenant: nobody to be fair to

@@ -195,3 +195,17 @@ def test_a_tier_emptied_before_a_queued_one_is_skipped_not_fatal(name):
     for rid in ("f1", "f2"):
         p.add(state, tiered(rid, "flex", tenant=rid, arrival=2.0))
     assert p.plan(state, 3.0).request_ids in (["f1"], ["f2"])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_tier_whose_requests_all_left_is_skipped(name):
+    """The priority tier's only request finishes while more default requests are live than a
+    batch holds: the plan chooses among them (the emptied class once made the fair-share merge
+    take the minimum of no tenants, and the step loop's plan raised)."""
+    reqs = [tiered("p", "priority", arrival=0, predicted=1)] + [
+        tiered(f"d{i}", "default", arrival=1 + i, tenant=f"t{i % 2}") for i in range(4)]
+    p = policy(name, max_batch=2, **NO_AGING)
+    state = build(p, reqs)
+    step(p, state, 10.0, finish={"p"})
+    assert "p" not in state.requests
+    assert len(p.plan(state, 11.0).request_ids) == 2

@@ -84,20 +84,18 @@ def test_cli_writes_json_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_kv_residency_charges_prefills_as_the_step_loop_does():
-    from scheduler.request import RequestStats
+def test_the_loop_charges_each_prompt_one_prefill_pass():
+    # whole prefills, KV for everyone: every request is prefilled once by the loop's residency,
+    # in a pass of its own over its prompt but the root, and the worker charges exactly that
     from scheduler.profile import StepCostModel
-    cost = StepCostModel([(1, [0, 100], [0.01, 0.11])])
-    kv = sim.KVResidency(cost, limit=2)
-    live = {r: RequestStats(r, "t", 0.0, prompt_len=51, max_tokens=100) for r in "abc"}
-    assert kv.admit(["a"], live) == pytest.approx(0.06)     # a pass of its own: 50 tokens
-    assert kv.admit(["a", "b"], live) == pytest.approx(0.06)
-    live["a"].n_steps, live["a"].committed = 3, 20
-    assert kv.admit(["c"], live) == pytest.approx(0.06)     # a (least recently served) evicted
-    assert kv.admit(["a"], live) == pytest.approx(0.08)     # re-prefill: prompt + 20 committed
-    assert (kv.reprefills, kv.prefill_s) == (1, pytest.approx(0.26))
-    kv.release("a")
-    assert kv.admit(["c"], live) == 0.0                      # still resident: free
+    from tools.workload_gen import generate, with_arrivals
+    s = replace(SMALL, n_requests=40)
+    cost = StepCostModel.from_json()
+    reqs = with_arrivals(generate(s.workload, 40, 5), rate=0.05, seed=6)
+    out = sim.simulate(sim.make_policy("fcfs", sim._config(s, cost)), reqs, cost, s.workload)
+    assert len(out.finished) == 40 and out.reprefills == 0
+    assert out.prefill_s == pytest.approx(sum(cost.prefill(max(1, r.prompt_len - 1)) for r in reqs))
+    assert out.committed == sum(r.output_len for r in reqs)
 
 
 def test_without_a_kv_gate_aging_and_eviction_thrash():
@@ -185,7 +183,7 @@ def test_the_simulated_predictor_re_predicts_with_the_measured_error(tmp_path):
     for at in (0, 64):
         errs = []
         for r in reqs:
-            mu, sigma, c = sim._belief(r, spec, at)
+            mu, sigma, c = sim.belief(r, spec, at)
             assert c == at and sigma == spec.repredict_at(at)[1]
             errs.append(mu - math.log(r.natural_len - at))
         errors[at] = statistics.pstdev(errs)
@@ -234,3 +232,21 @@ def test_a_long_prompt_stalls_a_stream_only_with_whole_prefills():
     assert out24.prefill_s == pytest.approx(sum(cost.chunk(24, o) for o in range(0, 3999, 24)),
                                             rel=0.05)
     assert out0.prefill_s >= cost.prefill(3999)
+
+
+def test_bootstrap_intervals_bracket_each_policys_latency(small_run):
+    # every request's latency resampled within the run: the point estimate is the run's own mean,
+    # inside its interval, and the ratio to fcfs brackets the ratio of the means
+    import copy
+    iv = sim.latency_intervals(copy.deepcopy(small_run), resamples=300)
+    assert iv["level"] == 0.95 and iv["units"] == ["seed 1"]
+    for name, p in small_run["policies"].items():
+        m = iv["mean_latency_s"]["policies"][name]
+        assert m["estimate"] == pytest.approx(p["mean_latency_s"])
+        assert m["low"] < m["estimate"] < m["high"]
+        p99 = iv["p99_latency_s"]["policies"][name]
+        assert p99["low"] <= p99["estimate"] <= p99["high"]
+    ratio = iv["mean_latency_s"]["ratios"]["laps/fcfs"]
+    assert ratio["estimate"] == pytest.approx(small_run["policies"]["laps"]["mean_latency_s"]
+                                              / small_run["policies"]["fcfs"]["mean_latency_s"])
+    assert ratio["low"] <= ratio["estimate"] <= ratio["high"]
