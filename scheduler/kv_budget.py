@@ -282,7 +282,10 @@ class KVBudget:
 
     def _adds(self, s: RequestStats) -> int:
         """Slots `s` may add this step: its growth if it holds KV, else its start."""
-        return growth_slots(s, **self.size) if s.kv_tokens else start_slots(s, **self.size)
+        block, tree = self.size["block"], self.size["tree"]    # not **: once per chosen request
+        if s.kv_tokens:
+            return growth_slots(s, block=block, tree=tree)
+        return start_slots(s, block=block, tree=tree)
 
     def _budgets(self) -> dict[str | None, int]:
         return {h: budget for h, (budget, _) in self.homes.items()}
