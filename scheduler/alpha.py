@@ -26,7 +26,7 @@ The sizing rule that turns them into tree budgets is scheduler/sizing.py. Pure: 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 __all__ = ["AlphaEstimate", "DrafterPrior", "PRIOR_FLOOR", "learn", "observe",
            "observe_draft_time", "pool"]
@@ -140,7 +140,8 @@ def observe(est: AlphaEstimate, drafted: int, accepted: int) -> AlphaEstimate:
         # Each drafting step in a row that accepted nothing halves the relaxation speed, so probes
         # of a request whose text stays unpredictable grow exponentially rarer.
         relax = IDLE_RELAX ** (0.5 ** est.misses)
-        return replace(est, accepted=est.accepted * relax, rejected=est.rejected * relax)
+        return AlphaEstimate(est.accepted * relax, est.rejected * relax, est.misses, est.draft_s,
+                             est.prior)
     failed = _failures(drafted, accepted)
     # built directly, not with dataclasses.replace: this runs once per request per step, and
     # replace's walk over the fields costs several times the constructor
@@ -159,7 +160,7 @@ def observe_draft_time(est: AlphaEstimate, seconds: float, levels: int) -> Alpha
     measured = seconds / levels
     # The first measurement replaces the prior of 0; later ones blend in at the evidence decay.
     per_level = measured if est.draft_s == 0.0 else DECAY * est.draft_s + (1 - DECAY) * measured
-    return replace(est, draft_s=per_level)
+    return AlphaEstimate(est.accepted, est.rejected, est.misses, per_level, est.prior)
 
 
 def learn(est: AlphaEstimate, drafted: int, accepted: int, draft_s: float,

@@ -140,6 +140,9 @@ class KVBudget:
         # its new key (no other home's key moves). Built at the first start; dropped when
         # `rooms` is replaced (`reopen`, `rooms_kept`).
         self._order: list[tuple[tuple, str | None]] | None = None
+        # The top of `_order` once checked, until a start or new rooms move a key: a start that
+        # does not fit takes nothing, and the next one asks the same question of the same home
+        self._top: list[str | None] = []
 
     @property
     def limited(self) -> bool:
@@ -155,7 +158,7 @@ class KVBudget:
         rooms = self.rooms
         if rooms is None or s.kv_tokens:
             return True
-        need = start_slots(s, **self.size)
+        need = start_slots(s, block=self.size["block"], tree=self.size["tree"])
         if self._loads is None:
             self._loads = home_loads(self.state)
         home = self._most_room()
@@ -165,6 +168,7 @@ class KVBudget:
         rooms[home] = room - need
         self.at[s.request_id] = home
         self._loads[home] = self._loads.get(home, 0) + 1
+        self._top = []
         if self._order is not None:
             heapq.heappush(self._order, (self._key(home), home))
         return True
@@ -178,6 +182,8 @@ class KVBudget:
         rooms = self.rooms
         if len(rooms) == 1:
             return next(iter(rooms))
+        if self._top:
+            return self._top[0]
         order = self._order
         if order is None:
             order = self._order = [(self._key(h), h) for h in rooms]
@@ -185,6 +191,7 @@ class KVBudget:
         while True:
             key, home = order[0]
             if key == self._key(home):
+                self._top = [home]
                 return home
             heapq.heappop(order)
 
@@ -200,7 +207,7 @@ class KVBudget:
     def reopen(self) -> None:
         """Every budget's room as the state holds it, before this plan took any."""
         self.rooms = kv_rooms(self.homes)
-        self._order = None
+        self._order, self._top = None, []
 
     @contextmanager
     def rooms_kept(self) -> Iterator[None]:
@@ -210,7 +217,7 @@ class KVBudget:
             yield
         finally:
             self.rooms = kept
-            self._order = None
+            self._order, self._top = None, []
 
     def home_of(self, s: RequestStats) -> str | None:
         """Where `s`'s KV is (a resident) or is planned to start (`allocate`); None: the one
@@ -282,7 +289,10 @@ class KVBudget:
 
     def _adds(self, s: RequestStats) -> int:
         """Slots `s` may add this step: its growth if it holds KV, else its start."""
-        return growth_slots(s, **self.size) if s.kv_tokens else start_slots(s, **self.size)
+        block, tree = self.size["block"], self.size["tree"]    # not **: once per chosen request
+        if s.kv_tokens:
+            return growth_slots(s, block=block, tree=tree)
+        return start_slots(s, block=block, tree=tree)
 
     def _budgets(self) -> dict[str | None, int]:
         return {h: budget for h, (budget, _) in self.homes.items()}

@@ -153,7 +153,16 @@ def _budgets(depths: Sequence[int], alphas: Sequence[float], spare: int,
              max_depth: int) -> list[TreeBudget]:
     if sum(depths) > spare:
         depths = _shrink(list(depths), alphas, spare)
-    return [TreeBudget(d, min(d, max_depth)) if d else NO_SPECULATION for d in depths]
+    # one (frozen) budget per depth, shared: a large batch has few distinct depths, and
+    # building and validating one per request was a measurable part of a plan
+    made: dict[int, TreeBudget] = {0: NO_SPECULATION}
+    out = []
+    for d in depths:
+        b = made.get(d)
+        if b is None:
+            b = made[d] = TreeBudget(d, min(d, max_depth))
+        out.append(b)
+    return out
 
 
 def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | None = None,

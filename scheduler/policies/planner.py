@@ -189,16 +189,19 @@ class BatchPlanner:
         start = now - step_s
         requests, served, finished = state.requests, set(), []
         vt, weight = state.virtual_time, self.fairness.weight
+        # hoisted: this loop runs once per served request every step
+        learn, priors, start_ = self.config.learn_priors, self.priors, self._started.add
         for rec in records:
             s = requests.get(rec.request_id)
             if s is None:                       # cancelled while its step ran
                 continue
             s.record_step(rec, start, now)
-            if rec.drafted and self.config.learn_priors:
+            if rec.drafted and learn:
                 key = (s.cache_tenant, s.drafter)
-                self.priors[key] = pool(self.priors.get(key, DrafterPrior()), rec.drafted,
-                                         rec.accepted, rec.draft_s, rec.draft_depth)
-            self._started.add(rec.request_id)
+                prior = priors.get(key)
+                priors[key] = pool(DrafterPrior() if prior is None else prior, rec.drafted,
+                                   rec.accepted, rec.draft_s, rec.draft_depth)
+            start_(rec.request_id)
             account = (s.plan_class, s.tenant)
             vt[account] = vt.get(account, 0.0) + rec.verified / weight(s.tenant)
             cause = rec.finish or ("length" if s.committed >= s.max_tokens else None)

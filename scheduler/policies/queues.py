@@ -92,13 +92,15 @@ class RequestQueues:
 
     def rekey(self, state: SchedulerState) -> None:
         """Refresh and re-key every request touched since it was last ranked."""
-        requests, keys, ordering = state.requests, self._keys, self.ordering
+        requests, keys = state.requests, self._keys
+        # bound once: this loop runs for every request served since the last ranking
+        refresh, key_of, push = self.ordering.refresh, self.ordering.key, self._push
         for rid in self._dirty:
             s = requests[rid]
-            ordering.refresh(state, s)
-            key = ordering.key(s)
+            refresh(state, s)
+            key = key_of(s)
             if key != keys[rid]:
-                self._push(s, key)
+                push(s, key)
         self._dirty.clear()
 
     def _push(self, s: RequestStats, key: float) -> None:
@@ -155,6 +157,7 @@ class RequestQueues:
             else:
                 deferred.append(tenant)
         requests, nominal, weight = state.requests, self.nominal_cost, self.fairness.weight
+        offer, pop = self._offer, heapq.heappop      # bound once: one round per chosen request
         fair_phase = True
         while len(chosen) < limit:
             if not cand:
@@ -164,14 +167,14 @@ class RequestQueues:
                 for tenant in deferred:
                     self._offer(queues[tenant], tenant, taken, back, cand)
                 continue
-            _, _, rid, tenant = heapq.heappop(cand)
+            _, _, rid, tenant = pop(cand)
             if not _take(rid, chosen, taken, admit):    # no room to start it: look further
-                self._offer(queues[tenant], tenant, taken, back, cand)
+                offer(queues[tenant], tenant, taken, back, cand)
                 continue
             s = requests[rid]
             vt[tenant] += (s.attained / s.n_steps if s.n_steps else nominal) / weight(tenant)
             if not fair_phase or vt[tenant] <= cap:
-                self._offer(queues[tenant], tenant, taken, back, cand)
+                offer(queues[tenant], tenant, taken, back, cand)
             else:
                 deferred.append(tenant)
 
