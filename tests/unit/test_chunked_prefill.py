@@ -167,7 +167,7 @@ def test_blocks_computed_mid_prefill_are_in_the_prefix_cache_before_the_prompt_c
 def test_the_ngram_drafter_indexes_a_chunked_prompt_as_its_chunks_complete(tiny_model, forward):
     """So its first proposal does not index the whole prompt inside one step (~70 ms for 4,000
     tokens); the output stays plain greedy."""
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.contract import NO_SPECULATION, TreeBudget, WorkItem
 
     p = prompt(300, 14)
