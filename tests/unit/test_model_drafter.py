@@ -204,6 +204,7 @@ def test_carrying_q_is_what_makes_sampled_drafts_pay(sampling_setup):
 # --- device: what the drafter builds lives where its forward runs ---------------------------------
 
 DRAFT_CODE = ("workers/drafters/model.py", "workers/drafters/neural/draft_model.py", "workers/model/llama_forward.py",
+              "workers/model/packed_attention.py",
               "workers/model/batched_attention.py")
 
 
