@@ -143,7 +143,7 @@ def test_kv_written_by_chunks_equals_a_whole_prefills(forward):
     chunked.prefill("r", p, GREEDY, 4, defer=True)
     while chunked.pending("r"):
         chunked.verify([VerifyItem("r", TokenTree.empty(), prefill=17, decode=False)])
-    a, b = whole._slots["r"].cache, chunked._slots["r"].cache
+    a, b = whole.book.slots["r"].cache, chunked.book.slots["r"].cache
     assert a.length == b.length == len(p) - 1
     torch.testing.assert_close(a.k[:, :, :a.length], b.k[:, :, :b.length], atol=1e-5, rtol=1e-5)
 
