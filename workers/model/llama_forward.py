@@ -17,8 +17,8 @@ the weights as the loop reads them, workers/model/llama_weights.py.
 
 Sliding-window attention: a layer with a window hides from a row at position p every key at
 position p - window or earlier, on top of the segment's own masks (packed_attention.py works the
-windowed masks out, since a target's cache slot j holds position j). The KV keeps every slot, including those no query can see again:
-exact, and no more memory than a model without a window, since the planner's KV budget bounds
+windowed masks out, since a target's cache slot j holds position j). The KV keeps every slot,
+including those no query can see again: exact, and no more memory than a model without a window, since the planner's KV budget bounds
 every request's cache anyway; trimming the cache to the window would save memory for long
 contexts, at the cost of slots that no longer equal positions. A draft model's cache does not
 keep slots at their positions (workers/drafters/neural/draft_model.py packs it to sink + window), so a draft
@@ -91,7 +91,8 @@ class LlamaForward:
             self.lm_head = Linear(hf_model.lm_head.weight, None, self.gemm)   # [V, H]
             self.final_norm = inner.norm.weight.detach()                 # [H]
             self.layers = [layer_weights(layer, self.gemm) for layer in inner.layers]
-            self.cos, self.sin = rope_tables(inner.rotary_emb, self.max_positions, self.dtype, self.device)  # [P, D] each
+            # [P, D] each
+            self.cos, self.sin = rope_tables(inner.rotary_emb, self.max_positions, self.dtype, self.device)
             # rotate_half(x) * sin == roll(x, D/2) * sin with its first half negated: one op
             # instead of four (slice, slice, neg, cat), and bitwise the same result.
             half = self.head_dim // 2
@@ -220,8 +221,8 @@ class LlamaForward:
             delta = w["wdown"](self._swiglu(w["wgu"](h)))                        # [T, H]
         return self._tail(x, delta, logit_rows, taps, self.n_layers - 1 in wanted)
 
-    def _stacked_taps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan, args: tuple,
-                      logit_rows: torch.Tensor | None, tap_layers: tuple[int, ...]):
+    def _stacked_taps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan,
+                      args: tuple, logit_rows: torch.Tensor | None, tap_layers: tuple[int, ...]):
         """`_run` with taps on the layer stack: one call per piece (`_tap_stacks`), each tapped
         block's output read between them: a step that feeds a memory draft keeps the stack's
         speed instead of paying the per-layer loop's Python (csrc/decoder.cpp says how much)."""
