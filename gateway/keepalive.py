@@ -5,7 +5,7 @@ store in an outage, a follower of a request still queued) or between two (a long
 and load balancers close a connection idle for some time (often 60 s), cutting the stream, and a
 server that writes nothing cannot notice that its client has gone. So each stream sends a beat
 that every client ignores once `every_s` seconds pass with nothing else sent: an SSE comment line
-(gateway/http/deps.py), an empty delta on gRPC (gateway/grpc_api/server.py).
+(gateway/http/deps.py), an empty delta on gRPC (gateway/grpc_api/messages.py).
 
 The source is read by a task of its own, so that waiting for its next item can time out without
 cancelling the read itself; closing the stream cancels that task and closes the source.

@@ -45,7 +45,23 @@ class _Joined:
         return self._text
 
 
-class IncrementalDetokenizer:
+class _LetOut:
+    """A text stage's output so far, kept in `_out`: what the detokenizer has emitted, what the
+    stop matcher has released."""
+    _out: _Joined
+
+    @property
+    def text(self) -> str:
+        """Everything let out so far."""
+        return self._out.text
+
+    @property
+    def chars(self) -> int:
+        """len(text), without building it."""
+        return self._out.chars
+
+
+class IncrementalDetokenizer(_LetOut):
     """Turns token ids into text chunk by chunk, never splitting a character.
 
     The text of a span of tokens depends on its neighbours (a leading space, a multi-byte
@@ -74,16 +90,6 @@ class IncrementalDetokenizer:
         self.read_offset = len(self._ids)
         self._sent = 0                    # characters after the prefix's text already emitted
         self._out = _Joined()             # everything emitted so far
-
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return self._out.text
-
-    @property
-    def chars(self) -> int:
-        """len(text), without building it."""
-        return self._out.chars
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add committed tokens; returns the new text that is complete (maybe "")."""
@@ -125,7 +131,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
-class StopMatcher:
+class StopMatcher(_LetOut):
     """Cuts generated text before the first stop string and never lets any of it out.
 
     While streaming, text that could be the start of a stop string is held back until the next
@@ -144,16 +150,6 @@ class StopMatcher:
         self.held = ""
         self._out = _Joined()             # everything released so far
         self.stopped = False
-
-    @property
-    def text(self) -> str:
-        """Everything released so far."""
-        return self._out.text
-
-    @property
-    def chars(self) -> int:
-        """len(text), without building it."""
-        return self._out.chars
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add new text; returns (text safe to release now, whether a stop string was seen)."""

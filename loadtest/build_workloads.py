@@ -24,8 +24,7 @@ Why the copy/extract framing looks the way it does: SmolLM2-135M-Instruct (the d
 not copy when the instruction comes first ("Repeat the following text exactly, without adding or
 changing anything:\n\n<passage>"): it answers with its own prose or code, so the copy workload
 would measure nothing about copying. Framings were compared by ``copied``, the share of greedy
-tokens whose 3-gram (with the two tokens before) occurs in the prompt ids (README.md at bd11715, "Drafters,
-draft models and workloads", has the probes' figures). What works best is the passage *between*
+tokens whose 3-gram (with the two tokens before) occurs in the prompt ids. What works best is the passage *between*
 an announcing sentence and a closing instruction, with a ``Text:`` label the model echoes and
 then continues from::
 

@@ -25,7 +25,7 @@ within a round) and reverses the order of the policies every other round (fcfs,l
 Each policy's row pools its rounds' requests; `rounds` keeps each round's means and laps'
 reductions, whose spread is the run-to-run noise. Why: on these 2-core VMs the policy run first
 was the slowest in both of two real-model runs, so that laps came out far ahead of fcfs in one
-order and far behind it in the other (README.md at bd11715, "Scheduling policies on the real gateway").
+order and far behind it in the other.
 One pass of each policy measures the machine's drift as much as the policies.
 
 `srpt` among the policies: the clairvoyant bound on the real engine (scheduler/length_oracle.py).
@@ -33,6 +33,13 @@ First a truth pass asks a fresh gateway for every prompt of the workloads once, 
 at a time, and keeps each answer's length; the srpt gateway gets that table and ranks by the true
 remaining tokens. Its row's `oracle_exact` is the share of its requests whose length the table
 had exactly (greedy answers can differ by batch, where two tokens' scores are near ties).
+
+`--seeds 1,4,7` runs the whole comparison (every round) once per seed: seed s's round r offers
+the arrivals of seed s + r, and the order keeps alternating across them. Rows pool every seed's
+rounds. `intervals` gives, for the mean, p99 and TTFT figures of each policy and for each
+policy's ratio against fcfs and sjf, a 95% bootstrap interval (loadtest/bootstrap.py) paired by
+(seed, round): with a few dozen requests per policy and round, a handful of long answers
+decide a mean, and one seed's gap between policies can be mostly noise, which the interval shows.
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ from loadtest.loadgen import MAX_TOKENS_HELP, MaxTokens, max_tokens_label, parse
 from loadtest.workload import WORKLOADS, load_workload
 from scheduler.length_oracle import LengthOracle, prompt_key
 from loadtest.results import write_result
+from loadtest.bootstrap import RESAMPLES, LEVEL, STATISTICS, intervals
 
 POLICIES = ("laps", "fcfs", "sjf", "las", "srpt")
 ADMIN_KEY = "sk-loadtest-admin"             # each compare gateway's, to read its /metrics
@@ -68,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its completions per second), then offer LOAD x capacity to every policy")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per policy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", help="comma-separated seeds (e.g. 1,4,7): the whole comparison once "
+                   "per seed, rows pooled, intervals paired by (seed, round); overrides --seed")
     p.add_argument("--workloads", default="chat",
                    help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     p.add_argument("--max-tokens", type=parse_max_tokens, default=64, help=MAX_TOKENS_HELP)
@@ -93,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     chunks = [int(c) for c in (args.prefill_chunk_tokens or "").split(",") if c.strip()]
     variants = {f"chunk{c}": {"prefill_chunk_tokens": c} for c in chunks} if len(chunks) > 1 else None
+    seeds = parse_seeds(args.seeds) if args.seeds else [args.seed]
     report = compare(policies, gateway_settings(args), tenants=args.tenants, rate=args.rate,
-                     duration=args.duration, seed=args.seed, workloads=args.workloads.split(","),
+                     duration=args.duration, seeds=seeds, workloads=args.workloads.split(","),
                      max_tokens=args.max_tokens, bursty=args.bursty, timeout=args.timeout,
                      rounds=args.rounds, load=args.load, variants=variants)
     if args.json:
@@ -121,6 +132,52 @@ def gateway_settings(args: argparse.Namespace) -> dict:
 
 
 # ---- pure parts ----------------------------------------------------------------------------------
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 1,4,7` as a list; ValueError naming the bad entry."""
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds must name at least one seed, each once, got {text!r}")
+    return seeds
+
+
+def units(seeds: list[int], rounds: int) -> list[tuple[int, int, int]]:
+    """(seed, round, arrivals seed) of every run of the comparison: seed + round, as a single
+    seed's rounds always were. Two runs on the same arrivals would count one draw twice in the
+    intervals, so seeds closer than `rounds` apart are refused."""
+    out = [(s, r, s + r) for s in seeds for r in range(rounds)]
+    arrivals = [a for _, _, a in out]
+    if len(set(arrivals)) != len(arrivals):
+        raise ValueError(f"--seeds {','.join(map(str, seeds))} with --rounds {rounds} offer the same "
+                         f"arrivals twice (seed s, round r uses seed s + r): space the seeds at "
+                         f"least {rounds} apart")
+    return out
+
+
+# the interval figures: row key -> (the per-request samples it is over, the statistic)
+INTERVAL_FIGURES = {"mean_latency_s": ("e2e_s", "mean"), "p99_latency_s": ("e2e_s", "p99"),
+                    "ttft_p50_s": ("ttft_s", "p50"), "ttft_p99_s": ("ttft_s", "p99")}
+
+
+def unit_label(seed: int, rnd: int) -> str:
+    return f"seed {seed} round {rnd}"
+
+
+def comparison_intervals(by_unit: dict[str, dict[str, dict[str, list[float]]]],
+                         resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """`by_unit`: policy -> unit label -> {"e2e_s": [...], "ttft_s": [...]} (each run's
+    loadgen samples). For every figure of `INTERVAL_FIGURES`, each policy's interval and each
+    policy's ratio to fcfs and to sjf (policy ÷ base), paired by unit."""
+    out: dict[str, Any] = {"level": LEVEL, "resamples": resamples,
+                           "units": list(next(iter(by_unit.values()), {}))}
+    for key, (series, stat) in INTERVAL_FIGURES.items():
+        samples = {p: {u: s.get(series, []) for u, s in runs.items()} for p, runs in by_unit.items()}
+        out[key] = intervals(samples, STATISTICS[stat], resamples=resamples, seed=seed)
+    return out
+
+
 def reduction(base: float | None, new: float | None) -> float | None:
     """How much lower `new` is than `base`, as a fraction of `base`: reduction(2.0, 1.5) == 0.25;
     negative when `new` is higher; None when either is missing or `base` is not positive."""
@@ -275,19 +332,23 @@ def tenant_keys(n: int) -> list[tuple[str, str]]:
 
 # ---- the runs ------------------------------------------------------------------------------------
 def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: float,
-            duration: float, seed: int = 0, workloads: list[str] = ("chat",),
+            duration: float, seed: int = 0, seeds: list[int] | None = None,
+            workloads: list[str] = ("chat",),
             max_tokens: MaxTokens = 64, bursty: bool = False, timeout: float = 300.0,
             rounds: int = 1, load: float | None = None,
             variants: dict[str, dict] | None = None) -> dict:
     """Run the same load against one fresh gateway per policy (per round); the comparison.
     `load`: first measure capacity with one fcfs pass at `rate` (its completions per second, a
     seed of its own), then offer `load` × capacity instead of `rate`. `variants`: settings to
-    run every policy under, by name: the rows are then POLICY@NAME."""
+    run every policy under, by name: the rows are then POLICY@NAME. `seeds`: run the whole
+    comparison once per seed (module docstring); default: [`seed`]."""
     bad = [p for p in policies if p not in POLICIES]
     if bad or not policies:
         raise ValueError(f"unknown policy {bad[0] if bad else ''!r}; from: {', '.join(POLICIES)}")
     if rounds < 1:
         raise ValueError("--rounds must be at least 1")
+    seeds = list(seeds) if seeds else [seed]
+    runs, seed = units(seeds, rounds), seeds[0]
     if load is not None and not load > 0:
         raise ValueError(f"--load must be > 0, got {load}")
     keys = tenant_keys(tenants)
@@ -326,22 +387,26 @@ def compare(policies: list[str], settings: dict, *, tenants: int = 2, rate: floa
               file=sys.stderr, flush=True)
     names = [f"{p}@{v}" for p in policies for v in variants] if variants else list(policies)
     by_round: list[tuple[list[str], dict[str, dict]]] = []
-    for r in range(rounds):
-        order, reports = round_order(names, r), {}
+    for i, (s, r, arrivals) in enumerate(runs):
+        order, reports = round_order(names, i), {}
         for policy in order:
-            print(f"compare: round {r + 1}/{rounds}, policy {policy}: starting a gateway",
+            print(f"compare: seed {s}, round {r + 1}/{rounds}, policy {policy}: starting a gateway",
                   file=sys.stderr, flush=True)
-            reports[policy] = one(policy, rate, seed + r)
+            reports[policy] = one(policy, rate, arrivals)
         by_round.append((order, reports))
     run_settings = {"policies": list(names), "rate": rate, "duration": duration, "seed": seed,
-                    "capacity": capacity,
+                    "seeds": seeds, "capacity": capacity,
                     "rounds": rounds,
                     "workloads": list(workloads), "max_tokens": max_tokens_label(max_tokens),
                     "tenants": tenants,
                     "bursty": bursty, "gateway": {k: v for k, v in settings.items()
                                                   if k not in ("redis_url", "tenants_file")}}
     out = comparison({p: pooled([reps[p] for _, reps in by_round]) for p in names}, run_settings)
-    out["rounds"] = [round_summary(order, reps) for order, reps in by_round]
+    out["rounds"] = [{"seed": s, "round": r, "arrivals_seed": a, **round_summary(order, reps)}
+                     for (s, r, a), (order, reps) in zip(runs, by_round)]
+    out["intervals"] = comparison_intervals(
+        {p: {unit_label(s, r): reps[p]["samples"]["overall"]
+             for (s, r, _), (_, reps) in zip(runs, by_round)} for p in names})
     rows = out["policies"]
     if {"fcfs", "laps", "srpt"} <= set(rows):
         # the part of the clairvoyant bound's reduction of fcfs's mean that laps takes
@@ -495,11 +560,35 @@ def table(report: dict) -> str:
             means = ", ".join(f"{p} {ms(x)}" for p, x in r["mean_latency_s"].items())
             vs = ", ".join(f"{p} {pct(x)}" for p, x in r.get("laps_reduction_vs", {}).items())
             lines.append(f"round {i}: mean ms {means}" + (f"; laps vs {vs}" if vs else ""))
+    lines += interval_lines(report.get("intervals"))
     cap = report.get("settings", {}).get("capacity")
     if cap:
         lines.append(f"capacity {cap['completed_per_s']:.3f}/s (fcfs at {cap['probe_rate']}/s); "
                      f"offered {cap['load']} x capacity = {report['settings']['rate']:.3f}/s")
     return "\n".join(lines)
+
+
+def interval_lines(iv: dict | None) -> list[str]:
+    """The bootstrap intervals as lines: per figure, each policy's value [low, high] in ms,
+    then each ratio [low, high]."""
+    if not iv:
+        return []
+    ms = lambda x: "-" if x is None else f"{1000 * x:.1f}"          # noqa: E731
+    ratio = lambda x: "-" if x is None else f"{x:.3f}"              # noqa: E731
+    out = [f"{100 * iv['level']:g}% bootstrap intervals over {len(iv['units'])} runs "
+           f"(paired by seed and round, {iv['resamples']} resamples):"]
+    for key in INTERVAL_FIGURES:
+        fig = iv.get(key)
+        if not fig:
+            continue
+        values = ", ".join(f"{p} {ms(c['estimate'])} [{ms(c['low'])}, {ms(c['high'])}]"
+                           for p, c in fig["policies"].items())
+        out.append(f"  {key} ms: {values}")
+        if fig["ratios"]:
+            ratios = ", ".join(f"{name} {ratio(c['estimate'])} [{ratio(c['low'])}, {ratio(c['high'])}]"
+                               for name, c in fig["ratios"].items())
+            out.append(f"  {key} ratios: {ratios}")
+    return out
 
 
 def plot(report: dict, path: Path) -> None:

@@ -20,7 +20,7 @@ Warm-up: a new gateway's RSS grows at first by what it is meant to keep: the ver
 cache (256 MiB by default, full only after a few hundred distinct prompt blocks), the allocator's
 high-water mark, lazily built kernels. Counting that as growth would call a bounded cache a leak
 (a real-model soak whose RSS growth looked alarming after a one-window warm-up was flat once the
-prefix cache had filled: README.md at bd11715, "Serving path and start-up times"). By default
+prefix cache had filled). By default
 (`--warmup-windows auto`) warm-up windows run before the measured `--minutes`, until the
 gateway's `specgate_prefix_cache_bytes` gauge has levelled off (grew by less than 1% of its
 capacity over a window; one window where there is no prefix cache), at most

@@ -29,6 +29,7 @@ held comes from the state each time, and nothing of one plan outlives it.
 """
 from __future__ import annotations
 
+import heapq
 from contextlib import contextmanager
 from typing import Callable, Iterator, Mapping
 
@@ -131,6 +132,14 @@ class KVBudget:
         self.size = {"block": block, "tree": tree}
         self.at: dict[str, str | None] = {}    # the home each planned start takes
         self._loads: dict[str | None, int] | None = None   # once a start needs them
+        self._budget_of = None if self.homes is None else self._budgets()
+        # Homes by `placement_key`, lowest first, for the starts of this plan: a plan with many
+        # homes places a start per chosen request, and `most_room`'s scan of every home per start
+        # made a plan's cost grow with homes × starts. An entry whose key is no longer its
+        # home's is stale and dropped at the top; the home a start takes is pushed again with
+        # its new key (no other home's key moves). Built at the first start; dropped when
+        # `rooms` is replaced (`reopen`, `rooms_kept`).
+        self._order: list[tuple[tuple, str | None]] | None = None
 
     @property
     def limited(self) -> bool:
@@ -149,14 +158,35 @@ class KVBudget:
         need = start_slots(s, **self.size)
         if self._loads is None:
             self._loads = home_loads(self.state)
-        home = most_room(rooms, self._budgets(), self._loads)
+        home = self._most_room()
         room = rooms[home]
         if need > room and room < self.homes[home][0] and not force:
             return False
         rooms[home] = room - need
         self.at[s.request_id] = home
         self._loads[home] = self._loads.get(home, 0) + 1
+        if self._order is not None:
+            heapq.heappush(self._order, (self._key(home), home))
         return True
+
+    def _key(self, home: str | None) -> tuple:
+        budget = self._budget_of[home]
+        return placement_key(home, self.rooms[home] / max(budget, 1), self._loads.get(home, 0))
+
+    def _most_room(self) -> str | None:
+        """`most_room` over this plan's rooms and loads, from the heap of homes."""
+        rooms = self.rooms
+        if len(rooms) == 1:
+            return next(iter(rooms))
+        order = self._order
+        if order is None:
+            order = self._order = [(self._key(h), h) for h in rooms]
+            heapq.heapify(order)
+        while True:
+            key, home = order[0]
+            if key == self._key(home):
+                return home
+            heapq.heappop(order)
 
     def place(self, s: RequestStats) -> tuple[bool, str | None]:
         """Whether starting `s` now keeps the KV held within the budget (always, without one),
@@ -170,6 +200,7 @@ class KVBudget:
     def reopen(self) -> None:
         """Every budget's room as the state holds it, before this plan took any."""
         self.rooms = kv_rooms(self.homes)
+        self._order = None
 
     @contextmanager
     def rooms_kept(self) -> Iterator[None]:
@@ -179,6 +210,7 @@ class KVBudget:
             yield
         finally:
             self.rooms = kept
+            self._order = None
 
     def home_of(self, s: RequestStats) -> str | None:
         """Where `s`'s KV is (a resident) or is planned to start (`allocate`); None: the one

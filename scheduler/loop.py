@@ -34,9 +34,9 @@ hands the budgets to the planner before every plan (`SchedulerState.kv_budgets`)
 each home's requests hold from the homes their prefills and steps report.
 
 The loop's jobs, each in a module of its own: the plan (scheduler/policies), which requests hold
-KV (scheduler/residency.py), the store write that waits out an outage, never a full store
-(scheduler/store/writer.py),
-the other threads' side (scheduler/intake.py), length prediction (scheduler/length_learner.py).
+KV (scheduler/residency.py), a step's results as commits (scheduler/commit.py), the store write
+that waits out an outage, never a full store (scheduler/store/writer.py), the other threads' side
+(scheduler/intake.py), length prediction (scheduler/length_learner.py).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import time
 from typing import Callable, Mapping, Sequence
 
 from scheduler.admission import Admitted, AdmissionControl, Refused
+from scheduler.commit import commit_results, unstored
 from scheduler.events import Delta, Event, Finished, Sink
 from scheduler.intake import Intake
 from scheduler.length_learner import LengthLearner
@@ -73,7 +74,6 @@ class StepLoop:
             raise ValueError("max_resident must hold at least one full batch")
         self.policy = policy
         self.worker = worker
-        store = store if store is not None else MemoryStore()
         self.admission = admission or AdmissionControl()
         self.max_resident = max_resident
         self.clock = clock
@@ -87,14 +87,13 @@ class StepLoop:
         self._limits: dict[str, int] = {}              # request id -> output token limit
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        store = store if store is not None else MemoryStore()
         self.intake = Intake(worker, store, self.admission, clock, policy.fairness.weights)
         self.kv = KVResidency(worker, self.state, self._requests, self._limits, max_resident,
-                              chunked=self.chunked,
-                              failed=lambda rid, exc: self._end(rid, Status.FAILED, "error", str(exc)),
+                              chunked=self.chunked, failed=self._prefill_failed,
                               predict=self._predict)
         self._writer = StoreWriter(store, self._stop)
 
-    # ---- any thread ------------------------------------------------------------------------------
     def submit(self, req: Request, sink: Sink | None = None) -> Admitted | Refused:
         """Admit a request or refuse it (`Intake.submit`)."""
         return self.intake.submit(req, sink)
@@ -140,7 +139,7 @@ class StepLoop:
 
     @property
     def store(self) -> StateStore:
-        """The state store the intake adds to and the writer commits to (one, set for both)."""
+        """The state store the intake adds to and the writer commits to (set for both)."""
         return self.intake.store
 
     @store.setter
@@ -156,7 +155,6 @@ class StepLoop:
         """False while the step loop cannot write to its state store (streams are paused)."""
         return self._writer.down_since is None
 
-    # ---- the loop's thread -----------------------------------------------------------------------
     def run(self) -> None:
         wake = self.intake.wake
         while not self._stop.is_set():
@@ -222,27 +220,10 @@ class StepLoop:
 
     # ---- internals --------------------------------------------------------------------------------
     def _record(self, results: list[StepResult], now: float, step_s: float) -> None:
-        records, appended, logprobs = [], {}, {}
-        for res in results:
-            rid = res.request_id
-            req = self._requests[rid]
-            req.stats.prefill_left = res.pending
-            self.kv.hold(req.stats, res.kv_tokens, res.home)
-            if not res.decoded:                        # only prefilled: nothing to commit
-                if res.features is not None:           # ahead of its turn, now ready
-                    self._predict(req, res.features, len(req.output_ids))
-                continue
-            if res.features is not None:
-                # the features are of the row that read the last accepted token
-                self._predict(req, res.features, len(req.output_ids) + res.accepted, touch=False)
-            tokens, record = req.commit(res, self._limits[rid])
-            appended[rid] = tokens
-            if res.logprobs is not None:
-                logprobs[rid] = res.logprobs[:len(tokens)]      # cut where the tokens were
-            records.append(record)
-            self.kv.served(rid)                                 # most recently served last
+        done = commit_results(results, self._requests, self._limits, self.kv, self._predict)
+        appended = done.appended
         before = set(self.state.running)
-        finished = self.policy.update(self.state, records, now, step_s)
+        finished = self.policy.update(self.state, done.records, now, step_s)
         ended_ids = {s.request_id for s in finished}
         touched = (set(appended) | before) - ended_ids
         updated = [self.state.requests[r] for r in touched if r in self.state.requests]
@@ -250,7 +231,7 @@ class StepLoop:
                                              virtual_time=dict(self.state.virtual_time))):
             return self._refused(appended, finished)     # nothing stored: nothing streamed
         for rid, tokens in appended.items():
-            self.intake.emit(Delta(rid, tuple(tokens), logprobs.get(rid)))
+            self.intake.emit(Delta(rid, tuple(tokens), done.logprobs.get(rid)))
         for s in finished:
             if self.lengths is not None:
                 self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")
@@ -276,13 +257,15 @@ class StepLoop:
         if touch:
             self.policy.touch(req.request_id)
 
+    def _prefill_failed(self, request_id: str, exc: Exception) -> None:
+        self._end(request_id, Status.FAILED, "error", str(exc))
+
     def _apply_inbox(self) -> None:
         self.intake.apply(self.policy, self._admit, self._end)   # a cancel ends it
 
     def _admit(self, req: Request) -> None:
-        """A submitted (or adopted) request joins the plan. With a length predictor and KV room
-        it is prefilled now: ranked with a prediction from now; with chunks, from when steps
-        have prefilled it with what their chosen requests leave of the budget."""
+        """A submitted (or adopted) request joins the plan. With a length predictor and KV room it
+        is prefilled now (ranked from now); with chunks, once steps have prefilled it."""
         rid = req.request_id
         self._requests[rid] = req
         self._limits[rid] = self.intake.limit(req)
@@ -315,12 +298,3 @@ class StepLoop:
         self.intake.departed(s.tenant)
         self.intake.emit(Finished(rid, s.status, s.finish_reason, s, error))
 
-
-def unstored(appended: Mapping[str, Sequence[int]], ended: list[RequestStats]) -> list[RequestStats]:
-    """Requests whose step the store refused: failed, with what the store holds of them (their
-    tokens of that step, `appended`, were neither stored nor streamed, so a resumed stream gives
-    exactly what was sent). Returns `ended`."""
-    for s in ended:
-        s.status, s.cause = Status.FAILED, "error"
-        s.committed -= len(appended.get(s.request_id, ()))
-    return ended

@@ -49,6 +49,8 @@ COMMANDS: tuple[Command, ...] = (
             "measure step time vs batch size and tree tokens on the real verifier"),
     Command(("bench", "plan"), "tools.bench_plan",
             "time one scheduling decision with many queued requests"),
+    Command(("bench", "scheduler"), "tools.bench_scheduler",
+            "plan + update per step vs waiting and running requests over many KV homes (no model)"),
     Command(("bench", "ray"), "tools.bench_ray",
             "tokens/s of the Ray Serve deployment vs the embedded gateway, and its step overhead"),
     Command(("bench", "structured"), "tools.bench_structured",

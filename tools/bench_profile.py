@@ -16,8 +16,9 @@ The `"chunk"` entry (`--chunk-tokens`, `--chunk-offsets`; '' to skip) is what a 
 to a step, by its size and how deep into its prompt it starts (`workers.speculation.profiling.measure_chunks`).
 
 Run it on an otherwise idle machine; `--json` writes the profile (`scheduler/profiles/default.json`
-is such a file). Why serving measures its own at start-up instead of trusting a shipped file:
-README.md at bd11715, "Tree budgets".
+is such a file). Serving measures its own at start-up instead of trusting a shipped file
+(docs/design.md): a step's cost is the serving machine's, not that of the machine a file was
+measured on.
 """
 from __future__ import annotations
 

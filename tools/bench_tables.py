@@ -277,6 +277,45 @@ def compare(doc: Doc) -> list[str]:
                                                    for k, v in red.items())
                 + f"; share of clairvoyant srpt's reduction (fcfs − laps) ÷ (fcfs − srpt): "
                 f"{num(doc['laps_share_of_srpt'])}."]
+    return out + compare_intervals(doc.get("intervals"))
+
+
+def compare_intervals(iv: Doc | None) -> list[str]:
+    """`loadtest compare`'s bootstrap intervals (loadtest/bootstrap.py), where the run has them:
+    each policy's figures, then each ratio against fcfs and sjf, as estimate [low, high]."""
+    if not iv:
+        return []
+    figures = [k for k in ("mean_latency_s", "p99_latency_s", "ttft_p50_s", "ttft_p99_s") if k in iv]
+    span = lambda c, f: f"{f(c['estimate'])} [{f(c['low'])}, {f(c['high'])}]"   # noqa: E731
+    secs = lambda x: num(x, 2)                                                     # noqa: E731
+    ratio = lambda x: num(x, 3)                                                    # noqa: E731
+    policies = list(iv[figures[0]]["policies"]) if figures else []
+    names = list(iv[figures[0]]["ratios"]) if figures else []
+    head = [f"{num(100 * iv['level'], 0)}% bootstrap intervals over {len(iv['units'])} runs "
+            f"({', '.join(iv['units'])}), paired by seed and round, {num(iv['resamples'])} "
+            "resamples; a ratio is the first policy's figure ÷ the second's.", ""]
+    return ["", *head,
+            *table(("policy", *(f"{k[:-2]} s" for k in figures)),
+                   [(p, *(span(iv[k]["policies"][p], secs) for k in figures)) for p in policies]),
+            "",
+            *table(("ratio", *(k[:-2] for k in figures)),
+                   [(n, *(span(iv[k]["ratios"][n], ratio) for k in figures)) for n in names])]
+
+
+def scheduler(doc: Doc) -> list[str]:
+    """`bench scheduler`: plan + update per step by waiting and running requests, then the
+    growth with queue length at each running count."""
+    rows = [(num(c["waiting"]), num(c["running"]), num(c["homes"]), num(c["median_ms"], 3),
+             num(c["p99_ms"], 3), num(c["plan_median_ms"], 3), num(c["update_median_ms"], 3),
+             num(c.get("cpu_median_ms"), 3), num(c["mean_batch"], 0))
+            for c in doc["configs"]]
+    out = [*settings_line(doc.get("settings", {})),
+           *table(("waiting", "running", "KV homes", "plan + update median ms", "p99 ms",
+                   "plan median ms", "update median ms", "CPU median ms", "mean batch"), rows)]
+    grown = doc.get("growth") or {}
+    if grown:
+        out += ["", "Growth of the median with queue length: "
+                + "; ".join(f"{k}, {times(v, 2)}" for k, v in grown.items()) + "."]
     return out
 
 

@@ -13,7 +13,7 @@ what makes it useful.
 Which blocks: SPIRe keeps the target's last two. On SmolLM2-135M the first blocks learn faster:
 given the same training sequences and the same short `specgate distill` run, drafts built from the
 first blocks reached a higher greedy acceptance on the chat workload than the last two, and the
-first three the lowest loss (README.md at bd11715, "Drafters, draft models and workloads"). The first blocks
+first three the lowest loss. The first blocks
 already read token embeddings; the last ones expect the deep residual stream. So the default is
 the first three; `--layers last2` builds SPIRe's choice.
 

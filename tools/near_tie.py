@@ -2,9 +2,9 @@
 near-ties.
 
 In float32 a tree pass and a one-token pass give the same logits to ~1e-5, so speculative greedy
-output is token-identical to plain greedy. In bfloat16 the two passes round differently (how far
-SmolLM2's logits move, 0.2-0.4, was measured: README.md at bd11715, "CPU kernels and weight layouts"),
-so where the target's top two tokens are that close, either may win. A divergence is a
+output is token-identical to plain greedy. In bfloat16 the two passes round differently (by less
+than `NEAR_TIE_LOGITS` on SmolLM2's logits, as measured when the bfloat16 path was written), so
+where the target's top two tokens are that close, either may win. A divergence is a
 **near-tie** when, at the first position where the two outputs differ, the plain pass's logits of
 the two tokens differ by less than `NEAR_TIE_LOGITS`; any other divergence would be a bug.
 """

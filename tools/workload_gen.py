@@ -24,7 +24,7 @@ plausible:
   0.27), code Beta(6, 2) (0.75), rag Beta(5, 2) (0.71), agent Beta(3, 3) (0.50). We measured
   prompt-lookup drafting on this model from slower than plain decoding (open chat:
   drafts rarely match) to several times faster (copy / extract): acceptance really does differ
-  this much by task (README.md at bd11715, "Drafters, draft models and workloads").
+  this much by task.
 * **Early steps mislead.** The α a request shows in its step t mixes in an independent "opening"
   α₀ ~ Beta(2, 2) with weight exp(−t ÷ 6): the first tokens of an answer (greetings, restating the
   question, headings, code fences) and drafters that have little generated context to match make

@@ -95,7 +95,7 @@ def run(args: Any, overrides: dict[str, Any]) -> int:
     dev_key = tenants.ensure_dev_tenant()
     # Serve's gRPC proxy takes no message-size option (`gRPCOptions`), only this variable, read
     # where the proxy starts: the local cluster's processes inherit it from here. A REST body and
-    # a gRPC message get one cap (the ingress refuses a larger one too: gateway/grpc_api/server.py).
+    # a gRPC message get one cap (the ingress refuses a larger one too: gateway/grpc_api/messages.py).
     os.environ[RAY_GRPC_MAX_MESSAGE] = str(settings.max_body_bytes)
     ray.init(include_dashboard=False, logging_level="warning")
     try:

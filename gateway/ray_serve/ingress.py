@@ -19,8 +19,9 @@ from fastapi import FastAPI
 from gateway.assembly.replica import scheduler_prefix
 from gateway.assembly.serving import responses_service, room_of
 from gateway.followers import FollowerGate
-from gateway.grpc_api.server import (arrived_input, authed_tenant, kept_alive, response_message,
-                                     status_of, stream_messages)
+from gateway.grpc_api.messages import (arrived_input, authed_tenant, kept_alive, response_message,
+                                       stream_messages)
+from gateway.grpc_api.status import status_of
 from gateway.http.app import build_app
 from gateway.metrics import GatewayMetrics
 from gateway.ray_serve.remote import RemoteService

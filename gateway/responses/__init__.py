@@ -5,7 +5,11 @@
     quota     what a tenant may keep stored (count, bytes, TTL), and the refusal past it (pure)
     store     the stored responses (who owns each, what it asked, its final output), with expiry
               and each tenant's count and bytes; in memory here, in Redis in redis_store
-    service   create / retrieve / follow / cancel / delete, over the generation service
+    reader    a response read back: its object, its events as its request commits them
+    keeper    a response kept: stored within its tenant's quota, its output when it ends, and
+              dropped when deleted or its tenant removed
+    service   create / retrieve / cancel / delete, over the generation service, the reader and
+              the keeper
 
 Why events are a function of the tokens: the step loop persists a step's tokens before it streams
 them (scheduler/loop.py), so anyone who can read the state store can rebuild every event a client

@@ -184,6 +184,9 @@ class LAPS(Ordering):
         # seconds → steps for the wait credit; no cost model (fake worker, tests): no credit
         self._full_step_s = step_cost(max_batch, max_batch) if step_cost is not None else None
         self._origin: float | None = None     # the first arrival ranked: keeps the credit small
+        # (request, committed, steps, its remaining steps) from `refresh`, read once by the key
+        # the queues ask for right after: the length model is re-ranking's costliest part
+        self._refreshed: tuple[RequestStats, int, int, float] | None = None
 
     def reset(self) -> None:
         self._origin = None
@@ -234,7 +237,16 @@ class LAPS(Ordering):
         if not s.perceptible and self.stable(s) and self.predictable(s):
             s.perceptible = True
         if s.perceptible:
-            s.predicted_remaining_s = self.remaining_steps(s) * (state.step_s or 0.0)
+            steps = self.remaining_steps(s)
+            self._refreshed = (s, s.committed, s.n_steps, steps)
+            s.predicted_remaining_s = steps * (state.step_s or 0.0)
+
+    def _remaining_steps(self, s: RequestStats) -> float:
+        """`remaining_steps(s)`, from `refresh` if it just worked it out for `s` as it is now."""
+        r, self._refreshed = self._refreshed, None
+        if r is not None and r[0] is s and r[1] == s.committed and r[2] == s.n_steps:
+            return r[3]
+        return self.remaining_steps(s)
 
     def finished(self, requests: list[RequestStats]) -> None:
         if self.lengths is not None:
@@ -257,10 +269,10 @@ class LAPS(Ordering):
         """The rank by service alone: levels and attained service, or predicted remaining steps."""
         if self.interleave == "strict":
             if s.perceptible:
-                return BAND + self.remaining_steps(s)
+                return BAND + self._remaining_steps(s)
             return (s.level + 1 if s.level else 0) * BAND + s.attained
         if s.perceptible:
-            return self.remaining_steps(s)
+            return self._remaining_steps(s)
         end = self.levels.threshold(s.level)
         if math.isinf(end):
             return BAND + s.attained

@@ -41,9 +41,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 
-_PHI = NormalDist().cdf
+_SQRT2 = math.sqrt(2.0)
+
+
+def _PHI(x: float) -> float:
+    """The standard normal CDF: `statistics.NormalDist().cdf`'s formula, to the bit, without its
+    method call (the scheduler evaluates it for every served request every step)."""
+    return 0.5 * (1.0 + math.erf(x / _SQRT2))
 
 
 @dataclass(slots=True)

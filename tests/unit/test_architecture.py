@@ -170,7 +170,7 @@ def test_the_scheduler_and_the_contract_import_no_torch(module):
 # What a Ray ingress replica runs: its class's module (every import of it at module level, so
 # importing it is all the replica imports of ours), and what it calls to build its app and serve.
 INGRESS_MODULES = ["gateway.ray_serve.ingress", "gateway.http.app", "gateway.ray_serve.remote",
-                   "gateway.tenancy.tenants", "gateway.tenancy.limits", "gateway.grpc_api.server",
+                   "gateway.tenancy.tenants", "gateway.tenancy.limits", "gateway.grpc_api.messages",
                    "gateway.replay", "gateway.responses.service", "gateway.assembly.serving",
                    "gateway.assembly.replica", "scheduler.store", "ray.serve"]
 

@@ -208,3 +208,63 @@ def test_chunk_variants_run_every_policy_under_each_value(tmp_path):
         assert row["itl_p99_s"] is None or row["itl_p99_s"] > 0
     assert len({r["requests"] for r in rep["policies"].values()}) == 1      # the same arrivals
     assert "fcfs@chunk16" in table(rep)
+
+
+def test_seeds_are_parsed_and_runs_never_share_arrivals():
+    from loadtest.compare import parse_seeds, units
+
+    assert parse_seeds("1, 4,7") == [1, 4, 7]
+    for bad in ("1,x", "", "2,2"):
+        with pytest.raises(ValueError, match="--seeds"):
+            parse_seeds(bad)
+    assert units([1, 4], 2) == [(1, 0, 1), (1, 1, 2), (4, 0, 4), (4, 1, 5)]
+    assert units([7], 3) == [(7, 0, 7), (7, 1, 8), (7, 2, 9)]          # one seed: as before
+    with pytest.raises(ValueError, match="at least 2 apart"):
+        units([1, 2], 2)                                               # seed 1 round 1 is seed 2
+
+
+def test_intervals_are_over_each_runs_requests_and_bracket_the_rows_figures():
+    """compare's aggregation on recorded-shaped per-request data: every figure of the rows gets
+    an interval around the same figure, and every policy a ratio against fcfs and sjf."""
+    import numpy as np
+
+    from loadtest.compare import comparison_intervals, interval_lines
+    from loadtest.loadgen import stats
+
+    rng = np.random.default_rng(4)
+    runs = [f"seed {s} round {r}" for s in (1, 4) for r in (0, 1)]
+    scale = {"fcfs": 2.0, "sjf": 1.5, "laps": 1.0}
+    by_unit = {p: {u: {"e2e_s": list(k * rng.exponential(1.0, 30)),
+                       "ttft_s": list(k * rng.exponential(0.1, 30))} for u in runs}
+               for p, k in scale.items()}
+    iv = comparison_intervals(by_unit, resamples=300)
+    assert iv["units"] == runs and iv["level"] == 0.95
+    for p in scale:
+        pooled = {s: [x for u in runs for x in by_unit[p][u][s]] for s in ("e2e_s", "ttft_s")}
+        e2e, ttft = stats(pooled["e2e_s"]), stats(pooled["ttft_s"])
+        for key, want in (("mean_latency_s", e2e["mean"]), ("p99_latency_s", e2e["p99"]),
+                          ("ttft_p50_s", ttft["p50"]), ("ttft_p99_s", ttft["p99"])):
+            ci = iv[key]["policies"][p]
+            assert ci["estimate"] == pytest.approx(want) and ci["low"] <= want <= ci["high"]
+    ratios = iv["mean_latency_s"]["ratios"]
+    assert set(ratios) == {"sjf/fcfs", "laps/fcfs", "fcfs/sjf", "laps/sjf"}
+    assert ratios["laps/fcfs"]["high"] < 1.0 < ratios["fcfs/sjf"]["estimate"]   # laps: half fcfs
+    lines = "\n".join(interval_lines(iv))
+    assert "over 4 runs" in lines and "laps/fcfs" in lines
+
+
+def test_several_seeds_in_one_go(tmp_path):
+    from loadtest.compare import table
+
+    rep = run_compare(tmp_path, "--policies", "fcfs,laps", "--fake-worker", "--fake-step-ms", "2",
+                      "--rate", "8", "--duration", "1.5", "--seeds", "3,5", "--max-tokens", "8")
+    assert rep["settings"]["seeds"] == [3, 5] and rep["settings"]["seed"] == 3
+    assert [(r["seed"], r["arrivals_seed"]) for r in rep["rounds"]] == [(3, 3), (5, 5)]
+    assert [r["order"] for r in rep["rounds"]] == [["fcfs", "laps"], ["laps", "fcfs"]]
+    iv = rep["intervals"]
+    assert iv["units"] == ["seed 3 round 0", "seed 5 round 0"]
+    ci = iv["mean_latency_s"]["policies"]["laps"]
+    assert ci["estimate"] == pytest.approx(rep["policies"]["laps"]["mean_latency_s"])
+    assert 0 < ci["low"] <= ci["estimate"] <= ci["high"]
+    assert set(iv["mean_latency_s"]["ratios"]) == {"laps/fcfs"}
+    assert "bootstrap intervals over 2 runs" in table(rep)

@@ -14,12 +14,9 @@ PACKAGES = ("scheduler", "gateway", "workers")
 MODULE_LINES = 400
 CLASS_LINES = 250
 
-# NOTE: known offenders, each being split elsewhere; this list must only shrink, and goes once
-# gateway/responses/service.py's ResponseService and scheduler/loop.py's StepLoop are in rooms.
-ALLOWED = {
-    "gateway/responses/service.py::ResponseService",
-    "scheduler/loop.py::StepLoop",
-}
+# Known offenders, each being split elsewhere, by "path::Class" or "path"; the list may only
+# shrink (a test below fails on an entry that is back within its limit). Empty: none.
+ALLOWED: set[str] = set()
 
 
 def oversized(path: Path, source: str) -> list[str]:

@@ -23,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.errors import ApiError
-from gateway.grpc_api.server import INTERNAL_MESSAGE, SERVICE_NAME, start_grpc_server
+from gateway.grpc_api.server import SERVICE_NAME, start_grpc_server
+from gateway.grpc_api.status import INTERNAL_MESSAGE
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.service import GenerateInput, GenerateOutput, SpecStats, StreamChunk

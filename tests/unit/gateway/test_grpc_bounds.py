@@ -16,7 +16,7 @@ from gateway.cli.serve import start_grpc
 from gateway.errors import ApiError
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
-from gateway.grpc_api.server import arrived_input
+from gateway.grpc_api.messages import arrived_input
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import TenantRegistry

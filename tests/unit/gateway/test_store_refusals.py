@@ -13,7 +13,7 @@ import redis
 
 from gateway.builders.embedded import build_embedded
 from gateway.errors import store_refusal
-from gateway.grpc_api.server import status_of
+from gateway.grpc_api.status import status_of
 from gateway.http.server import background_server
 from gateway.ray_serve.remote import refusal_of
 from gateway.responses.objects import Header

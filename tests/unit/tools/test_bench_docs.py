@@ -104,3 +104,39 @@ def test_specgate_docs_writes_both_pages_and_check_reports_drift(tmp_path, monke
     shutil.copy(root / "docs" / "cli.md", root / "docs" / "benchmarks.md")
     assert docs_cmd.run(args) == 1
     assert "docs/benchmarks.md is not what `specgate docs` writes" in capsys.readouterr().err
+
+
+def test_a_compare_result_with_intervals_shows_them_and_one_without_renders_as_before():
+    from loadtest.compare import comparison_intervals
+
+    row = {"mean_latency_s": 2.0, "p50_latency_s": 1.5, "p99_latency_s": 9.0, "completed": 40,
+           "requests": 40, "errors": 0}
+    doc = {"settings": {"rounds": 1}, "policies": {"fcfs": row, "laps": {**row, "mean_latency_s": 1.0}}}
+    before = bench_tables.compare(doc)
+    assert not any("bootstrap" in line for line in before)
+    runs = {"seed 1 round 0": 1.0, "seed 4 round 0": 1.3}
+    by_unit = {p: {u: {"e2e_s": [k * f * (1 + i % 7) for i in range(30)],
+                       "ttft_s": [0.1 * k * f] * 30} for u, f in runs.items()}
+               for p, k in (("fcfs", 2.0), ("laps", 1.0))}
+    iv = comparison_intervals(by_unit, resamples=200)
+    lines = bench_tables.compare({**doc, "intervals": iv})
+    assert lines[:len(before)] == before                      # the rows as before, then the intervals
+    text = "\n".join(lines)
+    assert "95% bootstrap intervals over 2 runs (seed 1 round 0, seed 4 round 0)" in text
+    assert "| policy | mean_latency s | p99_latency s | ttft_p50 s | ttft_p99 s |" in text
+    laps = iv["mean_latency_s"]["ratios"]["laps/fcfs"]
+    assert (f"| laps/fcfs | {laps['estimate']:.3f} [{laps['low']:.3f}, {laps['high']:.3f}] |"
+            in text)
+
+
+def test_a_scheduler_bench_result_shows_each_configuration_and_the_growth(tmp_path):
+    cfg = lambda q, r, ms: {"waiting": q, "running": r, "homes": r // 8, "median_ms": ms,   # noqa: E731
+                            "p99_ms": 2 * ms, "plan_median_ms": ms / 2, "update_median_ms": ms / 2,
+                            "cpu_median_ms": ms / 3, "mean_batch": float(r)}
+    doc = {"meta": META, "settings": {"policy": "laps"},
+           "configs": [cfg(100, 1000, 40.0), cfg(10000, 1000, 52.0)],
+           "growth": {"running 1000: waiting 100 -> 10000": 1.3}}
+    page = bench_docs.render(_tree(tmp_path, {"bench_scheduler.json": doc}))
+    section = page[page.index("## bench scheduler"):]
+    assert "| 10,000 | 1,000 | 125 | 52.000 | 104.000 | 26.000 | 26.000 | 17.333 | 1,000 |" in section
+    assert "running 1000: waiting 100 -> 10000, 1.30×" in section
