@@ -78,7 +78,7 @@ class Engine:
         self.sizing = SizingConfig(max_tree_tokens=budget.max_nodes, max_depth=budget.max_depth)
         # the worker (and torch with it) only when an engine is made: the request types and
         # `validate_request` above serve callers that load no device code
-        from workers.speculation.batch_worker import BatchWorker
+        from workers.batch_worker import BatchWorker
 
         self.worker = BatchWorker(verifier, default_drafter=drafter.name,
                                   drafters={drafter.name: drafter})

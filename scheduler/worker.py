@@ -1,6 +1,6 @@
 """What the step loop drives: the worker's calls, as the scheduler sees them.
 
-`workers.speculation.batch_worker.BatchWorker` is one; `workers.fake_worker.FakeWorker` (tests,
+`workers.batch_worker.BatchWorker` is one; `workers.fake_worker.FakeWorker` (tests,
 benches) another; in Ray mode `gateway.ray_serve.verifier_pool.VerifierPool`.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from workers.contract import Prefilled, SamplingParams, StepResult, WorkItem
 
 
 class Worker(Protocol):
-    """What the loop drives: `workers.speculation.batch_worker.BatchWorker`, or a fake with the same calls.
+    """What the loop drives: `workers.batch_worker.BatchWorker`, or a fake with the same calls.
     `step` drafts each item's tree within the budget it is given (the plan sizes them)."""
     context_limit: int
 

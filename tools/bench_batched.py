@@ -26,7 +26,7 @@ from scheduler.profile import StepCostModel
 from scheduler.sizing import SizingConfig
 from scheduler.request import Request, RequestStats
 from workers.contract import SamplingParams
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import TreeBudget
 from workers.prompts import encode_record
 from workers.runtime import Runtime, load_runtime

@@ -21,7 +21,7 @@ What is calibrated, and on what; what is predicted:
   at its shape, batch size and context: no configuration is fitted at its own shape or batch.
 - measured (`--measure`): each configuration of `--configs` run for real on `--steps` steps of
   each of `--measure-prompts` records (after the lead-in, or after the calibration records), through
-  `workers.speculation.batch_worker.BatchWorker` as the engine and the step loop drive it (scheduler/
+  `workers.batch_worker.BatchWorker` as the engine and the step loop drive it (scheduler/
   plan_measure.py). The prediction for a measured configuration uses the context it will hold
   on average: the measured prompts' mean length plus half the tokens the model predicts it will
   commit (not the measured run's own count). error = predicted ÷ measured − 1. Each measured

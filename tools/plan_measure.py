@@ -1,7 +1,7 @@
 """Real runs for `specgate plan`: calibrate each drafter's acceptance and cost, and measure the
 tokens per second of a configuration (drafter × tree shape × batch size) on the real verifier.
 
-Both drive `workers.speculation.batch_worker.BatchWorker` — the class the engine (`specgate bench engine`) and
+Both drive `workers.batch_worker.BatchWorker` — the class the engine (`specgate bench engine`) and
 the scheduler's step loop drive — with a fixed tree budget per step (`adaptive=False`: the shape
 under test is drafted every step, not the controller's choice). A run prefills a group of
 `batch` prompts (not timed), then times `steps` steps of the whole group; tokens/s = tokens
@@ -23,7 +23,7 @@ from typing import Sequence
 from tools.throughput import (Acceptance, DrafterCost, TreeShape, fit_acceptance, fit_drafter_cost,
                               prediction_row)
 from workers.contract import SamplingParams
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import WorkItem
 from workers.drafters.base import Drafter
 from workers.contract import DraftContext, TreeBudget

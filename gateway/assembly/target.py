@@ -66,7 +66,7 @@ def local_target(settings: Settings, progress: bool = True, runtime: Runtime | N
 def batch_worker(settings: Settings, rt: Runtime, drafters: dict | None = None) -> Any:
     """The model worker for a loaded runtime: in process (embedded) or in a verifier replica (Ray,
     where `drafters` are the draft workers' remote drafters by name)."""
-    from workers.speculation.batch_worker import BatchWorker     # torch: a model is loaded
+    from workers.batch_worker import BatchWorker     # torch: a model is loaded
 
     kv_mb = settings.kv_cache_mb if settings.kv_cache_mb is not None else default_kv_cache_mb(rt.forward.device)
     verifier = rt.verifier(max_tree_tokens=max(64, settings.max_tree_tokens),

@@ -2,7 +2,7 @@
 draft deployment, one call per step for all of the replica's requests that use it.
 
 `RemoteDrafter` is a `workers.drafters.base.Drafter` whose `propose_batch` drafts a whole step in
-one call (`workers.speculation.batch_worker.BatchWorker._draft`). Its calls carry an
+one call (`workers.batch_worker.BatchWorker._draft`). Its calls carry an
 `affinity` key (the verifier replica's id): the router sends a key's calls to one draft replica
 (rendezvous hashing, `gateway.ray_serve.routing.rank_replicas`), so each request's incremental drafter
 state and each tenant's suffix cache stay on one draft replica while the set of replicas holds.

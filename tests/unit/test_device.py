@@ -115,7 +115,8 @@ def test_what_a_step_builds_past_the_verifiers_host_inputs_names_the_device(tiny
     reqs = [GenerationRequest(f"r{i}", tuple(p), 16, SamplingParams(), frozenset({2})) for i, p in enumerate(prompts)]
     truth = {r.request_id: out.token_ids for r, out in zip(reqs, Engine(
         Verifier(LlamaForward(tiny_model), max_tree_tokens=16), NoneDrafter(), TreeBudget(0, 0)).generate(reqs))}
-    with DeviceAudit("workers/model/llama_forward.py", "workers/model/batched_attention.py", "workers/model/kv_cache.py") as audit:
+    with DeviceAudit("workers/model/llama_forward.py", "workers/model/packed_attention.py",
+                     "workers/model/batched_attention.py", "workers/model/kv_cache.py") as audit:
         out = Engine(Verifier(forward, max_tree_tokens=16), OracleDrafter(truth, 128, "mixed"),
                      TreeBudget(12, 6), adaptive=False).generate(reqs)
     assert {o.request_id: o.token_ids for o in out} == truth and sum(o.accepted for o in out) > 0

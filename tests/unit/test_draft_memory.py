@@ -226,7 +226,7 @@ def test_a_request_given_no_drafts_keeps_its_taps_in_bounded_chunks(target):
     """The worker keeps a step's taps as they came until the drafter drafts (no re-packing of
     the whole window every step), gathers them once there are TAP_CHUNKS, and hands the drafter
     exactly the rows it can read."""
-    from workers.speculation.batch_worker import TAP_CHUNKS, BatchWorker
+    from workers.batch_worker import TAP_CHUNKS, BatchWorker
     from workers.contract import WorkItem
 
     worker = BatchWorker(Verifier(LlamaForward(target), max_tree_tokens=16), default_drafter="memory")
@@ -303,7 +303,7 @@ def test_draft_kv_and_taps_are_constant_in_context_length(target, sink, window):
 def test_the_worker_hands_each_steps_taps_to_the_drafter(target):
     """Prefill's taps reach the drafter with its first proposal, each step's with the next; the
     results that go up to the scheduler carry none."""
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.contract import WorkItem
 
     drafter = _drafter()

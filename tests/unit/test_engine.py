@@ -176,7 +176,7 @@ def test_kv_grows_in_blocks_and_greedy_output_is_unchanged(forward, references, 
     def spy(batch):
         out = real_verify(batch)
         for i in batch:
-            caps.setdefault(i.request_id, []).append(ver._slots[i.request_id].cache.capacity)
+            caps.setdefault(i.request_id, []).append(ver.book.slots[i.request_id].cache.capacity)
         return out
 
     ver.verify = spy
@@ -186,7 +186,7 @@ def test_kv_grows_in_blocks_and_greedy_output_is_unchanged(forward, references, 
     ver2 = Verifier(forward, max_tree_tokens=16, kv_block=kv_block)
     ver2.prefill("x", ps[0], SamplingParams(), max_new_tokens=400)
     # room for the prompt, one block and one tree; not for 400 more tokens
-    assert ver2._slots["x"].cache.capacity == len(ps[0]) + kv_block + 16 + 1
+    assert ver2.book.slots["x"].cache.capacity == len(ps[0]) + kv_block + 16 + 1
     assert any(c[-1] > c[0] for c in caps.values())             # requests grew as they ran
 
 
@@ -222,11 +222,11 @@ def test_requests_in_step_grow_their_kv_one_a_step_ahead_of_need(forward):
     outs: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
     solo, grown = [], []
     for _ in range(150):
-        before = [ver._slots[r].cache.capacity for r in outs]
+        before = [ver.book.slots[r].cache.capacity for r in outs]
         for res in ver.verify([VerifyItem(r, TokenTree.empty()) for r in outs]):
             outs[res.request_id] += res.tokens
-            assert res.kv_tokens == ver._slots[res.request_id].cache.capacity
-        grown.append(sum(ver._slots[r].cache.capacity > b for r, b in zip(outs, before)))
+            assert res.kv_tokens == ver.book.slots[res.request_id].cache.capacity
+        grown.append(sum(ver.book.slots[r].cache.capacity > b for r, b in zip(outs, before)))
         solo += alone.verify([VerifyItem("a", TokenTree.empty())])[0].tokens
     assert max(grown) == 1 and sum(grown) >= 8           # every request grew, one a step
     assert all(o == solo for o in outs.values())
@@ -247,20 +247,20 @@ def test_kv_never_grows_past_what_a_request_can_still_use(forward, max_new):
     whole.prefill("w", p, SamplingParams(), max_new_tokens=max_new)
     ver = Verifier(forward, max_tree_tokens=16, kv_block=8)
     ver.prefill("c", p, SamplingParams(), max_new_tokens=max_new, defer=True)
-    held = ver._slots["c"].cache.capacity
+    held = ver.book.slots["c"].cache.capacity
     out, ref = [], []
     while len(out) < max_new:
         pending = ver.pending("c")
         (res,) = ver.verify([VerifyItem("c", TokenTree.empty(), min(pending, 7))])
         out += res.tokens
-        assert ver._slots["c"].cache.capacity == held
+        assert ver.book.slots["c"].cache.capacity == held
     while len(ref) < max_new:
         ref += whole.verify([VerifyItem("w", TokenTree.empty())])[0].tokens
     assert out[:max_new] == ref[:max_new]
     # a request that may write more than it holds still grows (the bound is its own, not none)
     big = Verifier(forward, max_tree_tokens=16, kv_block=8)
     big.prefill("g", p, SamplingParams(), max_new_tokens=64)
-    start = big._slots["g"].cache.capacity
+    start = big.book.slots["g"].cache.capacity
     for _ in range(40):
         big.verify([VerifyItem("g", TokenTree.empty())])
-    assert start < big._slots["g"].cache.capacity <= len(p) + 64 + 16 + 1
+    assert start < big.book.slots["g"].cache.capacity <= len(p) + 64 + 16 + 1

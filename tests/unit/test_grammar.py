@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from scheduler.generation import Engine, GenerationRequest
 from tests.helpers import OracleDrafter, tiny_model_dir
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import DraftContext, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.base import Drafter, NoneDrafter
 from workers.drafters.merge import MergeDrafter

@@ -168,7 +168,7 @@ def test_the_verifier_path_never_compiles_what_the_scheduler_compiled(tmp_path, 
     from gateway.ray_serve.verifier_pool import VerifierPool
     from tests.helpers import tiny_model_dir
     from workers.runtime import load_runtime
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
 
     rt = load_runtime(str(tiny_model_dir(tmp_path)), progress=False)
     worker = BatchWorker(rt.verifier(max_tree_tokens=16), default_drafter="none", grammar=rt.grammar_drafter(),

@@ -6,11 +6,12 @@ import torch
 
 from tests.conftest import tiny_llama
 from workers.model.cpu_linear import _usable_backends
-from workers.model import llama_forward, small_gemm
+from workers.model import packed_attention, small_gemm
 from workers.model.kv_cache import KVCache
-from workers.model.llama_forward import LlamaForward, Segment, _chunkable
+from workers.model.llama_forward import LlamaForward, Segment
+from workers.model.packed_attention import chunkable
 from workers.speculation.tree import TokenTree, ancestor_mask, depths
-from workers.speculation.verifier import _tree_mask
+from workers.speculation.packed_rows import tree_mask as _tree_mask
 
 ATOL = 1e-4
 
@@ -114,7 +115,7 @@ def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, a
     # A request joining a batch: its 80-row prefill in the same pass as another request's tree
     # step; with the kernel, the prefill through it (causal: keys up to each row) or, past its
     # key limit, through torch's blocked attention while the tree step stays in the kernel.
-    monkeypatch.setitem(llama_forward._KERNEL_MAX_KEYS, torch.float32, kernel_max_keys)
+    monkeypatch.setitem(packed_attention.KERNEL_MAX_KEYS, torch.float32, kernel_max_keys)
     lf = lean(tiny_model, gemm, attention)
     ids = torch.randint(0, 128, (80,), generator=torch.Generator().manual_seed(5)).tolist()
     context, root = list(range(20, 50)), 7
@@ -135,11 +136,11 @@ def test_a_prefill_packed_with_tree_steps_matches_each_alone(tiny_model, gemm, a
 
 def test_only_segments_whose_rows_never_see_later_rows_are_blocked():
     cache = KVCache(1, 1, 4, 256)
-    assert _chunkable(Segment(cache, 0, 100, causal(100)))
-    assert not _chunkable(Segment(cache, 0, 64, causal(64)))       # short: one call
+    assert chunkable(Segment(cache, 0, 100, causal(100)))
+    assert not chunkable(Segment(cache, 0, 64, causal(64)))       # short: one call
     sees_later = causal(100)
     sees_later[10, 90] = 0.0
-    assert not _chunkable(Segment(cache, 0, 100, sees_later))
+    assert not chunkable(Segment(cache, 0, 100, sees_later))
 
 
 def test_qkv_bias_models_match_transformers(gemm):
@@ -249,7 +250,7 @@ def test_batched_attention_equals_one_call_per_request_in_a_mixed_pass(tiny_mode
     one SDPA call per request."""
     from tests.helpers import device_generic
     from workers.model.batched_attention import BATCH_MAX_ROWS
-    from workers.speculation.verifier import _step_mask
+    from workers.speculation.packed_rows import step_mask as _step_mask
 
     g = torch.Generator().manual_seed(11)
     rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()   # noqa: E731
@@ -285,14 +286,14 @@ def test_batched_attention_equals_one_call_per_request_in_a_mixed_pass(tiny_mode
         ids += rand(long_prefill)
         pos += list(range(long_prefill))
         out = lf.forward(torch.tensor(ids), torch.tensor(pos), segs, torch.arange(len(ids)))
-        return out, [s.cache.k[:, :, : s.cache.length + s.rows] for s in segs], lf._plan(segs, torch.tensor(pos))
+        return out, [s.cache.k[:, :, : s.cache.length + s.rows] for s in segs], packed_attention.plan(lf.heads, segs, torch.tensor(pos), lf.fused_attention)
 
     g.manual_seed(11)
     want, want_keys, plan = run(loop)
     g.manual_seed(11)
     got, got_keys, plan = run(batched)
     assert plan.padded.picked == [0, 1, 2, 3] and plan.long == [4]   # the long prefill keeps its own call
-    assert loop._plan([], torch.zeros(0)).padded is None
+    assert packed_attention.plan(loop.heads, [], torch.zeros(0), loop.fused_attention).padded is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_keys, want_keys):            # the same KV: layer 0's before any attention
         assert torch.equal(a[0], b[0])

@@ -1,4 +1,4 @@
-"""logprobs from the verification pass (workers/speculation/verifier.py `committed_logprobs`): every committed
+"""logprobs from the verification pass (workers/speculation/step_acceptance.py `committed_logprobs`): every committed
 token's log-probability and its position's top-k equal log_softmax of transformers' logits at that
 position, whatever the tree (none, right and wrong branches), greedy or sampled, and under
 penalties (read from the raw logits, before any rule changes them)."""

@@ -204,6 +204,7 @@ def test_carrying_q_is_what_makes_sampled_drafts_pay(sampling_setup):
 # --- device: what the drafter builds lives where its forward runs ---------------------------------
 
 DRAFT_CODE = ("workers/drafters/model.py", "workers/drafters/neural/draft_model.py", "workers/model/llama_forward.py",
+              "workers/model/packed_attention.py",
               "workers/model/batched_attention.py")
 
 
@@ -243,7 +244,7 @@ def test_model_drafters_follow_the_verifiers_device(tmp_path, tiny_model):
     drafter loaded on its own takes 'auto'; a GPU asked for where there is none is refused."""
     from tests.helpers import tiny_model_dir
     from tools.draft_build import build_draft
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.drafters.registry import create_drafter
 
     target = tiny_model_dir(tmp_path / "target")
@@ -266,7 +267,7 @@ def test_a_prompts_catch_up_is_left_out_of_the_drafting_time_per_level(forward, 
     `catch_up_s`, and the worker reports the tree's drafting time without it (the planner sizes
     trees by that time per level). A later step feeds only what the last step committed, no
     one-off. A merge sums its parts' one-offs."""
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.contract import WorkItem
     from workers.drafters.merge import MergeDrafter
     from workers.drafters.ngram import NgramDrafter

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import spread_weights, tiny_llama
 from tests.helpers import OracleDrafter, hf_greedy
 from scheduler.generation import Engine, GenerationRequest
-from workers.model import llama_forward
+from workers.model import packed_attention
 from workers.contract import SamplingParams, TreeBudget
 from workers.drafters.base import NoneDrafter
 from workers.model.llama_forward import LlamaForward
@@ -147,7 +147,7 @@ def test_long_prefills_past_the_window_are_token_identical(path, speculate):
     elif not lf.fused_attention:
         pytest.skip("no CPU kernels here: the torch case covers this machine")
     gen = torch.Generator().manual_seed(5)
-    long = llama_forward._KERNEL_MAX_KEYS[torch.float32] + 40
+    long = packed_attention.KERNEL_MAX_KEYS[torch.float32] + 40
     prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (100, long)]
     new = 10
     refs = [hf_greedy(model, p, new, eos=None) for p in prompts]

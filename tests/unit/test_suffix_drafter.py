@@ -10,7 +10,8 @@ from workers.drafters.base import Drafter
 
 from workers.contract import NO_SPECULATION, DraftContext, TreeBudget
 from workers.drafters.registry import create_drafter, drafter_names
-from workers.drafters.suffix import SuffixDrafter, _Stream
+from workers.drafters.suffix import SuffixDrafter
+from workers.drafters.suffix_index import Stream as _Stream
 from workers.speculation.tree import TokenTree, depths
 
 BIG = TreeBudget(32, 32)

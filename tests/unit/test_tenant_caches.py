@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import DraftContext, SamplingParams, TreeBudget, WorkItem
 from workers.drafters.suffix import SuffixDrafter
 from workers.model.llama_forward import LlamaForward

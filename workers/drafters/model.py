@@ -237,6 +237,7 @@ class ModelDrafter(Drafter):
         # (read before, a packed cache would be "restored" past what it holds)
         base = [s.kv.length for s in states]
         frontier = self._children([(contexts[r], -1, 0, 0.0) for r in range(len(states))], root_logits)
+        width = None if self.sample or self.mode == "widths" else self.width   # `pick`
         try:
             for depth in range(1, max(b.max_depth for b in budgets) + 1):
                 expand: list[tuple[int, list[int]]] = []     # (request, its nodes to expand now)
@@ -246,7 +247,7 @@ class ModelDrafter(Drafter):
                     if depth < budgets[r].max_depth and cands:
                         kv = states[r].kv
                         room = min(kv.cache.capacity - kv.length, MAX_TREE_ROWS - (kv.length - base[r]))
-                        picked = self._pick(seen[r], first, budgets[r])[:max(room, 0)]
+                        picked = pick(seen[r], first, budgets[r], width)[:max(room, 0)]
                         if picked:
                             expand.append((r, picked))
                 frontier = [[] for _ in states]
@@ -260,41 +261,8 @@ class ModelDrafter(Drafter):
         finally:
             for s, n in zip(states, base):
                 s.kv.cache.length = n                        # forget the tree rows: only commits stay
-        return [self._choose(nodes, b) for nodes, b in zip(seen, budgets)]
-
-    def _pick(self, nodes: list[_Node], first: int, budget: TreeBudget) -> list[int]:
-        """Which of the nodes drafted at this depth (indices first..) to expand."""
-        new = range(first, len(nodes))
-        if self.sample or self.mode == "widths":
-            return [i for i in new if i < budget.max_nodes]   # breadth-first within the node budget
-        # Dynamic: the `width` best by cumulative log-probability, and only those that can still be
-        # chosen: a node's children are less likely than itself, so once max_nodes drafted nodes
-        # beat it, nothing below it can enter the tree.
-        order = sorted(new, key=lambda i: -nodes[i].logp)[: self.width]
-        if len(nodes) > budget.max_nodes:
-            cut = heapq.nlargest(budget.max_nodes, (n.logp for n in nodes))[-1]
-            order = [i for i in order if nodes[i].logp > cut]
-        return order
-
-    def _choose(self, nodes: list[_Node], budget: TreeBudget) -> list[_Node]:
-        """The tree: in dynamic mode the max_nodes most likely nodes (EAGLE-2's re-ranking; a parent
-        is at least as likely as its child, so the set keeps every chosen node's path), else every
-        node within the budget; either way at depth <= max_depth, parents first, re-indexed."""
-        ok = [i for i, n in enumerate(nodes) if n.depth <= budget.max_depth]
-        if self.mode == "dynamic" and not self.sample:
-            ranked = sorted(ok, key=lambda i: (-nodes[i].logp, nodes[i].depth))
-            chosen: set[int] = set()
-            for i in ranked:
-                if len(chosen) >= budget.max_nodes:
-                    break
-                if nodes[i].parent < 0 or nodes[i].parent in chosen:
-                    chosen.add(i)
-            ok = sorted(chosen)
-        else:
-            ok = ok[: budget.max_nodes]
-        index = {old: new for new, old in enumerate(ok)}
-        return [_Node(nodes[i].token, index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp, nodes[i].q)
-                for i in ok]
+        ranked = self.mode == "dynamic" and not self.sample
+        return [choose(nodes, b, ranked) for nodes, b in zip(seen, budgets)]
 
     def _children(self, rows: list[tuple[DraftContext, int, int, float]],
                   logits: torch.Tensor) -> list[list[_Node]]:
@@ -355,6 +323,44 @@ class ModelDrafter(Drafter):
         for (r, _), p in zip(expand, pos):
             states[r].kv.append(p)
         return logits
+
+
+def pick(nodes: list[_Node], first: int, budget: TreeBudget, width: int | None) -> list[int]:
+    """Which of the nodes drafted at this depth (indices first..) to expand; `width` None: every
+    one within the node budget, breadth-first ("widths" mode, or a sampled chain)."""
+    new = range(first, len(nodes))
+    if width is None:
+        return [i for i in new if i < budget.max_nodes]   # breadth-first within the node budget
+    # Dynamic: the `width` best by cumulative log-probability, and only those that can still be
+    # chosen: a node's children are less likely than itself, so once max_nodes drafted nodes
+    # beat it, nothing below it can enter the tree.
+    order = sorted(new, key=lambda i: -nodes[i].logp)[:width]
+    if len(nodes) > budget.max_nodes:
+        cut = heapq.nlargest(budget.max_nodes, (n.logp for n in nodes))[-1]
+        order = [i for i in order if nodes[i].logp > cut]
+    return order
+
+
+def choose(nodes: list[_Node], budget: TreeBudget, ranked: bool) -> list[_Node]:
+    """The tree: with `ranked` (dynamic mode) the max_nodes most likely nodes (EAGLE-2's
+    re-ranking; a parent is at least as likely as its child, so the set keeps every chosen node's
+    path), else every node within the budget; either way at depth <= max_depth, parents first,
+    re-indexed."""
+    ok = [i for i, n in enumerate(nodes) if n.depth <= budget.max_depth]
+    if ranked:
+        order = sorted(ok, key=lambda i: (-nodes[i].logp, nodes[i].depth))
+        chosen: set[int] = set()
+        for i in order:
+            if len(chosen) >= budget.max_nodes:
+                break
+            if nodes[i].parent < 0 or nodes[i].parent in chosen:
+                chosen.add(i)
+        ok = sorted(chosen)
+    else:
+        ok = ok[: budget.max_nodes]
+    index = {old: new for new, old in enumerate(ok)}
+    return [_Node(nodes[i].token, index.get(nodes[i].parent, -1), nodes[i].depth, nodes[i].logp, nodes[i].q)
+            for i in ok]
 
 
 def _as_tree(nodes: list[_Node], sample: bool) -> TokenTree:

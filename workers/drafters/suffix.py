@@ -19,7 +19,7 @@ first) grow a tree best-first by the estimated probability of each node, count(n
 A longer match is stronger evidence, so it earns a deeper tree (SuffixDecoding's max_spec_factor).
 
 In the request's own text an occurrence close to the root continues as a periodic copy (see
-``_Occurrence``), so a text caught in a loop is drafted as deep as the rule allows.
+``Occurrence``), so a text caught in a loop is drafted as deep as the rule allows.
 
 Worked example: the tenant's cache holds the outputs ``a b c d`` then ``a b c e`` (another tenant's
 ``x a b c f`` is never seen here); the request's own text is ``x a b c`` (the root is c). The longest
@@ -28,18 +28,9 @@ tree is root → e, root → d (the more recent first). Had the request's text b
 its own earlier ``a b c`` (continuing ``a b c`` as a periodic copy) would be a third occurrence, and
 come first (own text before the cache on ties).
 
-NOTE: the index is a hash-chain n-gram index over a FIFO token stream (as in LZ77 compressors),
-not a suffix tree or automaton. A suffix trie of the depth we need (match + speculation, ~40 tokens)
-costs O(tokens × depth) nodes, ~100 bytes each in Python; a suffix automaton is O(tokens) but cannot
-delete, so FIFO eviction would mean rebuilds, and its occurrence counts cost O(n) per token on
-periodic text (a degenerate model loop). Here every token costs one 8-byte slot plus, per anchor
-length k (``min_match``·4^i ≤ ``max_match``: 2, 8, 32 by default), an 8-byte chain link and at most
-one dict entry (~400 bytes a token in all, measured); eviction drops the front of the stream and the
-dict entries of k-grams that no longer occur. The longest match is found on the chain of
-the longest anchor that occurs (all occurrences of that k-gram, most recent first, ``max_scan`` at
-most), extended by binary search on slice comparisons; the one departure from an exact suffix
-structure: when a k-gram occurred more than ``max_scan`` times, only its most recent ``max_scan``
-occurrences are looked at.
+The index (hash chains over FIFO token streams, and the longest-match scan) is
+workers/drafters/suffix_index.py; this module grows the tree and keeps the per-request and
+per-tenant state.
 """
 
 from __future__ import annotations
@@ -47,163 +38,22 @@ from __future__ import annotations
 import heapq
 import itertools
 from array import array
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from workers.contract import DraftContext, TreeBudget
 from workers.drafters.base import Drafter
+from workers.drafters.suffix_index import SEP, Found, Occurrence, Stream, TenantCache, scan
 from workers.speculation.tree import TokenTree
 
 __all__ = ["SuffixDrafter"]
-
-_SEP = -1  # ends each output in a tenant stream: no k-gram, match or continuation crosses it
 
 # How many of the last indexed tokens must still match for a context to count as "the same request,
 # grown" (as in workers/drafters/ngram.py): a full comparison would be O(context) per step.
 _TAIL_CHECK = 8
 
 
-class _Stream:
-    """Tokens with hash chains: for each anchor length k, ``heads[a][hash(k-gram)]`` is the last
-    position where that k-gram ends and ``prev[a][i]`` the one before the k-gram ending at slot i.
-
-    Positions are absolute (``base`` is the position of slot 0), so dropping the front keeps every
-    link valid; a link below ``base`` ends the chain. k-grams never span a ``_SEP``.
-    """
-
-    __slots__ = ("anchors", "tokens", "base", "heads", "prev", "run")
-
-    def __init__(self, anchors: tuple[int, ...]) -> None:
-        self.anchors = anchors
-        self.tokens = array("q")
-        self.base = 0
-        self.heads: list[dict[int, int]] = [{} for _ in anchors]
-        self.prev = [array("q") for _ in anchors]
-        self.run = 0  # tokens since the last separator
-
-    def extend(self, new: Sequence[int]) -> None:
-        tokens, base = self.tokens, self.base
-        chains = list(zip(self.anchors, self.heads, self.prev))
-        for tok in new:
-            tokens.append(tok)
-            self.run += 1
-            n = len(tokens)
-            for k, heads, prev in chains:
-                if k <= self.run:
-                    h = hash(tokens[n - k : n].tobytes())
-                    prev.append(heads.get(h, -1))
-                    heads[h] = base + n - 1
-                else:
-                    prev.append(-1)
-
-    def end_document(self) -> None:
-        self.tokens.append(_SEP)
-        for prev in self.prev:
-            prev.append(-1)
-        self.run = 0
-
-    def drop_front(self, n: int) -> None:
-        """Forget the first ``n`` slots, whole documents (slot n - 1 is a separator).
-
-        A head pointing there is the last occurrence of its k-gram, so every occurrence is gone:
-        delete it (the cost of indexing those tokens again), and the dicts hold live k-grams only.
-        """
-        tokens, base = self.tokens, self.base
-        run = 0
-        for i in range(n):
-            if tokens[i] == _SEP:
-                run = 0
-                continue
-            run += 1
-            for k, heads in zip(self.anchors, self.heads):
-                if k <= run:
-                    h = hash(tokens[i - k + 1 : i + 1].tobytes())
-                    if heads.get(h) == base + i:
-                        del heads[h]
-        del tokens[:n]
-        for prev in self.prev:
-            del prev[:n]
-        self.base += n
-
-
-# An occurrence: (stream tokens, slot of its next continuation token, period). Period 0: the
-# continuation stops at the stream's end or a separator. In the request's own text, an occurrence p
-# tokens before the root says the text repeats with period p; its continuation reaches the root and
-# goes on as that copy would (LZ77's overlapping copy): slot j ≥ len(tokens) reads slot j - p.
-_Occurrence = tuple[array, int, int]
-
-
-@dataclass
-class _Found:
-    """The occurrences of the longest match so far."""
-
-    cap: int
-    best: int = 0
-    occurrences: list[_Occurrence] = field(default_factory=list)
-
-    def add(self, length: int, occurrence: _Occurrence) -> None:
-        if length > self.best:
-            self.best = length
-            self.occurrences = [occurrence]
-        elif length == self.best and len(self.occurrences) < self.cap:
-            self.occurrences.append(occurrence)
-
-
-def _match_len(tokens: array, i: int, tail: array, lower: int) -> int:
-    """How many tokens ending at slot i equal the end of ``tail``, if at least ``lower``; else 0.
-
-    One slice comparison rejects a shorter match; a longer one is measured by binary search (a match
-    of length L implies every shorter one).
-    """
-    upper = min(len(tail), i + 1)
-    t = len(tail)
-    if lower > upper or tokens[i - lower + 1 : i + 1] != tail[t - lower :]:
-        return 0
-    lo, hi = lower, upper
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if tokens[i - mid + 1 : i + 1] == tail[t - mid :]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def _scan(stream: _Stream, tail: array, found: _Found, max_scan: int, periodic: bool) -> None:
-    """Add ``stream``'s occurrences of the longest suffix of ``tail`` (that has a continuation) to
-    ``found``, trying the longest anchor first. ``periodic``: the stream is the request's own text,
-    whose last token is the root (see ``_Occurrence``)."""
-    tokens, base, anchors = stream.tokens, stream.base, stream.anchors
-    last = len(tokens) - 1
-    limit = len(tail)  # the longest match this stream may still hold
-    for a in range(len(anchors) - 1, -1, -1):
-        k = anchors[a]
-        if k > len(tail):
-            continue
-        if found.best > limit:
-            return  # nothing here can reach the match found in another stream
-        pos = stream.heads[a].get(hash(tail[len(tail) - k :].tobytes()), -1)
-        if pos < base:
-            limit = k - 1  # the k-gram does not occur here
-            continue
-        prev = stream.prev[a]
-        scanned = 0
-        while pos >= base and scanned < max_scan:
-            i = pos - base
-            scanned += 1
-            if i < last and tokens[i + 1] != _SEP:  # a continuation follows
-                length = _match_len(tokens, i, tail, max(found.best, k))
-                if length:
-                    found.add(length, (tokens, i + 1, last - i if periodic else 0))
-                    if found.best == len(tail) and len(found.occurrences) >= found.cap:
-                        return  # nothing longer exists, and no room for more
-            pos = prev[i]
-        if found.best >= k:
-            return  # a shorter anchor finds only shorter matches (or older ones past max_scan)
-
-
-def _grow(occurrences: list[_Occurrence], max_nodes: int, max_depth: int, min_prob: float) -> TokenTree:
+def _grow(occurrences: list[Occurrence], max_nodes: int, max_depth: int, min_prob: float) -> TokenTree:
     """The tree of the occurrences' continuations, best-first by count, ≤ max_nodes, depth ≤ max_depth,
     every node followed by at least ``min_prob`` of the occurrences.
 
@@ -214,10 +64,10 @@ def _grow(occurrences: list[_Occurrence], max_nodes: int, max_depth: int, min_pr
     heap: list = []
     order = itertools.count()
 
-    def push_children(members: list[_Occurrence], parent: int, depth: int) -> None:
-        groups: dict[int, list[_Occurrence]] = {}
+    def push_children(members: list[Occurrence], parent: int, depth: int) -> None:
+        groups: dict[int, list[Occurrence]] = {}
         for tokens, j, period in members:
-            if j < len(tokens) and tokens[j] != _SEP:
+            if j < len(tokens) and tokens[j] != SEP:
                 nxt = j + 1 if j + 1 < len(tokens) or not period else j + 1 - period
                 groups.setdefault(tokens[j], []).append((tokens, nxt, period))
         for tok, group in groups.items():
@@ -236,35 +86,11 @@ def _grow(occurrences: list[_Occurrence], max_nodes: int, max_depth: int, min_pr
     return TokenTree(tuple(out_tok), tuple(out_par))
 
 
-class _TenantCache:
-    """One tenant's finished outputs in one FIFO stream, each followed by a separator."""
-
-    def __init__(self, anchors: tuple[int, ...], max_requests: int, max_tokens: int) -> None:
-        self.stream = _Stream(anchors)
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
-        self.lengths: deque[int] = deque()  # tokens of each stored output, oldest first
-        self.tokens = 0  # their sum (separators not counted)
-
-    def add(self, tokens: Sequence[int]) -> None:
-        tokens = tokens[len(tokens) - self.max_tokens :] if len(tokens) > self.max_tokens else tokens
-        while self.lengths and (
-            len(self.lengths) >= self.max_requests or self.tokens + len(tokens) > self.max_tokens
-        ):
-            oldest = self.lengths.popleft()
-            self.tokens -= oldest
-            self.stream.drop_front(oldest + 1)
-        self.stream.extend(tokens)
-        self.stream.end_document()
-        self.lengths.append(len(tokens))
-        self.tokens += len(tokens)
-
-
 @dataclass
 class _RequestState:
     tenant: str
     prompt_len: int
-    stream: _Stream
+    stream: Stream
     source: Sequence[int]  # the caller's ctx.tokens at the last propose (see release)
 
 
@@ -325,7 +151,7 @@ class SuffixDrafter(Drafter):
             anchors.append(anchors[-1] * 4)
         self.anchors = tuple(anchors)
         self._requests: dict[str, _RequestState] = {}
-        self._tenants: dict[str, _TenantCache] = {}
+        self._tenants: dict[str, TenantCache] = {}
         # Removed tenants' ids: a request of theirs that finishes later adds nothing. Ids are never
         # reused, so this only grows, by one short string per removal.
         self._dropped: set[str] = set()
@@ -336,11 +162,11 @@ class SuffixDrafter(Drafter):
             return TokenTree.empty()  # the index catches up on the next call that drafts
         stream = self._catch_up(state, ctx)
         tail = stream.tokens[-self.max_match :]
-        found = _Found(self.max_occurrences)
-        _scan(stream, tail, found, self.max_scan, periodic=True)
+        found = Found(self.max_occurrences)
+        scan(stream, tail, found, self.max_scan, periodic=True)
         cache = self._tenants.get(state.tenant)
         if cache is not None:
-            _scan(cache.stream, tail, found, self.max_scan, periodic=False)
+            scan(cache.stream, tail, found, self.max_scan, periodic=False)
         if found.best < self.min_match:
             return TokenTree.empty()
         depth = min(budget.max_depth, max(1, int(self.depth_factor * found.best)))
@@ -366,7 +192,7 @@ class SuffixDrafter(Drafter):
         start = max(0, state.prompt_len - self.max_match)
         cache = self._tenants.get(state.tenant)
         if cache is None:
-            cache = self._tenants[state.tenant] = _TenantCache(self.anchors, self.max_requests, self.max_tokens)
+            cache = self._tenants[state.tenant] = TenantCache(self.anchors, self.max_requests, self.max_tokens)
         cache.add(array("q", map(int, source[start:])))
 
     def evict(self, request_id: str) -> None:
@@ -388,18 +214,18 @@ class SuffixDrafter(Drafter):
         state = self._requests.get(ctx.request_id)
         if state is None or state.tenant != ctx.tenant:
             state = self._requests[ctx.request_id] = _RequestState(
-                ctx.tenant, ctx.prompt_len, _Stream(self.anchors), ctx.tokens)
+                ctx.tenant, ctx.prompt_len, Stream(self.anchors), ctx.tokens)
         state.source = ctx.tokens
         state.prompt_len = ctx.prompt_len
         return state
 
-    def _catch_up(self, state: _RequestState, ctx: DraftContext) -> _Stream:
+    def _catch_up(self, state: _RequestState, ctx: DraftContext) -> Stream:
         """The request's stream, extended by the tokens appended since the last call (rebuilt if the
         context shrank or its last indexed tokens changed)."""
         stream = state.stream
         seen = len(stream.tokens)
         if len(ctx.tokens) < seen or _tail_changed(stream.tokens, ctx.tokens):
-            stream = state.stream = _Stream(self.anchors)
+            stream = state.stream = Stream(self.anchors)
             seen = 0
         if len(ctx.tokens) > seen:
             stream.extend([int(t) for t in ctx.tokens[seen:]])

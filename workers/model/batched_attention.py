@@ -1,7 +1,7 @@
 """Tree attention for every request of a step in one call: the device-generic path's options.
 
 Why: without the CPU kernel (workers/model/csrc/attention.cpp, which takes every request in one call),
-the lean forward attends one request at a time (`LlamaForward._attend`): per layer, one SDPA
+the lean forward attends one request at a time (`packed_attention.attend`): per layer, one SDPA
 call per request. On a GPU each call is a launch plus Python, whatever its size, so a batch of B
 small trees costs B launches a layer. The options, chosen by `SPECGATE_ATTENTION` (or
 `LlamaForward(attention=...)`):

@@ -43,9 +43,12 @@ import platform
 import random
 import statistics
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from workers.model.device import elapsed
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_BATCHES = (1, 2, 4, 8)
 DEFAULT_NODES = (0, 1, 3, 7, 15)
@@ -258,19 +261,25 @@ def measure_chunks(verifier, *, chunk_tokens: Sequence[int] = DEFAULT_CHUNK_TOKE
     return {"batch": batch, "nodes": nodes, "points": [list(p) for p in points]}
 
 
-def describe_device(forward) -> str:
+class DescribedForward(Protocol):
+    """What `describe_device` reads of a forward (workers.model.llama_forward.LlamaForward has it)."""
+    device: torch.device
+    dtype: torch.dtype
+    n_layers: int
+    hidden: int
+
+
+def describe_device(forward: DescribedForward) -> str:
     """One line: the device, threads, dtype and model size the numbers belong to."""
     import torch
 
-    dev = getattr(forward, "device", torch.device("cpu"))
-    if getattr(dev, "type", "cpu") == "cuda":
-        where = torch.cuda.get_device_name(dev)
+    if forward.device.type == "cuda":
+        where = torch.cuda.get_device_name(forward.device)
     else:
         where = _cpu_name() or platform.processor() or platform.machine()
         where = f"CPU {where}, {torch.get_num_threads()} threads"
-    layers = getattr(forward, "n_layers", "?")
-    return (f"{where}, {str(getattr(forward, 'dtype', '?')).replace('torch.', '')}, "
-            f"{layers} layers, hidden {getattr(forward, 'hidden', '?')}")
+    return (f"{where}, {str(forward.dtype).replace('torch.', '')}, "
+            f"{forward.n_layers} layers, hidden {forward.hidden}")
 
 
 def _cpu_name() -> str | None:

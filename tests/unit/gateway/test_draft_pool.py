@@ -11,7 +11,7 @@ from gateway.ray_serve.releases import Evicted
 from tests.helpers import hf_greedy
 from tests.unit.test_engine import prompts
 from workers.contract import SamplingParams
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import WorkItem
 from workers.contract import DraftContext, TreeBudget
 from workers.model.llama_forward import LlamaForward

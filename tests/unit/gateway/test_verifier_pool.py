@@ -16,7 +16,7 @@ from gateway.ray_serve.routing import rank_replicas
 from gateway.ray_serve.releases import Evicted, apply_releases
 from gateway.ray_serve.verifier_pool import CACHE_REPORT_TTL_S, VerifierPool
 from workers.contract import SamplingParams
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import WorkItem
 from workers.contract import TreeBudget
 from workers.model.llama_forward import LlamaForward

@@ -16,7 +16,7 @@ from scheduler.request import Request, RequestStats
 from scheduler.sizing import SizingConfig
 from scheduler.store import MemoryStore
 from tests.helpers import hf_greedy
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.contract import SamplingParams
 from workers.model.llama_forward import LlamaForward
 from workers.speculation.verifier import Verifier

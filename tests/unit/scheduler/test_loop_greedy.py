@@ -12,7 +12,7 @@ from scheduler.policies import make_policy
 from scheduler.request import Request, RequestStats
 from tests.helpers import OracleDrafter, hf_greedy
 from workers.contract import SamplingParams
-from workers.speculation.batch_worker import BatchWorker
+from workers.batch_worker import BatchWorker
 from workers.drafters.registry import create_drafter
 from workers.model.llama_forward import LlamaForward
 from workers.speculation.verifier import Verifier

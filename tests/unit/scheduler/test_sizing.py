@@ -220,7 +220,7 @@ def test_drafting_time_counts_against_speculation_end_to_end(tiny_model, delay, 
 def test_the_worker_drafts_the_budget_it_is_handed_whatever_was_accepted(tiny_model):
     """Sizing is the planner's alone: a worker handed 4 nodes a step drafts 4 nodes every step,
     even when none is ever accepted (before, it shrank trees on its own evidence)."""
-    from workers.speculation.batch_worker import BatchWorker
+    from workers.batch_worker import BatchWorker
     from workers.contract import SamplingParams, WorkItem
     from workers.drafters.base import Drafter
     from workers.model.llama_forward import LlamaForward

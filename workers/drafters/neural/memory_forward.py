@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from workers.model.cpu_linear import Linear, pick_backend
 from workers.drafters.neural.draft_memory import MemoryDraft, _rope
 from workers.model.kv_cache import KVCache
-from workers.model.llama_forward import Segment, _fused, _fused_bias
+from workers.model.llama_weights import fused, fused_bias
+from workers.model.packed_attention import Segment
 
 __all__ = ["MemoryForward"]
 
@@ -184,17 +185,17 @@ class MemoryForward:
 
 
 def _pack(layer, gemm: str) -> dict:
-    """One block's weights in the lean forward's packed layouts (workers/model/llama_forward.py)."""
+    """One block's weights in the lean forward's packed layouts (workers/model/llama_weights.py)."""
     att, mlp = layer.self_attn, layer.mlp
     w = {"ln1": layer.input_layernorm.weight.detach(), "eps1": layer.input_layernorm.variance_epsilon,
          "ln2": layer.post_attention_layernorm.weight.detach(),
          "eps2": layer.post_attention_layernorm.variance_epsilon,
-         "wqkv": Linear(*_fused(att, "qkv_proj", "q_proj", "k_proj", "v_proj"), gemm),
+         "wqkv": Linear(*fused(att, "qkv_proj", "q_proj", "k_proj", "v_proj"), gemm),
          "wkv": Linear(torch.cat([att.k_proj.weight, att.v_proj.weight]).detach(),
-                       _fused_bias(att.k_proj, att.v_proj), gemm),
-         "wo": Linear(att.o_proj.weight.detach(), _fused_bias(att.o_proj), gemm),
-         "wgu": Linear(*_fused(mlp, "gate_up_proj", "gate_proj", "up_proj"), gemm),
-         "wdown": Linear(mlp.down_proj.weight.detach(), _fused_bias(mlp.down_proj), gemm)}
+                       fused_bias(att.k_proj, att.v_proj), gemm),
+         "wo": Linear(att.o_proj.weight.detach(), fused_bias(att.o_proj), gemm),
+         "wgu": Linear(*fused(mlp, "gate_up_proj", "gate_proj", "up_proj"), gemm),
+         "wdown": Linear(mlp.down_proj.weight.detach(), fused_bias(mlp.down_proj), gemm)}
     if getattr(att, "q_norm", None) is not None:
         w.update(q_norm=att.q_norm.weight.detach(), k_norm=att.k_norm.weight.detach(),
                  qk_eps=att.q_norm.variance_epsilon)
