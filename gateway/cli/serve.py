@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
     if emb.kv_note:
         print(f"specgate: {emb.kv_note}", file=sys.stderr)
+    if emb.kernel_note:
+        print(f"specgate: {emb.kernel_note}", file=sys.stderr)
     config = uvicorn_config(emb.app, host=settings.host, port=settings.port,
                             log_level=settings.log_level)
     emb.start()

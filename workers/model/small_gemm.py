@@ -158,6 +158,25 @@ def path() -> str:
     return loaded_path if _module() is not None else "torch"
 
 
+def serving_path(dtype: torch.dtype, device: torch.device) -> str:
+    """The kernel path a model of `dtype` on `device` runs: a PATHS name, or "torch" (none)."""
+    return path() if available(dtype, device) else "torch"
+
+
+def serving_note(dtype: torch.dtype, device: torch.device) -> str:
+    """The start-up line saying which path runs the CPU kernels for such a model, and why not."""
+    name = serving_path(dtype, device)
+    if name != "torch":
+        return f"CPU kernels: {name}"
+    if device.type != "cpu":
+        why = f"the model is on {device.type}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why = f"they serve float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    else:
+        why = str(unavailable_reason)
+    return f"CPU kernels: torch's ops ({why})"
+
+
 def _name(path_name: str) -> str:
     return f"specgate_small_gemm_{path_name}"
 
