@@ -23,6 +23,7 @@ from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
+from workers.model import small_gemm
 from workers.model.loader import DEFAULT_MODEL
 from tools.near_tie import classify
 from workers.prompts import encode_record
@@ -184,6 +185,7 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
             report["prefill_computed_tokens"] = pc.computed_tokens - computed0
         report["dtype"] = dtype
         report["adaptive"] = adaptive
+        report["cpu_kernels"] = small_gemm.serving_path(rt.forward.dtype, rt.forward.device)
         if peers:
             report["peers"] = {**summarize_peers(rows, report["hf_greedy_tok_s"], report["specgate_tok_s"]),
                                **{name: {"error": why} for name, why in peers_missing.items()}}
