@@ -171,3 +171,16 @@ def test_silu_mul_matches_torch(kernel_path, dtype):
     assert out.shape == (7, 40) and out.dtype == dtype
     tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_first_of_equals(kernel_path, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 1000, generator=g).to(dtype)       # 1000: a ragged last vector
+    x[1, 3] = x[1, 700] = 50.0                            # a tie: the first index wins
+    x[2, 999] = 60.0                                      # the largest in the tail's lanes
+    x[3] = float("-inf")                                  # nothing to choose: index 0
+    x[4, 17] = float("nan")                               # NaN is never chosen
+    got = small_gemm.argmax_rows(x)
+    ref = torch.argmax(torch.nan_to_num(x.float(), nan=float("-inf")), dim=1)
+    assert got.tolist() == ref.tolist() and got[1] == 3 and got[2] == 999 and got[3] == 0
