@@ -12,8 +12,9 @@ DEVICE_HELP = "where the engine runs: auto (CUDA when torch sees a GPU, else the
 
 def add_placement_arguments(p: argparse.ArgumentParser, *, device: str | None = "auto",
                             dtype: str | None = "float32", dtype_help: str = "") -> None:
-    """--dtype and --device with these defaults (None: the caller's settings decide, as serve's)."""
-    shown = f" (default {dtype})" if dtype else ""
+    """--dtype and --device with these defaults (None: the caller's settings decide, as serve's,
+    whose own defaults are float32 and auto: the help says so where argparse has no default)."""
     p.add_argument("--dtype", choices=DTYPE_NAMES, default=dtype,
-                   help=f"the engine's weights and activations{shown}" + (f". {dtype_help}" if dtype_help else ""))
-    p.add_argument("--device", default=device, help=DEVICE_HELP + (f" (default {device})" if device else ""))
+                   help="the engine's weights and activations" + ("" if dtype else " (default float32)")
+                   + (f". {dtype_help}" if dtype_help else ""))
+    p.add_argument("--device", default=device, help=DEVICE_HELP + ("" if device else " (default auto)"))
