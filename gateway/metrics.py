@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
@@ -125,6 +125,12 @@ class GatewayMetrics:
                           self.accepted, self.tau, self.verified_tokens, self.prefill_tokens,
                           self.prefix_cache_hits, self.refusals)
         r.register(ObjectiveCollector(self.tiers))
+
+    def cpu_kernels(self, path: str) -> None:
+        """Which path runs the model's CPU kernels (workers/model/small_gemm.py PATHS, "torch"
+        for none), stated once at start: the speed of a CPU deployment depends on it."""
+        Gauge("specgate_cpu_kernel_info", "The CPU kernel path the model runs (avx512_bf16, avx2; "
+              "torch: none)", ["path"], registry=self.registry).labels(path=path).set(1)
 
     # ---- the service ---------------------------------------------------------------------------
     def refused(self, tenant: str, reason: str, status: str) -> None:

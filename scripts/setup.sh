@@ -33,6 +33,5 @@ echo "installing specgate"
 .venv/bin/python -c "
 import torch
 from workers.model import small_gemm
-ok = small_gemm.available(torch.float32)
-print('CPU kernels:', 'built' if ok else 'not used (' + str(small_gemm.unavailable_reason) + ')')
+print(small_gemm.serving_note(torch.float32, torch.device('cpu')))
 "

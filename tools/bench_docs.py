@@ -49,7 +49,10 @@ BENCHES: tuple[Bench, ...] = (
           "streams verifying extra tree tokens costs about what their acceptance returns, so the "
           "planner drafts almost nothing and speculative serving stays level with plain decoding; "
           "the first round, in which the planner still probes the draft, is the lowest. Without "
-          "AVX-512 the engine runs without its CPU kernels and every rate is several times lower.",
+          "AVX-512 the CPU kernels run on their AVX2 path (`CPU kernels`); the copy results "
+          "ending `_torch` were measured with them off (SPECGATE_SMALL_GEMM=0), those ending "
+          "`_avx2` with them on, on a 2-core machine shared with other heavy work at the time: "
+          "their rates are very noisy and compare only roughly.",
           ("results/bench_engine*.json",), t.engine),
     Bench("bench drafters",
           "specgate bench drafters --workloads chat --per-workload 8 --warmup 2 --max-tokens 96 "

@@ -23,7 +23,10 @@ from workers.contract import TreeBudget
 from workers.drafters.registry import create_drafter
 from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
+from workers.model import small_gemm
+from workers.model.device import resolve_device
 from workers.model.loader import DEFAULT_MODEL
+from workers.model.placement import add_placement_arguments
 from tools.near_tie import classify
 from workers.prompts import encode_record
 from workers.runtime import DEFAULT_PREFIX_CACHE_MB, load_runtime
@@ -40,10 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_BUDGET.max_nodes)
     p.add_argument("--tree-depth", type=int, default=DEFAULT_BUDGET.max_depth)
     p.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="specgate's dtype; transformers stays the float32 reference. In bfloat16, "
-                        "'identical' compares with the engine's own plain bfloat16 decoding and "
-                        "divergences are classified as near-ties or not (tools/near_tie.py)")
+    add_placement_arguments(p, dtype_help="transformers stays the float32 reference on the CPU. "
+                            "Below float32, 'identical' compares with the engine's own plain "
+                            "decoding and divergences are classified as near-ties or not "
+                            "(tools/near_tie.py); single stream only")
     p.add_argument("--warmup", type=int, default=0,
                    help="first run this many of the workload's prompts through specgate, unmeasured "
                         "(fills learning drafters' caches, e.g. suffix); measured prompts follow them")
@@ -74,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     peers = parse_peers(args.peers)
     if args.concurrency > 1:
+        if args.dtype != "float32" or args.device not in ("auto", "cpu"):
+            raise ValueError("--concurrency N runs float32 on the CPU: --dtype and --device are single-stream options")
         if peers:
             raise ValueError("--peers runs with single-stream benchmarks (--concurrency 1)")
         from tools.bench_batched import bench_concurrency
@@ -87,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
                               prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
+                              device=args.device,
                               adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb,
                               peers=peers, peer_gguf=args.peer_gguf, vllm_python=args.vllm_python)
     text = json.dumps(report, indent=1)
@@ -98,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,
                  drafter: str = "ngram", budget: TreeBudget = DEFAULT_BUDGET, prompt_lookup: int = 10,
-                 warmup: int = 0, dtype: str = "float32", adaptive: bool = True,
+                 warmup: int = 0, dtype: str = "float32", device: str = "auto", adaptive: bool = True,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB, peers: tuple[str, ...] = (),
                  peer_gguf: str | None = None, vllm_python: str | None = None) -> dict:
     if warmup < 0:
@@ -111,7 +117,8 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
         records = records[:limit]
     ref = load_runtime(model, dtype="float32", keep_hf=True)     # transformers fp32: the reference
     hf = ref.hf_model
-    rt = ref if dtype == "float32" else load_runtime(model, dtype=dtype, progress=False)
+    same = dtype == "float32" and resolve_device(device).type == "cpu"
+    rt = ref if same else load_runtime(model, dtype=dtype, device=device, progress=False)
     prompts = [encode_record(rt.tokenizer, r) for r in records]
     engine = Engine(rt.verifier(prefix_cache_mb=prefix_cache_mb), create_drafter(drafter), budget,
                     step_cost=StepCostModel.from_doc(rt.step_profile(1, budget.max_nodes)), adaptive=adaptive)
@@ -184,6 +191,8 @@ def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int =
             report["prefill_computed_tokens"] = pc.computed_tokens - computed0
         report["dtype"] = dtype
         report["adaptive"] = adaptive
+        report["device"] = str(rt.forward.device)
+        report["cpu_kernels"] = small_gemm.serving_path(rt.forward.dtype, rt.forward.device)
         if peers:
             report["peers"] = {**summarize_peers(rows, report["hf_greedy_tok_s"], report["specgate_tok_s"]),
                                **{name: {"error": why} for name, why in peers_missing.items()}}

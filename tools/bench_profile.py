@@ -26,6 +26,7 @@ import os
 from typing import Any
 
 from scheduler.profile import fit_chunk_cost
+from workers.model.placement import add_placement_arguments
 from workers.speculation.profiling import (DEFAULT_BATCHES, DEFAULT_CHUNK_OFFSETS, DEFAULT_CHUNK_TOKENS,
                                DEFAULT_NODES, DEFAULT_PREFILL, describe_device, measure_chunks,
                                measure_profile, profile_document)
@@ -65,8 +66,7 @@ def table(doc: dict[str, Any]) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=None,
                         help="target model, as `specgate serve` takes it (default: its default)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="auto", help="auto (CUDA when torch sees one), cpu, cuda, cuda:N")
+    add_placement_arguments(parser)
     parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)),
                         help="comma-separated batch sizes")
     parser.add_argument("--nodes", default=",".join(map(str, DEFAULT_NODES)),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.model.loader import DEFAULT_MODEL
+from workers.model.placement import add_placement_arguments
 from loadtest.results import write_result
 
 SCHEMAS = Path(__file__).parent / "data" / "structured_schemas.jsonl"
@@ -36,7 +37,7 @@ DRAFTERS = ("plain", "grammar", "ngram", "merged")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="float32")
+    add_placement_arguments(p)
     p.add_argument("--schemas", type=Path, default=SCHEMAS, help="JSONL of {name, task, schema}")
     p.add_argument("--limit", type=int, default=0, help="first N schemas only (0: all)")
     p.add_argument("--max-tokens", type=int, default=160)
@@ -47,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = bench_structured(model=args.model, dtype=args.dtype, schemas=args.schemas, limit=args.limit,
+    report = bench_structured(model=args.model, dtype=args.dtype, device=args.device, schemas=args.schemas, limit=args.limit,
                               max_tokens=args.max_tokens, tree_nodes=args.tree_nodes,
                               tree_depth=args.tree_depth, warmup=args.warmup)
     text = json.dumps(report, indent=1)
@@ -68,7 +69,7 @@ def messages(row: dict[str, Any]) -> list[dict[str, str]]:
                                         f"schema: {json.dumps(row['schema'])}"}]
 
 
-def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", schemas: Path = SCHEMAS,
+def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "auto", schemas: Path = SCHEMAS,
                      limit: int = 0, max_tokens: int = 160, tree_nodes: int = 16, tree_depth: int = 12,
                      warmup: int = 2) -> dict[str, Any]:
     from scheduler.generation import Engine, GenerationRequest
@@ -79,7 +80,7 @@ def bench_structured(*, model: str = DEFAULT_MODEL, dtype: str = "float32", sche
     from workers.prompts import encode_record
     from workers.runtime import load_runtime
 
-    rt = load_runtime(model, dtype=dtype, progress=False)
+    rt = load_runtime(model, dtype=dtype, device=device, progress=False)
     rows = load_schemas(schemas, limit)
     budget = TreeBudget(tree_nodes, tree_depth)
     make = {"plain": (NoneDrafter, NO_SPECULATION),

@@ -70,7 +70,7 @@ def engine(doc: Doc) -> list[str]:
     """`bench engine`: single stream against transformers, or --concurrency N against plain."""
     return pairs(doc, [
         ("workloads", "workloads", _setting), ("workload", "workload", str),
-        ("drafter", "drafter", str), ("concurrency", "concurrency", num),
+        ("drafter", "drafter", str), ("CPU kernels", "cpu_kernels", str), ("concurrency", "concurrency", num),
         ("rounds", "rounds", num), ("tree budget", "tree_budget", _setting),
         ("specgate tokens/s", "specgate_tok_s", num), ("plain tokens/s", "specgate_plain_tok_s", num),
         ("speculative tokens/s (all streams)", "total_tokens_per_s", num),

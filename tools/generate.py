@@ -14,6 +14,7 @@ from scheduler.profile import StepCostModel
 from scheduler.generation import Engine, GenerationRequest
 from workers.model.loader import DEFAULT_MODEL
 from workers.prompts import encode_record
+from workers.model.placement import add_placement_arguments
 from workers.runtime import load_runtime
 
 # The ceiling; each step sizes each request's tree below it from its acceptance and the cost curve.
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="ngram", help="drafter name from the registry (ngram, none)")
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_BUDGET.max_nodes)
     p.add_argument("--tree-depth", type=int, default=DEFAULT_BUDGET.max_depth)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_placement_arguments(p)
     p.add_argument("--json", type=Path, help="write the results here (a JSON list, one record per prompt)")
 
 
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if not is_drafter_name(args.drafter):
         raise ValueError(f"unknown drafter {args.drafter!r}; available: {', '.join(drafter_names())}")
     budget = TreeBudget(args.tree_nodes, args.tree_depth)
-    rt = load_runtime(args.model, dtype=args.dtype)
+    rt = load_runtime(args.model, dtype=args.dtype, device=args.device)
     requests = []
     for i, rec in enumerate(records):
         try:

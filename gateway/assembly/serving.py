@@ -61,6 +61,7 @@ class Embedded:
     recovered: list[str] = field(default_factory=list)
     thread: Any = None
     kv_note: str | None = None          # the KV budget, as reported at start
+    kernel_note: str | None = None      # which path runs the CPU kernels, as reported at start
     _sweeping: threading.Event | None = None    # set to stop the tenant sweep (`_sweep_tenants`)
     replica: ReplicaLease | None = None         # the replica id's lease (gateway/assembly/replica.py)
     responses: ResponseService | None = None    # the Responses API (gateway/responses/service.py)
@@ -130,9 +131,11 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
     limiter = Limiter(settings.redis_url, settings.store_prefix, timeout_s=settings.redis_timeout_s,
                       lease_s=settings.concurrency_lease_s)
     emb = Embedded(settings, None, None, step_loop, tenants, limiter, metrics, dev_key, admin_key,
-                   kv_note=target.kv_note, replica=replica)
+                   kv_note=target.kv_note, kernel_note=target.kernel_note, replica=replica)
     if target.kv_note:
         log.info(target.kv_note)
+    if target.kernel_path is not None:
+        metrics.cpu_kernels(target.kernel_path)
     checks: list[Callable[[], bool]] = [emb.loop_alive]
     components: dict[str, Callable[[], bool]] = {"step_loop": emb.loop_alive}
     store_probe = store_room = None

@@ -28,7 +28,9 @@ class Target:
     """What a gateway serves: the tokenizer, the step loop's worker, the ids that end a
     generation, the step costs the planner sizes trees by (None: its defaults), the tokenizer's
     compiled constraints when the worker runs in this process (None: the service compiles its
-    own), and the policy's KV fields with the line reported at start (none: no KV budget)."""
+    own), the policy's KV fields with the line reported at start (none: no KV budget), and
+    which CPU kernel path the model runs (workers/model/small_gemm.py; "torch": none) with its
+    start-up line (None: no model in this process)."""
     tokenizer: Any
     worker: Worker
     stop_token_ids: frozenset[int]
@@ -36,6 +38,8 @@ class Target:
     grammars: Any = None
     kv: dict[str, int] = field(default_factory=dict)
     kv_note: str | None = None
+    kernel_path: str | None = None
+    kernel_note: str | None = None
 
 
 def local_target(settings: Settings, progress: bool = True, runtime: Runtime | None = None) -> Target:
@@ -57,10 +61,14 @@ def local_target(settings: Settings, progress: bool = True, runtime: Runtime | N
 
     rt = runtime or load_runtime(settings.model, dtype=settings.dtype, device=settings.device,
                                  attention=settings.attention, progress=progress)
+    from workers.model import small_gemm
+
     worker = batch_worker(settings, rt)
     kv, note = kv_budget(worker.verifier)
+    dtype, device = rt.forward.dtype, rt.forward.device
     return Target(rt.tokenizer, worker, rt.stop_token_ids, planner_step_cost(settings, rt),
-                  rt.grammars, kv, note)
+                  rt.grammars, kv, note, small_gemm.serving_path(dtype, device),
+                  small_gemm.serving_note(dtype, device))
 
 
 def batch_worker(settings: Settings, rt: Runtime, drafters: dict | None = None) -> Any:

@@ -25,6 +25,7 @@ from gateway.builders.embedded import build_embedded
 from gateway.grpc_api.server import GrpcServer, start_grpc_server
 from gateway.http.server import run_on, uvicorn_config
 from gateway.settings import Settings
+from workers.model.placement import add_placement_arguments
 
 log = logging.getLogger("specgate.serve")
 
@@ -51,9 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafters", help="comma-separated drafter names; the first is the default "
                                       "(default ngram)")
     p.add_argument("--grpc-port", type=int, help="also serve gRPC on this port")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", help="where the engine runs: auto (CUDA when torch sees a GPU, "
-                   "else the CPU), cpu, cuda or cuda:N (default auto)")
+    add_placement_arguments(p, device=None, dtype=None)    # the settings' defaults: float32, auto
     p.add_argument("--max-batch", type=int, help="requests per verification step (default 8)")
     p.add_argument("--prefill-chunk-tokens", type=int, help="prompt tokens a step may prefill, per "
                    "request waiting for its context, beside the running requests' trees, so a "
@@ -98,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specgate: admin key (/metrics, /admin): {emb.admin_key}", file=sys.stderr)
     if emb.kv_note:
         print(f"specgate: {emb.kv_note}", file=sys.stderr)
+    if emb.kernel_note:
+        print(f"specgate: {emb.kernel_note}", file=sys.stderr)
     config = uvicorn_config(emb.app, host=settings.host, port=settings.port,
                             log_level=settings.log_level)
     emb.start()

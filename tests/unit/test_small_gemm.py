@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernel_paths import kernel_path  # noqa: F401  (the fixture: every kernel path)
 from workers.model import small_gemm
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(dt)]
@@ -24,7 +25,9 @@ KERNELS = [(torch.float32, False)] * (torch.float32 in DTYPES) + [
 @pytest.mark.parametrize("dtype,amx", KERNELS)
 @pytest.mark.parametrize("out_features,in_features", [(64, 32), (100, 33), (960, 576), (7, 1536), (130, 200)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monkeypatch):
+def test_matches_f_linear(kernel_path, dtype, amx, out_features, in_features, with_bias, monkeypatch):
+    if amx and not small_gemm._module().amx_permit():
+        pytest.skip(f"{kernel_path} kernel path: built without AMX")
     monkeypatch.setattr(small_gemm, "_amx", lambda: amx)
     g = torch.Generator().manual_seed(out_features * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=g).to(dtype)
@@ -45,7 +48,7 @@ def test_matches_f_linear(dtype, amx, out_features, in_features, with_bias, monk
 
 @pytest.mark.skipif(torch.float32 not in DTYPES, reason="float32 kernel unavailable")
 @pytest.mark.parametrize("in_features", [576, 200])
-def test_float32_rows_are_the_same_sums_whatever_the_batch(in_features):
+def test_float32_rows_are_the_same_sums_whatever_the_batch(kernel_path, in_features):
     # Several rows run in blocks over chunks of k with their partial sums parked in y; alone, a
     # row runs in one pass. Each row must still be summed in the same order, bit for bit: a tree
     # node's logits may not depend on how many other nodes share its step.
@@ -63,7 +66,7 @@ def test_a_build_killed_half_way_does_not_hang_the_next_load():
     # torch's own marker of a build in progress, as a build killed half way leaves it: torch alone
     # would wait on it forever. A fresh process (this one has its module already) must load.
     from torch.utils.cpp_extension import _get_build_directory
-    stale = Path(_get_build_directory(small_gemm._NAME, verbose=False)) / "lock"
+    stale = Path(_get_build_directory(small_gemm._name(small_gemm.path()), verbose=False)) / "lock"
     stale.touch()
     try:
         run = subprocess.run([sys.executable, "-c", "import torch; from workers.model import small_gemm; "
@@ -100,7 +103,7 @@ def test_amx_layout_puts_each_weight_in_its_tile(monkeypatch):
     assert small_gemm.max_rows(p) > small_gemm.max_rows(torch.zeros(1, 1, 64, 2, dtype=torch.bfloat16))
 
 
-def test_zero_rows_and_bad_layouts():
+def test_zero_rows_and_bad_layouts(kernel_path):
     if torch.float32 not in DTYPES:
         pytest.skip("float32 kernel unavailable")
     packed = small_gemm.pack(torch.randn(10, 8))
@@ -115,7 +118,7 @@ def test_zero_rows_and_bad_layouts():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (16, 576), (5, 33), (300, 64)])
-def test_rms_norm_with_and_without_the_residual_add(dtype, rows, hidden):
+def test_rms_norm_with_and_without_the_residual_add(kernel_path, dtype, rows, hidden):
     g = torch.Generator().manual_seed(rows + hidden)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     w = torch.randn(hidden, generator=g).to(dtype)
@@ -158,7 +161,7 @@ def test_without_a_compiler_it_says_so_without_trying_a_build(monkeypatch, tmp_p
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_matches_torch(dtype):
+def test_silu_mul_matches_torch(kernel_path, dtype):
     g = torch.Generator().manual_seed(3)
     gate_up = (torch.randn(7, 2 * 40, generator=g) * 6).to(dtype)          # 40: a ragged last vector
     gate_up[0, :6] = torch.tensor([-1e4, -88.0, -20.0, 0.0, 20.0, 1e4]).to(dtype)   # the clamps
@@ -168,3 +171,16 @@ def test_silu_mul_matches_torch(dtype):
     assert out.shape == (7, 40) and out.dtype == dtype
     tol = dict(rtol=2e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_matches_torch_first_of_equals(kernel_path, dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 1000, generator=g).to(dtype)       # 1000: a ragged last vector
+    x[1, 3] = x[1, 700] = 50.0                            # a tie: the first index wins
+    x[2, 999] = 60.0                                      # the largest in the tail's lanes
+    x[3] = float("-inf")                                  # nothing to choose: index 0
+    x[4, 17] = float("nan")                               # NaN is never chosen
+    got = small_gemm.argmax_rows(x)
+    ref = torch.argmax(torch.nan_to_num(x.float(), nan=float("-inf")), dim=1)
+    assert got.tolist() == ref.tolist() and got[1] == 3 and got[2] == 999 and got[3] == 0

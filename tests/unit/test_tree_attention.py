@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernel_paths import kernel_path  # noqa: F401  (the fixture: every kernel path)
 from workers.model import small_gemm
 
 DTYPES = [dt for dt in (torch.float32, torch.bfloat16) if small_gemm.available(dt)]
-pytestmark = pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}")
+pytestmark = [pytest.mark.skipif(not DTYPES, reason=f"small_gemm unavailable: {small_gemm.unavailable_reason}"),
+              pytest.mark.usefixtures("kernel_path")]
 NINF = float("-inf")
 
 

@@ -44,10 +44,11 @@ and attention sums in its own order (results agree to an ulp or two).
 
 The kernels are compiled on first use (torch.utils.cpp_extension, a one-off build, cached under
 ~/.cache/torch_extensions, one build at a time across processes, `_build_and_load`;
-scripts/setup.sh builds them) and only on x86-64 CPUs with
-AVX-512F/BW/VL and BF16; `available(dtype)` says whether they can run here (`unavailable_reason`
-why not), every caller keeps another path, SPECGATE_SMALL_GEMM=0 turns them off and
-SPECGATE_AMX=0 the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim image has
+scripts/setup.sh builds them), once per kernel path (`PATHS`: AVX-512 with BF16 and AMX, or AVX2 +
+FMA), the widest this x86-64 CPU's flags allow; `path()` says which runs, `available(dtype)`
+whether any can run here (`unavailable_reason` why not), every caller keeps another path,
+SPECGATE_SMALL_GEMM=0 turns them off, SPECGATE_SMALL_GEMM=<path> picks one and SPECGATE_AMX=0
+turns off the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim image has
 none) they are unavailable and torch's paths run.
 """
 from __future__ import annotations
@@ -69,10 +70,21 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("small_gemm.cpp",
                                                                       "decoder.cpp")]
 # -fopenmp: at::parallel_for is inline OpenMP; the extension binds to the libgomp.so.1 torch has
 # already loaded (same soname), so it shares torch's thread pool rather than starting another.
-# AMX instructions are only emitted where the kernel asks for them, and run only where
-# `_amx()` found the CPU and the OS permit them.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
-          "-mamx-bf16", "-fopenmp"]
+_COMMON = ["-O3", "-fopenmp"]
+# The kernel paths, widest first: the CPU flags each needs (/proc/cpuinfo's names) and what it is
+# compiled with. One source (csrc/, written against csrc/simd.h's 16-lane vector layer) compiled
+# once per path, each its own extension: the kernels' blocking and summation order stay the same
+# on every path, so they agree with each other and one fix reaches all; only simd.h's layer and
+# the register blocking differ (AVX2 has half the registers, each half the width). AMX
+# instructions are only emitted where the kernel asks for them, and run only where `_amx()` found
+# the CPU and the OS permit them; the AVX2 path has no AMX or BF16 dot products (plain float32
+# multiply-adds of the widened bf16 instead).
+PATHS: dict[str, tuple[frozenset[str], list[str]]] = {
+    "avx512_bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+                     "-mamx-bf16"]),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),
+}
 _lock = threading.Lock()
 
 
@@ -92,39 +104,100 @@ def _cpu_flags() -> set[str]:
     return set(cpuinfo_field("flags").split())
 
 
+def path_unsupported(name: str) -> str | None:
+    """Why kernel path `name` cannot run on this machine's CPU, or None where it can."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    missing = PATHS[name][0] - _cpu_flags()
+    return f"CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
+def supported_paths() -> list[str]:
+    """The kernel paths this CPU can run, widest first."""
+    return [name for name in PATHS if path_unsupported(name) is None]
+
+
 @lru_cache(maxsize=1)
 def _module():
-    """The compiled extension, or None where it cannot be built or run (the reason is kept)."""
-    global unavailable_reason
-    if os.environ.get("SPECGATE_SMALL_GEMM", "1") == "0":
+    """The compiled extension of the widest path this CPU runs (SPECGATE_SMALL_GEMM=<path> picks
+    one), or None where none can be built or run (the reason is kept)."""
+    global unavailable_reason, loaded_path
+    loaded_path = None
+    choice = os.environ.get("SPECGATE_SMALL_GEMM", "1")
+    if choice == "0":
         unavailable_reason = "disabled by SPECGATE_SMALL_GEMM=0"
         return None
-    if platform.machine() not in ("x86_64", "AMD64"):
-        unavailable_reason = f"not an x86-64 CPU ({platform.machine()})"
+    if choice in PATHS:
+        names = [choice]
+    else:
+        names = list(PATHS)
+    reasons = {name: path_unsupported(name) for name in names}
+    runnable = [name for name in names if reasons[name] is None]
+    if not runnable:
+        unavailable_reason = "; ".join(f"{name}: {why}" for name, why in reasons.items())
         return None
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} - _cpu_flags()
-    if missing:
-        unavailable_reason = f"CPU lacks {', '.join(sorted(missing))}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:      # checked before any build already made is reused
+        unavailable_reason = f"no C++ compiler ({compiler}) to build them"
         return None
+    try:
+        mod = load_path(runnable[0])
+    except RuntimeError as exc:
+        unavailable_reason = str(exc)
+        return None
+    loaded_path = runnable[0]
+    return mod
+
+
+unavailable_reason: str | None = None
+loaded_path: str | None = None      # the kernel path `_module` loaded, once it has
+
+
+def path() -> str:
+    """Which path runs the CPU kernels here: a PATHS name, or "torch" (none: torch's ops)."""
+    return loaded_path if _module() is not None else "torch"
+
+
+def serving_path(dtype: torch.dtype, device: torch.device) -> str:
+    """The kernel path a model of `dtype` on `device` runs: a PATHS name, or "torch" (none)."""
+    return path() if available(dtype, device) else "torch"
+
+
+def serving_note(dtype: torch.dtype, device: torch.device) -> str:
+    """The start-up line saying which path runs the CPU kernels for such a model, and why not."""
+    name = serving_path(dtype, device)
+    if name != "torch":
+        return f"CPU kernels: {name}"
+    if device.type != "cpu":
+        why = f"the model is on {device.type}"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why = f"they serve float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    else:
+        why = str(unavailable_reason)
+    return f"CPU kernels: torch's ops ({why})"
+
+
+def _name(path_name: str) -> str:
+    return f"specgate_small_gemm_{path_name}"
+
+
+@lru_cache(maxsize=None)
+def load_path(name: str):
+    """The extension of kernel path `name` (built on first use); RuntimeError saying why where it
+    cannot be built. The caller checks that the CPU runs it (`path_unsupported`)."""
     # torch builds (and checks, even when the build is cached) with $CXX or c++; without one, as in
     # the python:3.11-slim image, say so rather than have torch try, warn at length and fail.
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
-        unavailable_reason = f"no C++ compiler ({compiler}) to build them"
-        return None
+        raise RuntimeError(f"no C++ compiler ({compiler}) to build them")
     try:
         with _lock:
-            return _build_and_load()
+            return _build_and_load(_name(name), _COMMON + PATHS[name][1])
     except Exception as exc:   # no compiler, no ninja, old torch headers: fall back, say why
-        unavailable_reason = f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        return None
+        raise RuntimeError(f"build failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from exc
 
 
-unavailable_reason: str | None = None
-_NAME = "specgate_small_gemm"
-
-
-def _build_and_load():
+def _build_and_load(name: str, flags: list[str]):
     """torch's `load` under an flock of our own in the build directory.
 
     torch marks a build in progress with a lock *file* that its builder deletes when done; a
@@ -136,11 +209,11 @@ def _build_and_load():
 
     from torch.utils.cpp_extension import _get_build_directory, load
 
-    build_dir = Path(_get_build_directory(_NAME, verbose=False))
+    build_dir = Path(_get_build_directory(name, verbose=False))
     with open(build_dir / "specgate.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)        # released when the file closes or the process dies
         (build_dir / "lock").unlink(missing_ok=True)
-        return load(name=_NAME, sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+        return load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags,
                     extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
 
 

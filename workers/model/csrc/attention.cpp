@@ -26,13 +26,13 @@ template <typename X>
 inline void rope_head(const X* x, const X* cos, const X* sin, float* out, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t c = 0; c < half; c += 16) {
-    const __m512 lo = load16(x + c, 0xFFFF), hi = load16(x + half + c, 0xFFFF);
-    const __m512 a0 = round_as(_mm512_mul_ps(lo, load16(cos + c, 0xFFFF)), x);
-    const __m512 b0 = round_as(_mm512_mul_ps(hi, load16(sin + c, 0xFFFF)), x);
-    const __m512 a1 = round_as(_mm512_mul_ps(hi, load16(cos + half + c, 0xFFFF)), x);
-    const __m512 b1 = round_as(_mm512_mul_ps(lo, load16(sin + half + c, 0xFFFF)), x);
-    _mm512_storeu_ps(out + c, round_as(_mm512_add_ps(a0, b0), x));
-    _mm512_storeu_ps(out + half + c, round_as(_mm512_add_ps(a1, b1), x));
+    const vf lo = load16(x + c, kAll), hi = load16(x + half + c, kAll);
+    const vf a0 = round_as(vmul(lo, load16(cos + c, kAll)), x);
+    const vf b0 = round_as(vmul(hi, load16(sin + c, kAll)), x);
+    const vf a1 = round_as(vmul(hi, load16(cos + half + c, kAll)), x);
+    const vf b1 = round_as(vmul(lo, load16(sin + half + c, kAll)), x);
+    vstoreu(out + c, round_as(vadd(a0, b0), x));
+    vstoreu(out + half + c, round_as(vadd(a1, b1), x));
   }
 }
 
@@ -65,8 +65,8 @@ void rope_store_rows(const X* qkv, const X* cos, const X* sin, const std::vector
         KV* ko = static_cast<KV*>(s.k) + (h * s.cap + slot) * D;
         KV* vo = static_cast<KV*>(s.v) + (h * s.cap + slot) * D;
         for (int64_t d = 0; d < D; d += 16) {
-          store16(ko + d, _mm512_load_ps(key + d), 0xFFFF);
-          store16(vo + d, load16(v + d, 0xFFFF), 0xFFFF);
+          store16(ko + d, vloadu(key + d), kAll);
+          store16(vo + d, load16(v + d, kAll), kAll);
         }
       }
     }
@@ -91,21 +91,21 @@ constexpr int QB = 16;         // query rows a task
 // vectors a row.
 template <int DV, int MR, typename KV>
 void pv_block(const float* p, int i0, const KV* v, int64_t n, float* out, int64_t si) {
-  __m512 acc[MR][DV];
+  vf acc[MR][DV];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < DV; ++c) acc[r][c] = vzero();
   for (int64_t j = 0; j < n; ++j) {
     for (int c = 0; c < DV; ++c)         // the values 16 keys ahead (see KV_PREFETCH)
       _mm_prefetch((const char*)(v + (j + 16) * DV * 16 + c * 16), _MM_HINT_T0);
-    __m512 vj[DV];
-    for (int c = 0; c < DV; ++c) vj[c] = load16(v + j * DV * 16 + c * 16, 0xFFFF);
+    vf vj[DV];
+    for (int c = 0; c < DV; ++c) vj[c] = load16(v + j * DV * 16 + c * 16, kAll);
     for (int r = 0; r < MR; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[(i0 + r) * si + j]);
-      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(pr, vj[c], acc[r][c]);
+      const vf pr = vset1(p[(i0 + r) * si + j]);
+      for (int c = 0; c < DV; ++c) acc[r][c] = vfmadd(pr, vj[c], acc[r][c]);
     }
   }
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out + (r * DV + c) * 16, acc[r][c]);
+    for (int c = 0; c < DV; ++c) vstoreu(out + (r * DV + c) * 16, acc[r][c]);
 }
 
 template <typename KV>
@@ -115,25 +115,13 @@ constexpr std::array<PvFn<KV>, sizeof...(I)> pv_table(std::index_sequence<I...>)
   return {&pv_block<DV, (int)I + 1, KV>...};
 }
 
-// The 16 keys' dot products from their partial-sum vectors: lane m of the result = sum of v[m].
-inline __m512 reduce16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int j = 0; j < 8; ++j)    // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  for (int j = 0; j < 4; ++j)    // per 128-bit lane: one partial sum of each of 4 keys
-    u[j] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0x44), _mm512_shuffle_ps(t[2 * j], t[2 * j + 1], 0xEE));
-  for (int j = 0; j < 2; ++j)    // then across the 128-bit lanes
-    w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88), _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
 // s[i][j] = scale * (q_i . k[j]) for n query rows (pointers qs) and `end` keys (k rows D apart),
 // s rows si apart. K stays in L1 across the rows of a block of 16 keys.
 template <int DV, typename KV>
 void scores_rows(const KV* k, int64_t end, const float* const* qs, int n, float scale, float* s, int64_t si) {
   constexpr int64_t D = DV * 16;
   alignas(64) float tail[16 * D];
-  const __m512 sc = _mm512_set1_ps(scale);
+  const vf sc = vset1(scale);
   for (int64_t j0 = 0; j0 < end; j0 += 16) {
     const int mk = (int)std::min<int64_t>(16, end - j0);
     const KV* kj = k + j0 * D;
@@ -145,42 +133,41 @@ void scores_rows(const KV* k, int64_t end, const float* const* qs, int n, float 
     } else {                             // bf16 keys as float32 once for all rows; the last keys
       for (int m = 0; m < 16; ++m)       // zero-padded (never read past the cache)
         for (int64_t d = 0; d < D; d += 16)
-          _mm512_store_ps(tail + m * D + d, m < mk ? load16(kj + m * D + d, 0xFFFF) : _mm512_setzero_ps());
+          vstoreu(tail + m * D + d, m < mk ? load16(kj + m * D + d, kAll) : vzero());
       kb = tail;
     }
     for (int i = 0; i < n; ++i) {
-      __m512 qv[DV], acc[16];
-      for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(qs[i] + 16 * c);
+      vf qv[DV], acc[16];
+      for (int c = 0; c < DV; ++c) qv[c] = vloadu(qs[i] + 16 * c);
       for (int m = 0; m < 16; ++m) {
-        acc[m] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kb + m * D));
-        for (int c = 1; c < DV; ++c) acc[m] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kb + m * D + 16 * c), acc[m]);
+        acc[m] = vmul(qv[0], vloadu(kb + m * D));
+        for (int c = 1; c < DV; ++c) acc[m] = vfmadd(qv[c], vloadu(kb + m * D + 16 * c), acc[m]);
       }
-      _mm512_mask_storeu_ps(s + i * si + j0, tail_mask(mk), _mm512_mul_ps(reduce16(acc), sc));
+      store16(s + i * si + j0, vmul(reduce16(acc), sc), tail_mask(mk));
     }
   }
 }
 
 // In place over a row of scores: e^(s - max) (exactly 0 where s is -inf); returns the sum.
 inline float softmax_row(float* s, int64_t end) {
-  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 mx = ninf;
-  for (int64_t j = 0; j < end; j += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(ninf, tail_mask((int)std::min<int64_t>(16, end - j)), s + j));
-  const float top = _mm512_reduce_max_ps(mx);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vf mx = vset1(ninf);
+  for (int64_t j = 0; j < end; j += 16) mx = vmax(mx, load16_or(s + j, tail_mask((int)std::min<int64_t>(16, end - j)), ninf));
+  const float top = reduce_max(mx);
   if (top == -std::numeric_limits<float>::infinity()) {
     std::fill(s, s + end, 0.0f);
     return 0.0f;
   }
-  const __m512 m = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
+  const vf m = vset1(top);
+  vf sum = vzero();
   for (int64_t j = 0; j < end; j += 16) {
-    const __mmask16 t = tail_mask((int)std::min<int64_t>(16, end - j));
-    const __m512 x = _mm512_mask_loadu_ps(ninf, t, s + j);
-    const __mmask16 seen = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
-    const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
-    sum = _mm512_add_ps(sum, e);
-    _mm512_mask_storeu_ps(s + j, t, e);
+    const vmask t = tail_mask((int)std::min<int64_t>(16, end - j));
+    const vf x = load16_or(s + j, t, ninf);
+    const vf e = zero_where_neg_inf(x, exp16(vsub(x, m)));
+    sum = vadd(sum, e);
+    store16(s + j, e, t);
   }
-  return _mm512_reduce_add_ps(sum);
+  return reduce_add(sum);
 }
 
 // One task: kv head h of segment s, folded query rows [i0, i0 + n). q: [T, nq, D] float32;
@@ -189,7 +176,9 @@ template <int DV, typename KV, typename O>
 void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int64_t nq, int64_t g,
                  float scale, O* out, std::vector<float>& buf) {
   constexpr int64_t D = DV * 16;
-  constexpr int MR = 24 / DV;                    // up to 24 accumulators: MR rows x DV vectors (D 256: 1 x 16)
+  // up to 24 accumulators with AVX-512's 32 registers (MR rows x DV vectors; D 256: 1 x 16), up
+  // to 6 vectors (12 registers) with AVX2's 16
+  constexpr int MR = kWide ? 24 / DV : (6 / DV > 0 ? 6 / DV : 1);
   static constexpr auto pv = pv_table<DV, KV>(std::make_index_sequence<MR>{});
   int64_t end = s.length + s.rows;               // keys these rows may see
   if (s.causal) {
@@ -225,9 +214,9 @@ void attend_task(const Seg& s, int64_t h, int64_t i0, int n, const float* q, int
   }
   for (int i = 0; i < n; ++i) {
     const int64_t fi = i0 + i, head = h * g + fi / s.rows, row = s.start + fi % s.rows;
-    const __m512 inv = _mm512_set1_ps(sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f);
+    const vf inv = vset1(sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f);
     for (int64_t d = 0; d < D; d += 16)
-      store16(out + (row * nq + head) * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + i * D + d), inv), 0xFFFF);
+      store16(out + (row * nq + head) * D + d, vmul(vloadu(acc + i * D + d), inv), kAll);
   }
 }
 

@@ -72,22 +72,17 @@ void argmax_rows_impl(const T* x, int64_t R, int64_t V, int64_t* out) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = x + r * V;
       // per lane: the best value and the first index holding it
-      __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      __m512i at = _mm512_set1_epi32(0);
-      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      const __m512i step = _mm512_set1_epi32(16);
+      vf best = vset1(-std::numeric_limits<float>::infinity());
+      vi at = vi_zero(), idx = vi_iota();
       for (int64_t i = 0; i < V; i += 16) {
-        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, V - i));
-        const __m512 v = load16(row + i, m);
-        const __mmask16 more = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);   // strictly: first wins
-        best = _mm512_mask_mov_ps(best, more, v);
-        at = _mm512_mask_mov_epi32(at, more, idx);
-        idx = _mm512_add_epi32(idx, step);
+        const vmask m = tail_mask((int)std::min<int64_t>(16, V - i));
+        keep_greater(best, at, load16(row + i, m), idx, m);
+        idx = vi_add16(idx);
       }
       alignas(64) float bv[16];
       alignas(64) int32_t bi[16];
-      _mm512_store_ps(bv, best);
-      _mm512_store_epi32(bi, at);
+      vstoreu(bv, best);
+      vi_storeu(bi, at);
       float top = bv[0];
       int64_t arg = bi[0];
       for (int l = 1; l < 16; ++l)

@@ -5,8 +5,8 @@
 // from memory and the others find it in L1 (run_panels).
 // See workers/model/small_gemm.py for the layouts and why.
 //
-// Compiled with AVX-512F/BW/VL (+BF16 for the bf16 kernel); workers/model/small_gemm.py loads it only
-// on CPUs that have them.
+// Written against csrc/simd.h's vector layer and compiled once per kernel path (AVX-512 with BF16
+// and AMX, AVX2 + FMA: workers/model/small_gemm.py), each loaded only on CPUs that have its flags.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,75 +46,97 @@ struct Prefetch {
   int64_t first = 0;
 };
 
+// 16-lane vectors of a panel row a block's accumulators cover at once: with AVX-512's 32
+// registers the whole 64-wide row (6 rows x 4 = 24 accumulators, one pass over k); with AVX2's
+// 16 (a vector is two of them) 1 row x 4, 2-3 rows x 2 or 4-6 rows x 1 (8-12 registers), the
+// panel's columns in 1, 2 or 4 passes over k. Each output is still summed over k in k order.
+template <int MR>
+constexpr int nv_for() { return kWide ? 4 : MR == 1 ? 4 : MR <= 3 ? 2 : 1; }
+
 // float32: panel layout [K][64]
 template <int MR>
 void block_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
                int cols, const float* bias, const Prefetch& pf, bool accumulate) {
-  __m512 acc[MR][4];
-  for (int j = 0; j < 4; ++j) {
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
-                           : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r)
-      acc[r][j] = accumulate ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), y + r * ldy + 16 * j) : b0;
-  }
+  constexpr int NV = nv_for<MR>();
   int64_t line = pf.first;
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * NR;
-    // The panel row PF_ROWS ahead into L1: with 2+ rows the hardware prefetcher alone leaves the
-    // multiply-adds waiting on memory (SmolLM2's 120 layer linears, side by side: 4 rows 26.6 ->
-    // 22.0 ms); 1 row streams as fast without (19.4 against 20.5 ms with).
-    if (pf.near)
-      for (int l = 0; l < 4; ++l) _mm_prefetch((const char*)(wk + PF_ROWS * NR + 16 * l), _MM_HINT_T0);
-    if (pf.next && line < pf.lines) _mm_prefetch((const char*)(pf.next + 16 * line++), _MM_HINT_T1);
-    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
-                 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
-    for (int r = 0; r < MR; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(xr, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(xr, w3, acc[r][3]);
+  for (int j0 = 0; j0 < 4 && 16 * j0 < cols; j0 += NV) {
+    vf acc[MR][NV];
+    for (int j = 0; j < NV; ++j) {
+      const int c = 16 * (j0 + j);
+      const vf b0 = bias ? load16(bias + c, tail_mask(cols - c)) : vzero();
+      for (int r = 0; r < MR; ++r) acc[r][j] = accumulate ? load16(y + r * ldy + c, tail_mask(cols - c)) : b0;
     }
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wk = w + k * NR + 16 * j0;
+      // The panel row PF_ROWS ahead into L1: with 2+ rows the hardware prefetcher alone leaves the
+      // multiply-adds waiting on memory; 1 row streams as fast without.
+      if (pf.near)
+        for (int l = 0; l < NV; ++l) _mm_prefetch((const char*)(wk + PF_ROWS * NR + 16 * l), _MM_HINT_T0);
+      if (pf.next && line < pf.lines) _mm_prefetch((const char*)(pf.next + 16 * line++), _MM_HINT_T1);
+      vf wv[NV];
+      for (int j = 0; j < NV; ++j) wv[j] = vloadu(wk + 16 * j);
+      for (int r = 0; r < MR; ++r) {
+        const vf xr = vset1(x[r * ldx + k]);
+        for (int j = 0; j < NV; ++j) acc[r][j] = vfmadd(xr, wv[j], acc[r][j]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) {
+        const int c = 16 * (j0 + j);
+        store16(y + r * ldy + c, acc[r][j], tail_mask(cols - c));
+      }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j)
-      store16(y + r * ldy + 16 * j, acc[r][j], tail_mask(cols - 16 * j));
 }
 
 // bfloat16: panel layout [K/2][64][2] (pairs of k side by side, what vdpbf16ps multiplies),
-// accumulated in float32 and rounded to bf16 once at the end, as F.linear does.
+// accumulated in float32 and rounded to bf16 once at the end, as F.linear does. Without AVX-512
+// BF16 each pair is widened to float32 (exact) and multiplied-added one k at a time.
 template <int MR>
 void block_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y,
                 int64_t ldy, int cols, const float* bias, const Prefetch& /*not measured here*/,
                 bool /*accumulate: bf16 rounds its output, so it never runs in k chunks*/) {
-  __m512 acc[MR][4];
-  for (int j = 0; j < 4; ++j) {
-    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(tail_mask(cols - 16 * j), bias + 16 * j)
-                           : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) acc[r][j] = b0;
-  }
+  constexpr int NV = nv_for<MR>();
   const int64_t K2 = (K + 1) / 2;
-  for (int64_t k2 = 0; k2 < K2; ++k2) {
-    const uint16_t* wk = w + k2 * 2 * NR;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
-                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      if (2 * k2 + 1 < K) {
-        std::memcpy(&pair, x + r * ldx + 2 * k2, sizeof(pair));
-      } else {   // an odd K's last k has no partner: pair it with zero
-        pair = (int32_t)x[r * ldx + 2 * k2];
-      }
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xr, w2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xr, w3);
+  for (int j0 = 0; j0 < 4 && 16 * j0 < cols; j0 += NV) {
+    vf acc[MR][NV];
+    for (int j = 0; j < NV; ++j) {
+      const int c = 16 * (j0 + j);
+      const vf b0 = bias ? load16(bias + c, tail_mask(cols - c)) : vzero();
+      for (int r = 0; r < MR; ++r) acc[r][j] = b0;
     }
+    for (int64_t k2 = 0; k2 < K2; ++k2) {
+      const uint16_t* wk = w + k2 * 2 * NR + 32 * j0;
+#if defined(__AVX512BF16__)
+      __m512bh wv[NV];
+      for (int j = 0; j < NV; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wk + 32 * j);
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        if (2 * k2 + 1 < K) {
+          std::memcpy(&pair, x + r * ldx + 2 * k2, sizeof(pair));
+        } else {   // an odd K's last k has no partner: pair it with zero
+          pair = (int32_t)x[r * ldx + 2 * k2];
+        }
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+        for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xr, wv[j]);
+      }
+#else
+      for (int j = 0; j < NV; ++j) {
+        vf even, odd;
+        bf16_pairs(wk + 32 * j, even, odd);
+        for (int r = 0; r < MR; ++r) {
+          const uint16_t* xr = x + r * ldx + 2 * k2;
+          acc[r][j] = vfmadd(vset1(bf16_to_float(xr[0])), even, acc[r][j]);
+          if (2 * k2 + 1 < K) acc[r][j] = vfmadd(vset1(bf16_to_float(xr[1])), odd, acc[r][j]);
+        }
+      }
+#endif
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NV; ++j) {
+        const int c = 16 * (j0 + j);
+        store16(y + r * ldy + c, acc[r][j], tail_mask(cols - c));
+      }
   }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < 4; ++j)
-      store16(y + r * ldy + 16 * j, acc[r][j], tail_mask(cols - 16 * j));
 }
 
 template <typename T>
@@ -166,6 +188,7 @@ void run_panels(const T* x, int64_t M, int64_t K, const T* packed, int64_t panel
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---- bf16 with AMX: tiles of 16 rows x 32 k multiplied by 16 k-pairs x 16 outputs per
 // instruction, so a panel's 4 KB of weights per 32 k cost ~64 cycles of arithmetic: the weights
 // stream at the memory's speed for any row count up to 16 (the dot-product kernel above becomes
@@ -210,9 +233,9 @@ void amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
         _tile_stored(2, c + 32, 256); _tile_stored(3, c + 48, 256);
         for (int r = 0; r < mr; ++r)
           for (int j = 0; j < 4; ++j) {
-            const __mmask16 m = tail_mask(cols - 16 * j);
-            __m512 v = _mm512_load_ps(c + r * 64 + 16 * j);
-            if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + p * 64 + 16 * j));
+            const vmask m = tail_mask(cols - 16 * j);
+            vf v = vloadu(c + r * 64 + 16 * j);
+            if (bias) v = vadd(v, load16(bias + p * 64 + 16 * j, m));
             store16(y + (m0 + r) * N + p * 64 + 16 * j, v, m);
           }
       }
@@ -220,6 +243,7 @@ void amx_panels(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed,
     if (configured) _tile_release();
   });
 }
+#endif
 
 }  // namespace
 
@@ -246,12 +270,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
   } else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be float32 or bfloat16");
     if (packed.dim() == 6) {   // the AMX layout (`pack` in workers/model/small_gemm.py, where AMX runs)
+#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__))
+      TORCH_CHECK(false, "packed AMX layout, on a kernel path built without AMX");
+#else
       TORCH_CHECK(K % 32 == 0 && packed.size(1) == K / 32 && packed.size(2) == 4 && packed.size(3) == 16 &&
                   packed.size(4) == 16 && packed.size(5) == 2, "packed AMX layout");
       amx_panels(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K,
                  reinterpret_cast<const uint16_t*>(packed.data_ptr()), N, b,
                  reinterpret_cast<uint16_t*>(y.data_ptr()));
       return y;
+#endif
     }
     const int64_t K2 = (K + 1) / 2;
     TORCH_CHECK(packed.dim() == 4 && packed.size(1) == K2 && packed.size(2) == NR && packed.size(3) == 2,
@@ -277,21 +305,21 @@ void rms_rows(T* x, const T* delta, const T* w, T* y, int64_t M, int64_t H, floa
   at::parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * H;
-      __m512 ss = _mm512_setzero_ps();
+      vf ss = vzero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
-        __m512 v = load16(xr + i, m);
+        const vmask m = tail_mask((int)std::min<int64_t>(16, H - i));
+        vf v = load16(xr + i, m);
         if (delta) {
-          store16(xr + i, _mm512_add_ps(v, load16(delta + r * H + i, m)), m);
+          store16(xr + i, vadd(v, load16(delta + r * H + i, m)), m);
           v = load16(xr + i, m);                                   // the rounded sum, as stored
         }
-        ss = _mm512_fmadd_ps(v, v, ss);
+        ss = vfmadd(v, v, ss);
       }
-      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + eps);
-      const __m512 s = _mm512_set1_ps(inv);
+      const float inv = 1.0f / std::sqrt(reduce_add(ss) / (float)H + eps);
+      const vf s = vset1(inv);
       for (int64_t i = 0; i < H; i += 16) {
-        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, H - i));
-        store16(y + r * H + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i, m), s), load16(w + i, m)), m);
+        const vmask m = tail_mask((int)std::min<int64_t>(16, H - i));
+        store16(y + r * H + i, vmul(vmul(load16(xr + i, m), s), load16(w + i, m)), m);
       }
     }
   });
@@ -324,8 +352,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor w, do
 // Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once a process;
 // false where the kernel refuses (then the bf16 dot-product kernel serves).
 bool amx_permit() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
+#else
+  return false;   // a path built without AMX never runs its tiles
+#endif
 }
 
 // ---- SwiGLU's silu(gate) * up for few rows, in one pass (torch: chunk, silu, mul, each ~10-40 us
@@ -343,10 +375,10 @@ void silu_mul_rows(const T* gu, T* out, int64_t M, int64_t I) {
       const T* g = gu + r * 2 * I;
       const T* u = g + I;
       for (int64_t i = lo; i < hi; i += 16) {
-        const __mmask16 m = tail_mask((int)std::min<int64_t>(16, hi - i));
-        const __m512 gv = load16(g + i, m);
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store16(out + r * I + i, _mm512_mul_ps(silu, load16(u + i, m)), m);
+        const vmask m = tail_mask((int)std::min<int64_t>(16, hi - i));
+        const vf gv = load16(g + i, m);
+        const vf silu = vdiv(gv, vadd(vset1(1.0f), exp16(vsub(vzero(), gv))));
+        store16(out + r * I + i, vmul(silu, load16(u + i, m)), m);
       }
     }
   });
