@@ -181,7 +181,7 @@ def test_cached_rows_equal_computed_rows(tiny_model):
     for v in (plain, cached):
         v.prefill("x", p2, SamplingParams(), 4)
     assert cached.prefix_cache.hit_tokens == 64
-    a, b = plain._slots["x"].cache, cached._slots["x"].cache
+    a, b = plain.book.slot("x").cache, cached.book.slot("x").cache
     assert a.length == b.length == len(p2) - 1
     torch.testing.assert_close(a.k[:, :, :a.length], b.k[:, :, :b.length], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(a.v[:, :, :a.length], b.v[:, :, :b.length], atol=1e-5, rtol=1e-5)
