@@ -194,6 +194,11 @@ def test_an_idle_connection_outlives_the_clients_keep_alive():
     # httpx (under the OpenAI SDK and our load generator) drops a pooled connection idle for
     # keepalive_expiry; a server closing idle ones as early would race the client's next request
     async def ok(scope, receive, send):
+        if scope["type"] == "lifespan":  # the server runs with lifespan "on", as the gateway does
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
