@@ -9,6 +9,7 @@ process made it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,11 +121,24 @@ def sse_data(line: str) -> Any | None:
 
 def grpc_outcome(o: Outcome, status_name: str, metadata: dict[str, str], details: str | None) -> None:
     """Fill `o` from a finished gRPC call: its REST status, the `error-code` metadata, and the
-    details where no code was named (a refusal by gRPC itself, before the servicer)."""
+    details where no code was named; gRPC's own refusal of an over-cap message names its cap."""
     o.status = GRPC_STATUS.get(status_name, 500)
     if status_name == "OK":
         return
-    o.code = metadata.get("error-code") or None
+    o.code = metadata.get("error-code") or _grpc_own_cap(status_name, details)
     o.server_error = o.status >= 500
     if o.code is None:
         o.detail = f"grpc {status_name}: {(details or '')[:160]}"
+
+
+# gRPC refuses a message over the server's receive cap itself, before any servicer could add
+# metadata; its details state the cap ("Received message larger than max (N vs. CAP)"), so the
+# refusal names its limit as an `error-code` would (docs/api.md, "gRPC").
+_GRPC_SIZE_REFUSAL = re.compile(r"received message larger than max \(\d+ vs\. \d+\)", re.IGNORECASE)
+
+
+def _grpc_own_cap(status_name: str, details: str | None) -> str | None:
+    """"max_receive_message_length" for gRPC's own refusal of an over-cap message, else None."""
+    if status_name == "RESOURCE_EXHAUSTED" and _GRPC_SIZE_REFUSAL.search(details or ""):
+        return "max_receive_message_length"
+    return None

@@ -98,7 +98,8 @@ def attacker_summary(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """The attacker's requests by kind and status, the codes it was refused with, and the
     refusals that named no code (with what they said instead)."""
     refused = [o for o in outcomes if o.status >= 400]
-    unnamed = [o for o in refused if o.code is None]
+    # a refusal whose body the attacker stopped reading when its window ended said nothing yet
+    unnamed = [o for o in refused if o.code is None and not o.cut]
     return {"requests": len(outcomes), "kinds": counts(o.kind for o in outcomes),
             "statuses": counts("cut" if o.cut and o.status == 0 else o.status for o in outcomes),
             "codes": counts(o.code for o in outcomes if o.code is not None),

@@ -11,7 +11,7 @@ import pytest
 from loadtest.hostile import bodies
 from loadtest.hostile.records import (MemorySample, Outcome, Probe, VictimSample, error_code,
                                       event_error, grpc_outcome, sse_data)
-from loadtest.hostile.report import (TARGETS, Phase, Targets, build_report, counts, ratio, spread,
+from loadtest.hostile.report import (TARGETS, attacker_summary, Phase, Targets, build_report, counts, ratio, spread,
                                      summary)
 from loadtest.hostile.target import (Quotas, lag_between, live_requests, loop_lag, metric_samples,
                                      tenants_file)
@@ -144,8 +144,14 @@ def test_error_codes_from_bodies_events_and_grpc():
     grpc_outcome(o, "RESOURCE_EXHAUSTED", {"error-code": "rpm_exceeded"}, "slow down")
     assert (o.status, o.code, o.detail, o.server_error) == (429, "rpm_exceeded", None, False)
     o = Outcome("grpc", 0.0)
-    grpc_outcome(o, "RESOURCE_EXHAUSTED", {}, "Received message larger than max")
+    grpc_outcome(o, "RESOURCE_EXHAUSTED", {}, "Received message larger than max (4718613 vs. 2097152)")
+    assert (o.status, o.code, o.detail) == (429, "max_receive_message_length", None)
+    o = Outcome("grpc", 0.0)
+    grpc_outcome(o, "RESOURCE_EXHAUSTED", {}, "Received message larger than max")  # no cap stated
     assert o.code is None and o.detail.startswith("grpc RESOURCE_EXHAUSTED: Received")
+    o = Outcome("grpc", 0.0)
+    grpc_outcome(o, "UNAVAILABLE", {}, "Received message larger than max (5 vs. 4)")
+    assert o.code is None
     o = Outcome("grpc", 0.0)
     grpc_outcome(o, "INTERNAL", {}, "")
     assert o.status == 500 and o.server_error
@@ -306,3 +312,13 @@ def test_redis_mode_samples_used_memory_and_leaves_no_keys(tmp_path, redis_url):
     assert prefix.startswith("specgate-hostile-")
     with redis.Redis.from_url(redis_url) as client:
         assert not list(client.scan_iter(match=prefix + "*", count=1000))
+
+
+def test_a_refusal_cut_before_its_body_was_read_is_not_counted_unnamed():
+    # the window's end cancels a follower while it reads a 429's body: its code was never seen
+    cut = Outcome("follow", 0.0, status=429, cut=True)
+    bare = Outcome("follow", 0.0, status=429)
+    named = Outcome("follow", 0.0, status=429, code="concurrency_exceeded")
+    summary = attacker_summary([cut, bare, named])
+    assert summary["unnamed_refusals"] == 1 and summary["unnamed_details"] == {"HTTP 429": 1}
+    assert summary["codes"] == {"concurrency_exceeded": 1} and summary["cut"] == 1
