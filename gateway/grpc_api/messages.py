@@ -14,7 +14,7 @@ import pydantic
 from gateway import errors, schemas
 from gateway.errors import ApiError
 from gateway.grpc_api.proto import specgate_pb2 as pb
-from gateway.http.deps import field_names
+from gateway.http.parse import field_names
 from gateway.keepalive import with_keepalive
 from gateway.service import EventStream, GenerateInput, GenerateOutput
 from gateway.tenancy.records import Tenant

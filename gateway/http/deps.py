@@ -15,18 +15,18 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Protocol,
                     Sequence, TypeVar)
 
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.http.choices import merged
+from gateway.http.parse import model_parser, parse_json, parsed
 from gateway.keepalive import with_keepalive
 from gateway.service import EventStream, GenerateOutput, GenerationService, StreamChunk
 from gateway.settings import Settings
@@ -165,89 +165,21 @@ MetricsReaderDep = Annotated[None, Depends(require_metrics_reader)]
 
 
 # ---- bodies -----------------------------------------------------------------------------------------
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def parse_json(body: bytes) -> Any:
-    """Request bytes → a JSON value, or ApiError 400 saying what is wrong with them."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise errors.invalid("the request body is not valid UTF-8", code="invalid_body") from None
-    if not text.strip():
-        raise errors.invalid("the request body is empty; send a JSON object", code="invalid_body")
-    try:
-        obj = json.loads(text, parse_constant=_no_constants)
-        if _SURROGATE_ESCAPE.search(text):
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")    # only pairs make characters
-        return obj
-    except UnicodeEncodeError:
-        raise errors.invalid("the request body is not valid JSON text: a \\u escape is an "
-                             "unpaired surrogate (\\ud800-\\udfff)", code="invalid_json") from None
-    except json.JSONDecodeError as exc:
-        raise errors.invalid(f"the request body is not valid JSON: {exc.msg} at line "
-                             f"{exc.lineno} column {exc.colno}", code="invalid_json") from None
-    except RecursionError:
-        raise errors.invalid("the request body is nested too deeply", code="invalid_json") from None
-    except ValueError as exc:                   # NaN/Infinity, or an integer of > 4300 digits
-        raise errors.invalid(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
 async def json_value(request: Request) -> Any:
     """A dependency: the body as any JSON value (400 if it is not JSON), read only after the
-    dependencies before it (authentication) have passed."""
-    return parse_json(await request.body())
+    dependencies before it (an admin key) have passed; a large one parsed off the event loop
+    (gateway/http/parse.py)."""
+    return await parsed("admin", await request.body(), parse_json)
 
 
-def field_names(*models: type[BaseModel]) -> frozenset[str]:
-    """Every field name of these models and the models they contain (for error `param`s)."""
-    names: set[str] = set()
-    seen: set[type] = set()
-    todo = list(models)
-    while todo:
-        m = todo.pop()
-        if m in seen:
-            continue
-        seen.add(m)
-        for name, f in m.model_fields.items():
-            names.add(name)
-            for t in _types_in(f.annotation):
-                if isinstance(t, type) and issubclass(t, BaseModel):
-                    todo.append(t)
-    return frozenset(names)
+def json_body(model: type[M]) -> Callable[..., Awaitable[M]]:
+    """A dependency that reads the body, after the caller is authenticated and charged to its
+    requests per minute, and validates it as `model` (400 naming the field); a large body is
+    parsed off the event loop, one at a time per tenant (gateway/http/parse.py)."""
+    parse = model_parser(model)
 
-
-def _types_in(annotation: Any) -> list[Any]:
-    out, todo = [], [annotation]
-    while todo:
-        a = todo.pop()
-        out.append(a)
-        todo.extend(getattr(a, "__args__", ()) or ())
-        origin = getattr(a, "__origin__", None)
-        if origin is not None:
-            todo.append(origin)
-    return out
-
-
-def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
-    """A dependency that reads the body and validates it as `model` (400 naming the field)."""
-    fields = field_names(model)
-
-    async def read(request: Request) -> M:
-        obj = parse_json(await request.body())
-        if not isinstance(obj, dict):
-            raise errors.invalid(f"the request body must be a JSON object, not "
-                                 f"{type(obj).__name__}", code="invalid_body")
-        try:
-            return model.model_validate(obj)
-        except ValidationError as exc:
-            raise errors.from_validation_errors(exc.errors(include_url=False), fields) from None
-        except RecursionError:
-            raise errors.invalid("the request body is nested too deeply", code="invalid_body") from None
+    async def read(request: Request, tenant: ArrivedTenantDep) -> M:
+        return await parsed(tenant.id, await request.body(), parse)
 
     return read
 
