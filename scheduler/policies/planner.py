@@ -17,7 +17,9 @@
                            chunk does not complete its context gets none (it has no root yet).
                         With `max_resident` set (the step loop's KV limit), a request that has
                         not started is started only while fewer than max_resident started
-                        requests are live, so the loop never has to evict and re-prefill.
+                        requests are live, so the loop never has to evict and re-prefill;
+                        except that a tenant under its weighted share of those slots starts
+                        in place of a request of the tenant furthest over its own (shares.py).
                         With a KV budget, a start is planned only where its KV fits, and
                         residents' growth is made room for (`KVBudget`, scheduler/kv_budget.py);
                         the budget is one (`kv_budget_tokens`) or one per home
@@ -39,7 +41,7 @@ and served requests are re-ranked by the first plan that must choose.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Collection, Iterable, Mapping
 
 from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
 from scheduler.kv_budget import KVBudget
@@ -48,6 +50,7 @@ from scheduler.policies.fairness import TenantFairness
 from scheduler.policies.ordering import Ordering
 from scheduler.policies.plan import Plan, PolicyConfig
 from scheduler.policies.queues import RequestQueues
+from scheduler.policies.shares import ResidentShares
 from scheduler.policies.step_budget import StepBudget
 from scheduler.request import RequestStats, Status, StepRecord
 from scheduler.state import SchedulerState
@@ -56,21 +59,33 @@ from scheduler.tiers import BANDS, TIERS
 
 class _Starts:
     """One plan's room for requests that have not started: at most `left` more of them
-    (max_resident; None: no cap), and their KV within the budget."""
+    (max_resident; None: no cap), their KV within the budget, and, with no room left, a start in
+    place of another tenant's request where the tenants' shares of the slots allow (shares.py)."""
 
     def __init__(self, requests: Mapping[str, RequestStats], started: set[str], kv: KVBudget,
-                 left: int | None) -> None:
+                 left: int | None, shares: ResidentShares | None = None,
+                 chosen: Collection[str] = ()) -> None:
         self.requests, self.started, self.kv, self.left = requests, started, kv, left
+        self.shares, self.chosen = shares, chosen
+        self.displaced: list[str] = []
 
     def admit(self, rid: str, *, force: bool = False) -> bool:
         """Whether `rid` can start (or run) this step, taking its room if so; `force`: an aged
         request, placed whether or not its KV fits (`KVBudget.fit` makes room)."""
-        starts = self.left is not None and rid not in self.started
+        starts = self.left is not None and (rid not in self.started or rid in self.displaced)
+        out = None
         if starts and self.left <= 0:
-            return False
+            if self.shares is None:
+                return False
+            out = self.shares.displaceable(self.requests[rid], self.chosen)
+            if out is None:
+                return False
         if not self.kv.allocate(self.requests[rid], force=force):
             return False
-        if starts:
+        if out is not None:
+            self.shares.displace(out, self.requests[rid])
+            self.displaced.append(out)
+        elif starts:
             self.left -= 1
         return True
 
@@ -161,13 +176,16 @@ class BatchPlanner:
     def plan(self, state: SchedulerState, now: float) -> Plan:
         c, requests = self.config, state.requests
         kv = self._kv(state)
-        chosen, aged = self._choose_batch(state, now, kv)
-        evict: list[str] = []
+        chosen, aged, evict = self._choose_batch(state, now, kv)    # evict: started in place of
+        self._started.difference_update(evict)
+        for rid in evict:
+            self._warming.pop(rid, None)
         if kv.limited:
-            chosen, evict = kv.fit(chosen, self.queues.rank)
-            self._started.difference_update(evict)
-            for rid in evict:
+            chosen, freed = kv.fit(chosen, self.queues.rank)
+            self._started.difference_update(freed)
+            for rid in freed:
                 self._warming.pop(rid, None)
+            evict = evict + freed
         if c.prefill_chunk_tokens:
             plan, stale = self.budget.chunked(requests, chosen, aged, self._warming)
             for rid in stale:
@@ -227,23 +245,25 @@ class BatchPlanner:
         c = self.config
         return KVBudget(state, c.kv_budget_tokens, block=c.kv_block, tree=c.kv_tree_tokens)
 
-    def _choose_batch(self, state: SchedulerState, now: float, kv: KVBudget) -> tuple[list[str], int]:
+    def _choose_batch(self, state: SchedulerState, now: float,
+                      kv: KVBudget) -> tuple[list[str], int, list[str]]:
         """The step's requests, best first (or all, when all fit: in admission order within
-        each planning class), and how many of them aging promoted."""
+        each planning class), how many of them aging promoted, and the started requests they
+        start in place of (shares.py)."""
         requests, limit = state.requests, self._limit
         if len(requests) <= limit:              # everyone fits: only KV room can still choose
             ids = sorted(requests, key=lambda r: requests[r].plan_class)    # stable
-            return [r for r in ids if kv.allocate(requests[r])], 0
+            return [r for r in ids if kv.allocate(requests[r])], 0, []
         self.queues.rekey(state)
         promoted = self._promotions(state, now, limit, kv)
-        chosen = self._choose(state, promoted, limit, kv)
+        chosen, displaced = self._choose(state, promoted, limit, kv)
         longer = self.budget.prefill_step_s(state, chosen) if self.aging.bounded else None
         if longer is not None:                  # a prefill makes this step the longest yet
             again = self._promotions(state, now, limit, kv, longer)
             if again != promoted:
-                promoted, chosen = again, self._choose(state, again, limit, kv)
+                promoted, (chosen, displaced) = again, self._choose(state, again, limit, kv)
         picked = set(chosen)
-        return chosen, sum(1 for band in promoted for r in band if r in picked)
+        return chosen, sum(1 for band in promoted for r in band if r in picked), displaced
 
     def _promotions(self, state: SchedulerState, now: float, limit: int, kv: KVBudget,
                     longest_step_s: float = 0.0) -> list[list[str]]:
@@ -269,7 +289,7 @@ class BatchPlanner:
         return out
 
     def _choose(self, state: SchedulerState, promoted: list[list[str]], limit: int,
-                kv: KVBudget) -> list[str]:
+                kv: KVBudget) -> tuple[list[str], list[str]]:
         """Band by band: its promoted requests, then its queues' best, up to `limit`, each with
         room to start (a band's promoted requests are placed after the bands above it chose)."""
         chosen: list[str] = []
@@ -277,14 +297,17 @@ class BatchPlanner:
         if kv.limited:                          # the room as the state holds it
             kv.reopen()
         cap, started = self.config.max_resident, self._started
-        starts = _Starts(state.requests, started, kv, None if cap is None else cap - len(started))
+        shares = None if cap is None else ResidentShares(
+            state.requests, started, cap, self.fairness.weight, self.queues.tenants)
+        starts = _Starts(state.requests, started, kv, None if cap is None else cap - len(started),
+                         shares, chosen)
         for tiers, aged in zip(BANDS, promoted):
             for rid in aged:
                 if len(chosen) < limit and starts.admit(rid, force=True):
                     chosen.append(rid)
                 taken.add(rid)
             self.queues.choose(state, chosen, taken, limit, starts.admit, tiers)
-        return chosen
+        return chosen, starts.displaced
 
     # ---- membership --------------------------------------------------------------------------
     def _index(self, state: SchedulerState, s: RequestStats) -> None:

@@ -49,6 +49,10 @@ class RequestQueues:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
 
+    def tenants(self) -> set[str]:
+        """The tenants with live requests, in any planning class."""
+        return {t for counts in self._counts.values() for t in counts}
+
     def rank(self, request_id: str) -> float:
         """The request's key when it was last ranked (0 for one not queued)."""
         return self._keys.get(request_id, 0.0)

@@ -82,9 +82,11 @@ def test_the_loop_evicts_and_re_prefills_when_the_planner_is_not_gated():
     # the planner starting more requests than hold KV: the loop's residency evicts, and each
     # evicted request is prefilled again when next planned (what the worker is asked for)
     out, _ = _run(3, max_resident=8, gated=False)
-    assert out.reprefills > 0
     gated, _ = _run(3, max_resident=8)
-    assert gated.reprefills == 0
+    # gated, the only re-prefills left are the tenants' fair-share displacements (at most one
+    # per start: scheduler/policies/shares.py), not a thrash
+    assert gated.reprefills <= len(gated.finished)
+    assert out.reprefills > 100 * max(gated.reprefills, 1)
 
 
 def test_the_null_store_is_a_state_store_that_keeps_nothing():

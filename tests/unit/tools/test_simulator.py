@@ -108,11 +108,13 @@ def test_without_a_kv_gate_aging_and_eviction_thrash():
     reqs = sim.build_workload(s, rate)
     gated = sim.make_policy("las", sim._config(s, cost))
     out = sim.simulate(gated, reqs, cost, s.workload, max_resident=8)
-    assert out.reprefills == 0
+    # what re-prefills remain are the tenants' fair-share displacements (shares.py), at most
+    # one per start
+    assert out.reprefills <= len(out.finished)
     assert max(r.max_wait_s for r in out.finished) <= s.aging_bound_s
     ungated = sim.make_policy("las", replace(sim._config(s, cost), max_resident=None))
-    out = sim.simulate(ungated, sim.build_workload(s, rate), cost, s.workload, max_resident=8)
-    assert out.reprefills > 0
+    thrash = sim.simulate(ungated, sim.build_workload(s, rate), cost, s.workload, max_resident=8)
+    assert thrash.reprefills > 100 * max(out.reprefills, 1)
 
 
 def test_bursty_arrivals_keep_the_rate():

@@ -1,0 +1,70 @@
+"""Fair shares of the resident slots: who may start in place of whom when `max_resident` are held.
+
+With `max_resident` started requests live, a request that has not started waits for one of them
+to end (planner.py). Left at that, a tenant whose long requests started first holds every slot,
+and every other tenant's new requests wait for them to finish (or for aging's bound): the steps
+are shared fairly among tenants, the right to be in a step is not. So the slots are shared as
+the steps are, by tenant weight: a tenant's share is max_resident × its weight ÷ the summed
+weights of the tenants with live requests. A request of a tenant holding fewer started requests
+than its share may start in place of a started request of the tenant furthest over its share
+(that tenant's least recently served request not in this step), which is evicted and prefilled
+again when it is next planned: the cost of holding more than a share falls on the tenant that
+holds it. Only a tenant under its share displaces, and only from one over its share, so a
+displaced tenant can never displace back: no churn.
+
+Pure bookkeeping over the plan's view of the state; one `ResidentShares` per plan, counting the
+started requests only when a start first meets a full house.
+"""
+from __future__ import annotations
+
+from typing import Callable, Collection, Mapping
+
+from scheduler.request import RequestStats
+
+
+class ResidentShares:
+    """One plan's per-tenant count of started requests and who may displace whom (module
+    docstring)."""
+
+    def __init__(self, requests: Mapping[str, RequestStats], started: set[str], cap: int,
+                 weight: Callable[[str], float], live_tenants: Callable[[], Collection[str]]) -> None:
+        self.requests, self.started, self.cap = requests, started, cap
+        self.weight, self.live_tenants = weight, live_tenants
+        self._held: dict[str, list[str]] | None = None    # tenant -> its started requests
+        self._total = 0.0                                  # live tenants' summed weights
+
+    def share(self, tenant: str) -> float:
+        """The started requests `tenant` is entitled to now."""
+        self._count()
+        return self.cap * self.weight(tenant) / self._total if self._total else float(self.cap)
+
+    def displaceable(self, s: RequestStats, taken: Collection[str]) -> str | None:
+        """A started request that `s` (not started) may take the place of, none of `taken` (this
+        step's batch): the least recently served of the tenant furthest over its share, when
+        `s`'s tenant is under its own. None: `s` waits for a slot."""
+        held = self._count()
+        if len(held.get(s.tenant, ())) + 1 > self.share(s.tenant):
+            return None
+        over = [(len(ids) / self.weight(t), t) for t, ids in held.items()
+                if t != s.tenant and len(ids) > self.share(t)]
+        for _, tenant in sorted(over, reverse=True):
+            free = [r for r in held[tenant] if r not in taken]
+            if free:
+                return min(free, key=lambda r: self.requests[r].last_served_s)
+        return None
+
+    def displace(self, out: str, s: RequestStats) -> None:
+        """`s` starts in `out`'s place (`displaceable`'s answer): the counts follow."""
+        held = self._count()
+        held[self.requests[out].tenant].remove(out)
+        held.setdefault(s.tenant, []).append(s.request_id)
+
+    def _count(self) -> dict[str, list[str]]:
+        if self._held is None:
+            self._held = {}
+            for rid in self.started:
+                s = self.requests.get(rid)
+                if s is not None:
+                    self._held.setdefault(s.tenant, []).append(rid)
+            self._total = sum(self.weight(t) for t in self.live_tenants())
+        return self._held

@@ -1,0 +1,82 @@
+"""Tenants share the resident slots by weight (scheduler/policies/shares.py): a tenant under its
+share starts in place of a request of the tenant furthest over its own, never the other way."""
+from __future__ import annotations
+
+import pytest
+
+from sched_helpers import build, stats, step
+from scheduler.policies import make_policy
+from scheduler.policies.shares import ResidentShares
+
+NO_AGING = dict(aging_bound_s=None)
+LONG = dict(predicted=2000, max_tokens=4096)
+BEST = dict(predicted=1, max_tokens=4096)       # b's requests have the best key in every policy
+
+
+def _hog(n: int, **kw):
+    """n started requests of tenant "a" (each served once, a at t = 0.1 · k)."""
+    return [stats(f"a{k}", tenant="a", arrival=k * 0.01, taus=(2,), **LONG, **kw) for k in range(n)]
+
+
+@pytest.mark.parametrize("name", ["fcfs", "sjf", "las", "laps"])
+def test_a_tenant_under_its_share_starts_in_place_of_the_one_holding_every_slot(name):
+    policy = make_policy(name, max_batch=2, max_resident=4, **NO_AGING)
+    state = build(policy, _hog(4))
+    for t in range(3):                                  # a's four hold every slot and run
+        step(policy, state, t * 0.1)
+    policy.add(state, stats("b0", tenant="b", arrival=-1, **BEST))
+    plan = policy.plan(state, 1.0)
+    assert "b0" in plan.request_ids
+    assert len(plan.evict) == 1 and plan.evict[0].startswith("a")
+    assert plan.evict[0] not in plan.request_ids        # never one of the step's own batch
+
+
+def test_the_displaced_request_is_the_least_recently_served_of_the_tenant_over_its_share():
+    policy = make_policy("fcfs", max_batch=2, max_resident=4, **NO_AGING)
+    state = build(policy, _hog(4))
+    for rid, served in zip(["a0", "a1", "a2", "a3"], [5.0, 1.0, 7.0, 6.0]):
+        state.requests[rid].last_served_s = served
+    policy.add(state, stats("b0", tenant="b", arrival=-1, **BEST))
+    plan = policy.plan(state, 10.0)
+    assert "b0" in plan.request_ids
+    out = plan.evict[0]
+    assert out == min((r for r in ("a0", "a1", "a2", "a3") if r not in plan.request_ids),
+                      key=lambda r: state.requests[r].last_served_s)
+
+
+def test_no_tenant_takes_more_than_its_share_and_the_displaced_cannot_displace_back():
+    policy = make_policy("fcfs", max_batch=2, max_resident=4, **NO_AGING)
+    state = build(policy, _hog(4))
+    for k in range(4):
+        policy.add(state, stats(f"b{k}", tenant="b", arrival=-1 + k * 0.01, **BEST))
+    evicted = []
+    for t in range(40):
+        plan = step(policy, state, 1.0 + t * 0.1)
+        evicted += plan.evict
+    started = policy._started
+    held = {t: sum(1 for r in started if state.requests[r].tenant == t) for t in "ab"}
+    assert held == {"a": 2, "b": 2}                     # the shares: 4 × ½ each
+    assert len(evicted) == 2 and all(r.startswith("a") for r in evicted)
+
+
+def test_weights_set_the_shares():
+    policy = make_policy("fcfs", max_batch=4, max_resident=4, tenant_weights={"b": 3.0}, **NO_AGING)
+    state = build(policy, _hog(4))
+    for k in range(4):
+        policy.add(state, stats(f"b{k}", tenant="b", arrival=-1 + k * 0.01, **BEST))
+    for t in range(40):
+        step(policy, state, 1.0 + t * 0.1)
+    held = {t: sum(1 for r in policy._started if state.requests[r].tenant == t) for t in "ab"}
+    assert held == {"a": 1, "b": 3}
+
+
+def test_share_is_the_weighted_part_of_the_cap_among_live_tenants():
+    requests = {s.request_id: s for s in _hog(3)}
+    shares = ResidentShares(requests, set(requests), 6, {"a": 1.0, "b": 2.0}.get,
+                            lambda: {"a", "b"})
+    assert shares.share("a") == 2 and shares.share("b") == 4
+    b = stats("b0", tenant="b")
+    out = shares.displaceable(b, taken={"a0"})
+    assert out in {"a1", "a2"}                          # a holds 3 > 2; a0 is in the step
+    a_new = stats("a9", tenant="a")
+    assert shares.displaceable(a_new, taken=()) is None  # a is over its share already
