@@ -70,6 +70,15 @@ class Admission:
         except LimitExceeded as exc:
             raise self._refused(tenant.name, exc) from None
 
+    def refused_now(self, tenant: Tenant) -> ApiError | None:
+        """The 429 an arrival of `tenant` gets without asking the store (`Limiter.closed`), or
+        None: cheap enough for the event loop, so a flood of refused requests costs no thread
+        and no store call each."""
+        if self.limiter is None:
+            return None
+        exc = self.limiter.closed(tenant)
+        return None if exc is None else self._refused(tenant.name, exc)
+
     def admit(self, inp: GenerateInput, tenant: Tenant) -> tuple[Prepared, Grant | None]:
         """precheck, prepare, acquire (module docstring): any thread; raises ApiError."""
         self._precheck(inp, tenant)

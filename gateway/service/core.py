@@ -121,6 +121,8 @@ class GenerationService:
         `store_full`, charged nothing: the store's state is no fault of the tenant's."""
         if self.store_full is not None and self.store_full():
             raise errors.store_full()
+        if (refused := self.admission.refused_now(tenant)) is not None:
+            raise refused
         await errors.store_call(self.admission.limits_remote, self.admission.arrive, tenant)
 
     async def open_stream(self, inp: GenerateInput) -> RequestStream:

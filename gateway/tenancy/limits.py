@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Callable
 
 from gateway.tenancy.buckets import MemoryBuckets, RedisBuckets
@@ -52,6 +53,9 @@ class Limiter:
         client = connect_store(store_url, timeout_s)
         self._buckets = MemoryBuckets() if client is None else RedisBuckets(client, prefix)
         self._clock, self.lease_s = clock, lease_s
+        # tenant name, rpm -> (when its next arrival can fit, the refusal's verdict): a tenant
+        # over its rpm is refused from here until then, with no store call (`closed`)
+        self._closed: dict[tuple[str, int], tuple[float, Verdict]] = {}
 
     @property
     def remote(self) -> bool:
@@ -63,9 +67,30 @@ class Limiter:
         LimitExceeded ("rpm") charging nothing. A tenant without an rpm costs no store call."""
         if tenant.rpm is None:
             return
-        verdict = self._buckets.arrive(tenant, self._clock())
+        if (closed := self.closed(tenant)) is not None:
+            raise closed
+        now = self._clock()
+        verdict = self._buckets.arrive(tenant, now)
         if not verdict.allowed:
+            self._closed[(tenant.name, tenant.rpm)] = (now + verdict.retry_after_s, verdict)
             raise refusal(tenant, 0, verdict)
+
+    def closed(self, tenant: Tenant) -> LimitExceeded | None:
+        """The refusal an arrival of `tenant` gets now without asking the store, or None: after
+        the store refused one until t, nothing can fit before t (a refused arrival charges
+        nothing, and other replicas' arrivals only push t later), so a flood of refused requests
+        costs one store call per freed slot, not one each. Keyed by the tenant's rpm, so a
+        changed limit asks the store again. Any thread; no I/O."""
+        key = (tenant.name, tenant.rpm)
+        entry = self._closed.get(key)
+        if entry is None:
+            return None
+        until, verdict = entry
+        wait = until - self._clock()
+        if wait <= 0:
+            self._closed.pop(key, None)
+            return None
+        return refusal(tenant, 0, replace(verdict, retry_after_s=wait))
 
     def acquire(self, tenant: Tenant, tokens: int, *, pool: str = "conc") -> Grant:
         """Admit one request that may use `tokens` tokens (prompt + max_tokens), charging those

@@ -134,6 +134,32 @@ def test_rpm(store):
     limiter.release(limiter.acquire(t, 10), 10)           # admission takes no request of its own
 
 
+def test_a_tenant_over_its_rpm_is_refused_without_a_store_call_until_a_slot_frees(store):
+    # a flood of refused requests must not cost a store round trip each (one per freed slot)
+    clock = Clock()
+    limiter = _limiter(store, clock)
+    calls = []
+    ask = limiter._buckets.arrive
+    limiter._buckets.arrive = lambda *a: calls.append(a) or ask(*a)
+    t = Tenant("acme", rpm=5)
+    for _ in range(5):
+        limiter.arrive(t)
+    assert _rpm_refused(limiter, t).retry_after_s == pytest.approx(12.0)
+    assert len(calls) == 6
+    clock.now += 4.0
+    for _ in range(50):
+        err = _rpm_refused(limiter, t)
+    assert len(calls) == 6                                 # answered here, not by the store
+    assert err.kind == "rpm" and err.retry_after_s == pytest.approx(8.0)
+    assert limiter.closed(t) is not None and limiter.closed(Tenant("other", rpm=5)) is None
+    clock.now += 8.0                                       # the slot is free: the store decides
+    limiter.arrive(t)
+    assert len(calls) == 7
+    _rpm_refused(limiter, t)
+    assert len(calls) == 8
+    assert limiter.closed(Tenant("acme", rpm=6)) is None   # a changed limit asks the store again
+
+
 @pytest.mark.parametrize("rpm", [3, 7, 11, 13, 999])
 def test_rpm_allows_exactly_the_limit(store, rpm):
     limiter = _limiter(store, Clock())
