@@ -358,9 +358,16 @@ def sim(doc: Doc) -> list[str]:
              num(p.get("max_wait_s"), 1), num(p.get("mean_wait_s")), num(p.get("mean_in_steps_s")),
              num(p.get("mean_batch")), num(p.get("committed_tokens_per_s"), 1))
             for name, p in doc["policies"].items()]
-    return [*settings_line(doc.get("settings", {})),
-            *table(("policy", "mean s", "p50 s", "p99 s", "max wait s", "mean waiting s",
-                    "mean in steps s", "mean batch", "committed tokens/s"), rows)]
+    out = [*settings_line(doc.get("settings", {})),
+           *table(("policy", "mean s", "p50 s", "p99 s", "max wait s", "mean waiting s",
+                   "mean in steps s", "mean batch", "committed tokens/s"), rows)]
+    tiers = sorted({t for p in doc["policies"].values() for t in p.get("slo_attainment") or {}})
+    if tiers:                                   # with --tiers: each tier's objectives met, goodput
+        out += ["", *table(("policy", *(f"{t} attainment" for t in tiers), "goodput tokens/s"),
+                           [(name, *(num(p["slo_attainment"].get(t), 3) for t in tiers),
+                             num(p.get("goodput_tok_s"), 1))
+                            for name, p in doc["policies"].items()])]
+    return out
 
 
 def scalars(doc: Doc) -> list[str]:
