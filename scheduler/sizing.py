@@ -142,6 +142,20 @@ def _pays(alphas: Sequence[float], draft_s: Sequence[float], depths: Sequence[in
     return _goodput(alphas, draft_s, depths, cost) >= min_goodput_gain * plain
 
 
+def _pays_undrafted(alphas: Sequence[float], depths: Sequence[int], cost: StepCost | None,
+                    min_goodput_gain: float) -> bool:
+    """`_pays` for requests that draft in no time (`TreeSizer`'s fast path), exactly: plain
+    decoding commits one token a request (`expected_tau(α, 0)` is 1 for every α), so its
+    goodput needs no pass over the batch, and no drafting seconds are added to either step."""
+    if cost is None or not any(depths):
+        return True
+    n = len(alphas)
+    seconds, plain_s = cost(n, n + sum(depths)), cost(n, n)
+    sized = sum(map(expected_tau, alphas, depths)) / seconds if seconds > 0 else 0.0
+    plain = n / plain_s if plain_s > 0 else 0.0
+    return sized >= min_goodput_gain * plain
+
+
 def _caps(n: int, caps: Sequence[int | None] | None, config: SizingConfig, spare: int) -> list[int]:
     limit = max(0, min(config.max_tree_tokens, spare))
     if caps is None:
@@ -232,7 +246,7 @@ class TreeSizer:
             depths = [_depth(a, theta, c) for a, c in zip(alphas, limits)]
         else:
             depths = [_depth(a, theta / w, c) for a, w, c in zip(alphas, urgency, limits)]
-        if not _pays(alphas, [0.0] * n, depths, self.cost, self.config.min_goodput_gain):
+        if not _pays_undrafted(alphas, depths, self.cost, self.config.min_goodput_gain):
             return [NO_SPECULATION] * n
         return _budgets(depths, alphas, spare_tokens, self.config.max_depth)
 
