@@ -41,6 +41,7 @@ long drafting took (`workers.contract.StepResult`); they never size. Pure: no I/
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -167,16 +168,14 @@ def _budgets(depths: Sequence[int], alphas: Sequence[float], spare: int,
              max_depth: int) -> list[TreeBudget]:
     if sum(depths) > spare:
         depths = _shrink(list(depths), alphas, spare)
-    # one (frozen) budget per depth, shared: a large batch has few distinct depths, and
-    # building and validating one per request was a measurable part of a plan
-    made: dict[int, TreeBudget] = {0: NO_SPECULATION}
-    out = []
-    for d in depths:
-        b = made.get(d)
-        if b is None:
-            b = made[d] = TreeBudget(d, min(d, max_depth))
-        out.append(b)
-    return out
+    return [_tree_budget(d, max_depth) for d in depths]
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_budget(nodes: int, max_depth: int) -> TreeBudget:
+    """The budget of a tree of `nodes` nodes: one per (nodes, max_depth) for the process, shared
+    (it is frozen): building and validating one per request was a measurable part of a plan."""
+    return TreeBudget(nodes, min(nodes, max_depth)) if nodes else NO_SPECULATION
 
 
 def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | None = None,
