@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from workers.frozen import fills_dict
+
 __all__ = ["AlphaEstimate", "DrafterPrior", "PRIOR_FLOOR", "learn", "observe",
            "observe_draft_time", "pool"]
 
@@ -45,6 +47,7 @@ POOL_DECAY = 0.99     # weight a tenant's pooled evidence keeps per request-step
 PRIOR_FLOOR = 0.5
 
 
+@fills_dict       # a new one per request per step
 @dataclass(frozen=True)
 class AlphaEstimate:
     """Decayed evidence about one request's per-token acceptance (prior counts excluded)."""

@@ -35,12 +35,14 @@ def commit_results(results: Sequence[StepResult], requests: Mapping[str, Request
     """The commits of a step's `results` (module docstring); `requests`, `limits`: the loop's live
     requests and their output token limits, by id."""
     out = Commits()
+    # bound once: this loop runs for every request of every step
+    hold, served, appended, records = kv.hold, kv.served, out.appended, out.records.append
     for res in results:
         rid = res.request_id
         req = requests[rid]
         req.stats.prefill_left = res.pending
-        kv.hold(req.stats, res.kv_tokens, res.home)
-        if not res.decoded:                        # only prefilled: nothing to commit
+        hold(req.stats, res.kv_tokens, res.home)
+        if not res.tokens:                         # only prefilled: nothing to commit
             if res.features is not None:           # ahead of its turn, now ready
                 predict(req, res.features, len(req.output_ids))
             continue
@@ -48,11 +50,11 @@ def commit_results(results: Sequence[StepResult], requests: Mapping[str, Request
             # the features are of the row that read the last accepted token
             predict(req, res.features, len(req.output_ids) + res.accepted, touch=False)
         tokens, record = req.commit(res, limits[rid])
-        out.appended[rid] = tokens
+        appended[rid] = tokens
         if res.logprobs is not None:
             out.logprobs[rid] = res.logprobs[:len(tokens)]      # cut where the tokens were
-        out.records.append(record)
-        kv.served(rid)                                          # most recently served last
+        records(record)
+        served(rid)                                             # most recently served last
     return out
 
 

@@ -35,3 +35,17 @@ class Finished:
 
 Event = Union[Delta, Finished]
 Sink = Callable[[Event], None]
+
+
+class FinishedOnly:
+    """A sink told only how its request ended: the loop builds and sends it no `Delta`. For a
+    caller that follows every request and none of their tokens (the simulator's summary), a
+    `Delta` per request per step would be work for nothing."""
+    __slots__ = ("on_finished",)
+
+    def __init__(self, on_finished: Callable[[Finished], None]) -> None:
+        self.on_finished = on_finished
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, Finished):
+            self.on_finished(event)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 from scheduler.admission import ADMITTED, Admitted, AdmissionControl, Refused
-from scheduler.events import Event, Finished, Sink
+from scheduler.events import Delta, Event, Finished, FinishedOnly, Sink
 from scheduler.forecast import MissForecast
 from scheduler.policies.planner import BatchPlanner
 from scheduler.request import Request, Status
@@ -178,10 +178,24 @@ class Intake:
             if isinstance(event, Finished):
                 self._sinks.pop(event.request_id, None)
         if sink is not None:
-            try:
-                sink(event)
-            except Exception:                          # a broken consumer must not stop the loop
-                log.exception("sink for %s failed", event.request_id)
+            self._send(sink, event)
+
+    def stream(self, appended: Mapping[str, Sequence[int]], logprobs: Mapping[str, list]) -> None:
+        """A step's new tokens, a `Delta` to each request's sink (in `appended`'s order), their
+        logprobs where there are any; none is built for a sink that follows only the end
+        (`FinishedOnly`), nor for a request nobody follows."""
+        with self._lock:                               # once a step, not once a request
+            sinks = self._sinks
+            to = [(rid, sink) for rid in appended
+                  if (sink := sinks.get(rid)) is not None and type(sink) is not FinishedOnly]
+        for rid, sink in to:
+            self._send(sink, Delta(rid, tuple(appended[rid]), logprobs.get(rid)))
+
+    def _send(self, sink: Sink, event: Event) -> None:
+        try:
+            sink(event)
+        except Exception:                              # a broken consumer must not stop the loop
+            log.exception("sink for %s failed", event.request_id)
 
     def _post(self, message: tuple) -> None:
         self.inbox.append(message)

@@ -197,18 +197,19 @@ class StepLoop:
             self.kv.evict(rid)
         if not plan.request_ids:
             return False                                # nothing runnable now: wait a little
-        keep = set(plan.request_ids)
-        first_warm = len(plan) - plan.warm
+        ids, first_warm = plan.request_ids, len(plan) - plan.warm
+        resident = self.kv.resident
+        if not all(rid in resident for rid in ids[:first_warm]):   # else no prefill to make
+            keep = set(ids)
+            for rid in ids[:first_warm]:
+                self.kv.ensure(rid, keep, plan.homes.get(rid))
         # requests prefilled ahead of their turn are stepped only while they hold their KV
-        planned = [rid for i, rid in enumerate(plan.request_ids)
-                   if (rid in self.kv if i >= first_warm
-                       else self.kv.ensure(rid, keep, plan.homes.get(rid)))]
-        if not planned:
+        if not any(rid in resident for rid in ids):
             return True
         chunks = plan.prefill or [0] * len(plan)
         items = [WorkItem(rid, b, chunk, i < first_warm)
-                 for i, (rid, b, chunk) in enumerate(zip(plan.request_ids, plan.budgets, chunks))
-                 if rid in self.kv]
+                 for i, (rid, b, chunk) in enumerate(zip(ids, plan.budgets, chunks))
+                 if rid in resident]
         try:
             results = self.worker.step(items)
         except Exception as exc:                       # a step failure ends its batch, not the loop
@@ -235,8 +236,7 @@ class StepLoop:
         if not self._writer.commit(StepWrite(appended=appended, updated=updated, ended=finished,
                                              virtual_time=dict(self.state.virtual_time))):
             return self._refused(appended, finished)     # nothing stored: nothing streamed
-        for rid, tokens in appended.items():
-            self.intake.emit(Delta(rid, tuple(tokens), done.logprobs.get(rid)))
+        self.intake.stream(appended, done.logprobs)
         for s in finished:
             if self.lengths is not None:
                 self.lengths.finish(s.request_id, s.committed, censored=s.finish_reason != "stop")

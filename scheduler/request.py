@@ -262,10 +262,13 @@ class Request:
     def commit(self, res: StepResult, limit: int) -> tuple[list[int], StepRecord]:
         """Append the tokens a step committed for this request, cut at a stop token or at its
         output `limit` (`workers.stopping.cut`); returns them and the step's record."""
-        tokens, cause = cut(res.tokens, produced=len(self.output_ids), limit=limit,
+        out = self.output_ids
+        tokens, cause = cut(res.tokens, produced=len(out), limit=limit,
                             stop_token_ids=self.stop_token_ids)
-        self.output_ids.extend(tokens)
+        out.extend(tokens)
+        drafted, accepted = res.drafted, res.accepted
         # The path tried: accepted drafts, plus the one rejected where the walk stopped.
-        tried = res.accepted + (1 if res.drafted > res.accepted else 0) if res.drafted else 0
-        return tokens, StepRecord(self.request_id, res.tree_tokens, len(tokens), cause, tried,
-                                  res.drafted, res.accepted, res.draft_s, res.draft_depth)
+        tried = accepted + (1 if drafted > accepted else 0) if drafted else 0
+        verified = drafted + 1 if res.tokens else 0              # res.tree_tokens
+        return tokens, StepRecord(self.stats.request_id, verified, len(tokens), cause, tried,
+                                  drafted, accepted, res.draft_s, res.draft_depth)

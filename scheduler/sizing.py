@@ -41,6 +41,7 @@ long drafting took (`workers.contract.StepResult`); they never size. Pure: no I/
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -142,6 +143,20 @@ def _pays(alphas: Sequence[float], draft_s: Sequence[float], depths: Sequence[in
     return _goodput(alphas, draft_s, depths, cost) >= min_goodput_gain * plain
 
 
+def _pays_undrafted(alphas: Sequence[float], depths: Sequence[int], cost: StepCost | None,
+                    min_goodput_gain: float) -> bool:
+    """`_pays` for requests that draft in no time (`TreeSizer`'s fast path), exactly: plain
+    decoding commits one token a request (`expected_tau(α, 0)` is 1 for every α), so its
+    goodput needs no pass over the batch, and no drafting seconds are added to either step."""
+    if cost is None or not any(depths):
+        return True
+    n = len(alphas)
+    seconds, plain_s = cost(n, n + sum(depths)), cost(n, n)
+    sized = sum(map(expected_tau, alphas, depths)) / seconds if seconds > 0 else 0.0
+    plain = n / plain_s if plain_s > 0 else 0.0
+    return sized >= min_goodput_gain * plain
+
+
 def _caps(n: int, caps: Sequence[int | None] | None, config: SizingConfig, spare: int) -> list[int]:
     limit = max(0, min(config.max_tree_tokens, spare))
     if caps is None:
@@ -153,16 +168,14 @@ def _budgets(depths: Sequence[int], alphas: Sequence[float], spare: int,
              max_depth: int) -> list[TreeBudget]:
     if sum(depths) > spare:
         depths = _shrink(list(depths), alphas, spare)
-    # one (frozen) budget per depth, shared: a large batch has few distinct depths, and
-    # building and validating one per request was a measurable part of a plan
-    made: dict[int, TreeBudget] = {0: NO_SPECULATION}
-    out = []
-    for d in depths:
-        b = made.get(d)
-        if b is None:
-            b = made[d] = TreeBudget(d, min(d, max_depth))
-        out.append(b)
-    return out
+    return [_tree_budget(d, max_depth) for d in depths]
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_budget(nodes: int, max_depth: int) -> TreeBudget:
+    """The budget of a tree of `nodes` nodes: one per (nodes, max_depth) for the process, shared
+    (it is frozen): building and validating one per request was a measurable part of a plan."""
+    return TreeBudget(nodes, min(nodes, max_depth)) if nodes else NO_SPECULATION
 
 
 def size_trees(alphas: Sequence[float], spare_tokens: int, *, cost: StepCost | None = None,
@@ -232,7 +245,7 @@ class TreeSizer:
             depths = [_depth(a, theta, c) for a, c in zip(alphas, limits)]
         else:
             depths = [_depth(a, theta / w, c) for a, w, c in zip(alphas, urgency, limits)]
-        if not _pays(alphas, [0.0] * n, depths, self.cost, self.config.min_goodput_gain):
+        if not _pays_undrafted(alphas, depths, self.cost, self.config.min_goodput_gain):
             return [NO_SPECULATION] * n
         return _budgets(depths, alphas, spare_tokens, self.config.max_depth)
 

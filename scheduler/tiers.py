@@ -50,7 +50,7 @@ def plan_class(tier: str, priority: int) -> int:
     >>> plan_class("default", 2), plan_class("priority", 9) < plan_class("default", 0) < plan_class("flex", 0)
     (2, True)
     """
-    return _OFFSET[tier_of(tier)] + priority
+    return _OFFSET.get(tier, 0) + priority     # as _OFFSET[tier_of(tier)]: unknown is default's 0
 
 
 def class_tier(cls: int) -> str:

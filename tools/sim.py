@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from scheduler.admission import ADMITTED, AdmissionControl, AdmissionLimits
-from scheduler.events import Event, Finished
+from scheduler.events import Event, Finished, FinishedOnly
 from scheduler.loop import StepLoop
 from scheduler.policies import Policy, PolicyConfig, make_policy
 from scheduler.profile import StepCostModel, prefill_steps
@@ -137,12 +137,17 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
     finished: list[RequestStats] = []
     slo = TierObjectivesMet(clock, policy.config.aging_bound_s) if tiers is not None else None
 
-    def sink(event: Event) -> None:
-        if slo is not None:
-            slo.event(event)
+    def done(event: Finished) -> None:
+        event.stats.tau_history = []            # the summary never reads it: 100k requests' worth
+        finished.append(event.stats)
+
+    def judged(event: Event) -> None:           # the tiers' objectives follow every token
+        slo.event(event)
         if isinstance(event, Finished):
-            event.stats.tau_history = []        # the summary never reads it: 100k requests' worth
-            finished.append(event.stats)
+            done(event)
+
+    # without tiers nothing reads the tokens: no `Delta` is built for them
+    sink = judged if slo is not None else FinishedOnly(done)
 
     live, inbox = loop.state.requests, loop.intake.inbox
     i = refused = 0

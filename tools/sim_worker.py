@@ -46,6 +46,7 @@ class _Truth:
     context: int = 0          # context tokens but the root, at its last prefill
     pending: int = 0          # of those, still without KV (chunked prefill)
     checkpoint: int = 0       # the predictor's latest checkpoint it has reported
+    next_checkpoint: float = math.inf   # committed tokens at which the one after it is reached
 
 
 class SimWorker:
@@ -67,7 +68,19 @@ class SimWorker:
 
     def expect(self, r: SimRequest) -> None:
         """`r` is about to be submitted: its truth, and its own acceptance stream."""
-        self.truth[r.request_id] = _Truth(r, random.Random(r.seed))
+        self.truth[r.request_id] = _Truth(r, random.Random(r.seed),
+                                          next_checkpoint=self._checkpoint_after(0))
+
+    def _checkpoint_after(self, checkpoint: int) -> float:
+        """Committed tokens from which `repredict_at` names a checkpoint past `checkpoint` (inf:
+        never, or no re-prediction): a step reports features only then, so the steps between
+        checkpoints need no table lookup."""
+        table = self.spec.repredict
+        if table is None:
+            return math.inf
+        if table[0][0] > checkpoint:       # repredict_at names none before its first
+            return 0
+        return next((c for c, _ in table if c > checkpoint), math.inf)
 
     def _spend(self, dt: float) -> None:
         self.clock.now += dt
@@ -145,11 +158,10 @@ class SimWorker:
         self.committed += n
         t.context += n
         features = None
-        if self.spec.repredict is not None and not ends:
+        if t.committed >= t.next_checkpoint and not ends:   # a checkpoint past its last one
             at = self.spec.repredict_at(t.committed)[0]
-            if at > t.checkpoint:
-                t.checkpoint = at
-                features = (float(at),)
+            t.checkpoint, t.next_checkpoint = at, self._checkpoint_after(at)
+            features = (float(at),)
         return StepResult(r.request_id, toks, accepted, nodes,
                           draft_depth=depth, features=features, prefilled=prefilled,
                           kv_tokens=t.context + 2)

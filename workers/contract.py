@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from workers.frozen import fills_dict
+
 __all__ = ["SamplingParams", "TokenLogprob", "MAX_TOP_LOGPROBS", "TreeBudget", "NO_SPECULATION",
            "TapSpec", "TargetTaps", "DraftContext", "WorkItem", "StepResult", "ContextLengthError"]
 
@@ -172,6 +174,7 @@ class DraftContext:
     taps: Optional[TargetTaps] = None
 
 
+@fills_dict       # one per request per step
 @dataclass(frozen=True)
 class WorkItem:
     """One request of a step, as the planner hands it to the worker.
@@ -188,6 +191,7 @@ class WorkItem:
     decode: bool = True       # verify the root and tree once the context is complete
 
 
+@fills_dict       # one per request per step
 @dataclass(frozen=True)
 class StepResult:
     """What one step did for one request, as the worker reports it."""

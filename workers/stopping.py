@@ -17,6 +17,12 @@ def cut(tokens: Sequence[int], *, produced: int, limit: int,
     >>> cut([5, 6], produced=0, limit=10, stop_token_ids=())
     ([5, 6], None)
     """
+    if produced + len(tokens) < limit:     # most steps: short of the limit and no stop token
+        for stop in stop_token_ids:
+            if stop in tokens:
+                break
+        else:
+            return list(tokens), None
     out: list[int] = []
     for tok in tokens:
         out.append(tok)
