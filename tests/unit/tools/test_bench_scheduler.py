@@ -1,8 +1,6 @@
 """`specgate bench scheduler` (tools/bench_scheduler.py): the planner's cost per step at scale, and
 the guard that makes optimising it safe: on seeded workloads the plans are step for step those
-the planner made before any optimisation (digests recorded in data/scheduler_plans.json). A change
-of what the planner decides re-records them, in its own commit, saying why; the last: fair
-sharing charging each step's prefill to its tenant."""
+the planner made before any optimisation (digests recorded in data/scheduler_plans.json)."""
 from __future__ import annotations
 
 import argparse
