@@ -27,7 +27,7 @@
                         rules applied home by home.
     update(state, records, now, step_s):
                         record each request's step (τ, attained service, wait), charge its
-                        tenant (its prefills are charged by the plan that runs them), retire finished ones, let the ordering move the others (`refresh`:
+                        tenant, retire finished ones, let the ordering move the others (`refresh`:
                         levels, perceptible, predicted remaining time) and re-key them; requests
                         that ran last step and not this one are preempted.
 
@@ -192,12 +192,8 @@ class BatchPlanner:
                 del self._warming[rid]
             first_warm = len(plan) - plan.warm    # a chunk of its context: it holds KV from now
             self._started.update(r for r, k in zip(plan.request_ids[:first_warm], plan.prefill) if k)
-            self._charge_prefill(state, zip(plan.request_ids, plan.prefill))
         else:
-            fresh = [r for r in chosen if r not in self._started]
             plan = Plan(chosen, self.budget.trees([requests[r] for r in chosen]), aged)
-            self._charge_prefill(state, ((r, requests[r].prompt_len + requests[r].committed)
-                                         for r in fresh))
         plan.evict = evict
         plan.homes = kv.planned_homes(plan.request_ids)
         return plan
@@ -243,17 +239,6 @@ class BatchPlanner:
         state.running = served
         self.ordering.finished(finished)
         return finished
-
-    def _charge_prefill(self, state: SchedulerState, tokens: Iterable[tuple[str, int]]) -> None:
-        """Charge the context tokens a step prefills to their tenants' virtual time, as verified
-        tokens are (`update`): prefill is the verifier's work too, and a tenant whose requests
-        are mostly prompt (many short ones) must not get it for free."""
-        vt, weight, requests = state.virtual_time, self.fairness.weight, state.requests
-        for rid, k in tokens:
-            if k:
-                s = requests[rid]
-                account = (s.plan_class, s.tenant)
-                vt[account] = vt.get(account, 0.0) + k / weight(s.tenant)
 
     # ---- choosing ----------------------------------------------------------------------------
     def _kv(self, state: SchedulerState) -> KVBudget:
