@@ -18,8 +18,8 @@
                         With `max_resident` set (the step loop's KV limit), a request that has
                         not started is started only while fewer than max_resident started
                         requests are live, so the loop never has to evict and re-prefill;
-                        except that a tenant under its weighted share of those slots starts
-                        in place of a request of the tenant furthest over its own (shares.py).
+                        except that a tenant holding none of those slots starts in place of a
+                        request of the tenant furthest over its weighted share (shares.py).
                         With a KV budget, a start is planned only where its KV fits, and
                         residents' growth is made room for (`KVBudget`, scheduler/kv_budget.py);
                         the budget is one (`kv_budget_tokens`) or one per home
@@ -60,7 +60,7 @@ from scheduler.tiers import BANDS, TIERS
 class _Starts:
     """One plan's room for requests that have not started: at most `left` more of them
     (max_resident; None: no cap), their KV within the budget, and, with no room left, a start in
-    place of another tenant's request where the tenants' shares of the slots allow (shares.py)."""
+    place of another tenant's request for a tenant holding none (shares.py)."""
 
     def __init__(self, requests: Mapping[str, RequestStats], started: set[str], kv: KVBudget,
                  left: int | None, shares: ResidentShares | None = None,

@@ -1,5 +1,5 @@
-"""Tenants share the resident slots by weight (scheduler/policies/shares.py): a tenant under its
-share starts in place of a request of the tenant furthest over its own, never the other way."""
+"""No tenant starved of the resident slots (scheduler/policies/shares.py): a tenant holding none
+starts in place of a request of the tenant furthest over its weighted share, never the other way."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +44,7 @@ def test_the_displaced_request_is_the_least_recently_served_of_the_tenant_over_i
                       key=lambda r: state.requests[r].last_served_s)
 
 
-def test_no_tenant_takes_more_than_its_share_and_the_displaced_cannot_displace_back():
+def test_a_tenant_displaces_only_while_it_holds_none_and_the_displaced_cannot_displace_back():
     policy = make_policy("fcfs", max_batch=2, max_resident=4, **NO_AGING)
     state = build(policy, _hog(4))
     for k in range(4):
@@ -53,21 +53,19 @@ def test_no_tenant_takes_more_than_its_share_and_the_displaced_cannot_displace_b
     for t in range(40):
         plan = step(policy, state, 1.0 + t * 0.1)
         evicted += plan.evict
-    started = policy._started
-    held = {t: sum(1 for r in started if state.requests[r].tenant == t) for t in "ab"}
-    assert held == {"a": 2, "b": 2}                     # the shares: 4 × ½ each
-    assert len(evicted) == 2 and all(r.startswith("a") for r in evicted)
-
-
-def test_weights_set_the_shares():
-    policy = make_policy("fcfs", max_batch=4, max_resident=4, tenant_weights={"b": 3.0}, **NO_AGING)
-    state = build(policy, _hog(4))
-    for k in range(4):
-        policy.add(state, stats(f"b{k}", tenant="b", arrival=-1 + k * 0.01, **BEST))
-    for t in range(40):
-        step(policy, state, 1.0 + t * 0.1)
     held = {t: sum(1 for r in policy._started if state.requests[r].tenant == t) for t in "ab"}
-    assert held == {"a": 1, "b": 3}
+    assert held == {"a": 3, "b": 1}                     # b progresses; ordinary counts stay put
+    assert evicted == ["a0"]                            # one displacement, never back
+
+
+def test_the_tenant_furthest_over_its_weighted_share_gives_up_the_slot():
+    # a holds 2 of 4 with weight 1 (share 1), c holds 2 with weight 3 (share 3): a is over
+    policy = make_policy("fcfs", max_batch=4, max_resident=4, tenant_weights={"c": 3.0}, **NO_AGING)
+    state = build(policy, _hog(2) + [stats(f"c{k}", tenant="c", arrival=k * 0.01, taus=(2,), **LONG)
+                                     for k in range(2)])
+    policy.add(state, stats("b0", tenant="b", arrival=-1, **BEST))
+    plan = policy.plan(state, 1.0)
+    assert "b0" in plan.request_ids and len(plan.evict) == 1 and plan.evict[0].startswith("a")
 
 
 def test_share_is_the_weighted_part_of_the_cap_among_live_tenants():
@@ -79,4 +77,6 @@ def test_share_is_the_weighted_part_of_the_cap_among_live_tenants():
     out = shares.displaceable(b, taken={"a0"})
     assert out in {"a1", "a2"}                          # a holds 3 > 2; a0 is in the step
     a_new = stats("a9", tenant="a")
-    assert shares.displaceable(a_new, taken=()) is None  # a is over its share already
+    assert shares.displaceable(a_new, taken=()) is None  # a holds some already
+    shares.displace(out, b)
+    assert shares.displaceable(stats("b1", tenant="b"), taken=()) is None   # b holds one now
