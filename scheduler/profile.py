@@ -95,12 +95,16 @@ def fit_chunk_cost(points: Sequence[Sequence[float]]) -> tuple[float, float]:
     return min(alone, key=lambda c: sum((y - c[0] * a - c[1] * b) ** 2 for a, b, y in rows))
 
 
-def _chunk_fit(chunk: dict) -> tuple[float, float]:
+def _chunk_fit(chunk: dict) -> tuple[float, float] | None:
     """A profile's chunk entry → (row_s, key_s): its fit where it holds one, else fitted now
-    from its measured points (what `workers.speculation.profiling.measure_chunks` writes)."""
+    from its measured points (what `workers.speculation.profiling.measure_chunks` writes). None
+    when the fit is 0 and 0: the chunks measured nothing above the timing noise (a profile
+    taken on busy cores), so they are charged as if none were measured, by the prefill curve."""
     if "row_s" in chunk and "key_s" in chunk:
-        return float(chunk["row_s"]), float(chunk["key_s"])
-    return fit_chunk_cost(chunk["points"])
+        fit = float(chunk["row_s"]), float(chunk["key_s"])
+    else:
+        fit = fit_chunk_cost(chunk["points"])
+    return None if fit == (0.0, 0.0) else fit
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

@@ -179,3 +179,17 @@ def test_a_profile_with_a_chunk_entry_charges_chunks_from_its_fit(tmp_path):
     assert old.chunk(96, 128) == pytest.approx(96 * 0.9 / 960)
     with pytest.raises(ValueError, match="chunk"):
         StepCostModel([(1, [1, 9], [0.04, 0.08])], chunk=(-1.0, 0.0))
+
+
+def test_chunks_that_measured_nothing_above_noise_are_charged_as_if_none_were_measured():
+    # on busy cores a small chunk can time at or below zero extra: the fit is 0 and 0, and the
+    # profile must still load (by the prefill curve), not refuse the whole profile
+    curves = [{"batch": 1, "tokens": [1, 9], "step_s": [0.04, 0.08]}]
+    noise = {"batch": 2, "nodes": 1, "points": [[0, 4, -0.001], [0, 16, 0.0], [200, 4, -5e-4],
+                                                [200, 16, -0.002]]}
+    measured = StepCostModel.from_doc({"curves": curves, "chunk": noise})
+    none = StepCostModel.from_doc({"curves": curves})
+    assert measured.keys_per_row is None
+    assert measured.chunk(16, 200) == none.chunk(16, 200) > 0
+    with pytest.raises(ValueError, match="not both 0"):
+        StepCostModel([(1, [1, 9], [0.04, 0.08])], chunk=(0.0, 0.0))
