@@ -8,13 +8,15 @@ and a tenant parses one such body at a time: however many it sends at once, it o
 one of the pool's threads, and another tenant's large body takes the other. Small bodies (nearly
 all) are parsed inline, where a thread hop would cost more than the parse.
 
-The per-tenant turns are locks kept by tenant id, so they are as many as the tenants served.
+The per-tenant turns are locks kept by tenant id, so they are as many as the tenants served; one
+set per event loop (an asyncio lock belongs to the loop it first waited on), gone with its loop.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -27,7 +29,8 @@ T = TypeVar("T")
 
 INLINE_BYTES = 64 * 1024      # a body up to this size parses inline (well under a millisecond)
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specgate-body")
-_TURNS: dict[str, asyncio.Lock] = {}
+_TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = \
+    weakref.WeakKeyDictionary()
 
 
 async def parsed(owner: str, body: bytes, parse: Callable[[bytes], T]) -> T:
@@ -35,9 +38,10 @@ async def parsed(owner: str, body: bytes, parse: Callable[[bytes], T]) -> T:
     earlier large bodies (module docstring)."""
     if len(body) <= INLINE_BYTES:
         return parse(body)
-    turn = _TURNS.setdefault(owner, asyncio.Lock())
-    async with turn:
-        return await asyncio.get_running_loop().run_in_executor(_POOL, parse, body)
+    loop = asyncio.get_running_loop()
+    turns = _TURNS.setdefault(loop, {})
+    async with turns.setdefault(owner, asyncio.Lock()):
+        return await loop.run_in_executor(_POOL, parse, body)
 
 
 def _no_constants(name: str) -> Any:
