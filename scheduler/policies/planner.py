@@ -177,15 +177,12 @@ class BatchPlanner:
         c, requests = self.config, state.requests
         kv = self._kv(state)
         chosen, aged, evict = self._choose_batch(state, now, kv)    # evict: started in place of
+        if kv.limited:
+            chosen, freed = kv.fit(chosen, self.queues.rank)
+            evict = evict + freed
         self._started.difference_update(evict)
         for rid in evict:
             self._warming.pop(rid, None)
-        if kv.limited:
-            chosen, freed = kv.fit(chosen, self.queues.rank)
-            self._started.difference_update(freed)
-            for rid in freed:
-                self._warming.pop(rid, None)
-            evict = evict + freed
         if c.prefill_chunk_tokens:
             plan, stale = self.budget.chunked(requests, chosen, aged, self._warming)
             for rid in stale:
