@@ -99,7 +99,9 @@ class RequestQueues:
         requests, keys = state.requests, self._keys
         # bound once: this loop runs for every request served since the last ranking
         refresh, key_of, push = self.ordering.refresh, self.ordering.key, self._push
-        for rid in self._dirty:
+        # in the order they were last ranked: equal new keys keep their old order, and a set's
+        # own order (string hashes, PYTHONHASHSEED) never breaks a tie
+        for rid in sorted(self._dirty, key=self._live.__getitem__):
             s = requests[rid]
             refresh(state, s)
             key = key_of(s)

@@ -52,7 +52,10 @@ class ResidentShares:
         for _, tenant in sorted(over, reverse=True):
             free = [r for r in held[tenant] if r not in taken]
             if free:
-                return min(free, key=lambda r: self.requests[r].last_served_s)
+                # ties (served in the same step) go to the latest arrival, then the id: never
+                # to the started set's own order, which string hashing makes run-dependent
+                return min(free, key=lambda r: (self.requests[r].last_served_s,
+                                                -self.requests[r].arrival_s, r))
         return None
 
     def displace(self, out: str, s: RequestStats) -> None:
