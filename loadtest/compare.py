@@ -490,8 +490,10 @@ def gateway_process(settings: dict, tenants: list[tuple[str, str]],
     loads in the child, hence the long default `start_timeout`."""
     ctx = multiprocessing.get_context("spawn")        # never fork a process that holds threads
     here, there = ctx.Pipe()
+    # not daemonic: a gateway starts processes of its own (grammar compiles), which a daemonic
+    # process may not; it still ends with this one, whose pipe closing is its "stop"
     child = ctx.Process(target=_child_main, args=(settings, tenants, there),
-                        name="specgate-gateway", daemon=True)
+                        name="specgate-gateway", daemon=False)
     child.start()
     there.close()
     try:
