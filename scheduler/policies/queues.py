@@ -23,7 +23,7 @@ from scheduler.state import SchedulerState
 from scheduler.tiers import TIERS, class_tier
 
 Entry = tuple[float, int, str]   # (key, seq, request id)
-Candidate = tuple[float, int, str, str]   # (key, seq, request id, tenant)
+Candidate = tuple[float, float, int, str, str]   # (key, tenant's virtual time, seq, id, tenant)
 Back = list[tuple[list[Entry], Entry]]   # taken entries popped while choosing, pushed back after
 Admit = Callable[[str], bool]   # whether the plan can start this request (room, KV)
 
@@ -143,7 +143,7 @@ class RequestQueues:
             (tenant,) = counts
             heap = queues[tenant]
             while len(chosen) < limit and self._offer(heap, tenant, taken, back, cand):
-                rid = heapq.heappop(cand)[2]
+                rid = heapq.heappop(cand)[3]
                 _take(rid, chosen, taken, admit)
         else:
             self._merge_tenants(state, cls, chosen, taken, limit, admit, back, cand)
@@ -153,13 +153,17 @@ class RequestQueues:
     def _merge_tenants(self, state: SchedulerState, cls: int, chosen: list[str], taken: set[str],
                        limit: int, admit: Admit, back: Back, cand: list[Candidate]) -> None:
         """Tenants within `fair_lag_tokens` of the least served compete by key; a tenant that
-        ran ahead is deferred, and offered only when nobody eligible is left (work conserving)."""
+        ran ahead is deferred, and offered only when nobody eligible is left (work conserving).
+        Equal keys go to the tenant with less virtual time (this plan's picks included), not to
+        the earlier arrival: fresh requests all share one key under LAS and LAPS, and a tenant
+        that queued many (each costing little verified work, but a prefill and a slot) would
+        otherwise start every one of them before another tenant's single request."""
         queues, counts = self._queues[cls], self._counts[cls]
         vt, cap = self.fairness.split(state, cls, counts)
         deferred: list[str] = []
         for tenant in counts:
             if vt[tenant] <= cap:
-                self._offer(queues[tenant], tenant, taken, back, cand)
+                self._offer(queues[tenant], tenant, taken, back, cand, vt[tenant])
             else:
                 deferred.append(tenant)
         requests, nominal, weight = state.requests, self.nominal_cost, self.fairness.weight
@@ -171,23 +175,24 @@ class RequestQueues:
                     return
                 fair_phase = False              # work conserving: tenants that ran ahead
                 for tenant in deferred:
-                    self._offer(queues[tenant], tenant, taken, back, cand)
+                    self._offer(queues[tenant], tenant, taken, back, cand, vt[tenant])
                 continue
-            _, _, rid, tenant = pop(cand)
+            _, _, _, rid, tenant = pop(cand)
             if not _take(rid, chosen, taken, admit):    # no room to start it: look further
-                offer(queues[tenant], tenant, taken, back, cand)
+                offer(queues[tenant], tenant, taken, back, cand, vt[tenant])
                 continue
             s = requests[rid]
             vt[tenant] += (s.attained / s.n_steps if s.n_steps else nominal) / weight(tenant)
             if not fair_phase or vt[tenant] <= cap:
-                offer(queues[tenant], tenant, taken, back, cand)
+                offer(queues[tenant], tenant, taken, back, cand, vt[tenant])
             else:
                 deferred.append(tenant)
 
     def _offer(self, heap: list[Entry], tenant: str, taken: set[str], back: Back,
-               cand: list[Candidate]) -> bool:
+               cand: list[Candidate], served: float = 0.0) -> bool:
         """Put the tenant's best live, untaken entry into the candidate heap (it stays on top of
-        the tenant's heap; taken entries are popped into `back`, stale ones dropped)."""
+        the tenant's heap; taken entries are popped into `back`, stale ones dropped); `served`:
+        the tenant's virtual time, which breaks ties between equal keys."""
         live = self._live
         while heap:
             key, seq, rid = heap[0]
@@ -196,7 +201,7 @@ class RequestQueues:
             elif rid in taken:
                 back.append((heap, heapq.heappop(heap)))
             else:
-                heapq.heappush(cand, (key, seq, rid, tenant))
+                heapq.heappush(cand, (key, served, seq, rid, tenant))
                 return True
         return False
 

@@ -123,3 +123,16 @@ def test_flooding_tenant_costs_the_other_at_most_its_fair_share():
                           spec)
     assert fair <= 1.25 * baseline
     assert unfair > 2 * fair
+
+
+@pytest.mark.parametrize("name", ["las", "laps"])
+def test_a_tenant_that_queued_many_fresh_requests_does_not_go_first_on_every_tie(name):
+    # Fresh requests share one key under LAS and LAPS (nothing attained yet). The flood queued
+    # twenty of them before the light tenant's one arrived; each costs little verified work, so
+    # the two tenants' virtual times stay level and the tie went to the earlier arrival: the
+    # light request waited for all twenty to start. The less served tenant wins the tie instead.
+    policy = make_policy(name, max_batch=2, aging_bound_s=None, fair_lag_tokens=256.0)
+    flood = [stats(f"f{i}", tenant="flood", arrival=i * 0.01, predicted=None) for i in range(20)]
+    state = build(policy, flood + [stats("l0", tenant="light", arrival=1.0, predicted=None)])
+    plan = policy.plan(state, 1.0)
+    assert "l0" in plan.request_ids and "f0" in plan.request_ids
