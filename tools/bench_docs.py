@@ -241,7 +241,8 @@ BENCHES: tuple[Bench, ...] = (
           "specgate loadtest hostile --window-s 20 --json results/loadtest_hostile_before.json",
           "Whether one tenant can hurt another (issue 50): a victim tenant sends a short streamed "
           "chat every half second while an attacker, within its own generous quotas, runs seven "
-          "patterns in turn (huge tool lists, costly JSON schemas, byte-token output replayed, "
+          "patterns in turn, after a reference phase (busy: ordinary streamed chats keeping the "
+          "batch full, what any busy neighbour costs; each pattern is also given against it) (huge tool lists, costly JSON schemas, byte-token output replayed, "
           "a flood of stored responses, many followers of one stream, gRPC messages past the "
           "HTTP body cap, streams never read), the gateway waited out after each. Per pattern: "
           "the victim's p99 TTFT and time between tokens against its quiet baseline of the same "

@@ -326,8 +326,11 @@ def hostile(doc: Doc) -> list[str]:
     for name, p in doc["phases"].items():
         v, r, h, a = p["victim"], p["ratios"], p["health_ms"], p["attacker"]
         failed = [t for t, verdict in p.get("targets", {}).items() if verdict == "FAIL"]
+        rb = p.get("ratios_to_busy") or {}
         rows.append((name, f"{ms(v['ttft_s']['p99'])} ({times(r['ttft_p99'], 2)})",
                      f"{ms(v['tbt_s']['p99'])} ({times(r['tbt_p99'], 2)})",
+                     f"{times(rb.get('ttft_p99'), 2)} / {times(rb.get('tbt_p99'), 2)}"
+                     if rb else DASH,
                      f"{num(h['p99'], 0)} / {num(h['max'], 0)}",
                      num(p["victim_until_settled"]["lost"]), num(p["server_errors"]),
                      ", ".join(f"{k}: {n}" for k, n in a["statuses"].items()) or DASH,
@@ -336,6 +339,7 @@ def hostile(doc: Doc) -> list[str]:
     return [*settings_line({k: doc["settings"].get(k) for k in (
                 "model", "redis", "window_s", "quotas", "attacker", "load_average")}),
             *table(("phase", "victim TTFT p99 ms (× baseline)", "victim TBT p99 ms (× baseline)",
+                    "TTFT / TBT p99 × the busy phase's",
                     "/health p99 / max ms", "victim lost", "5xx", "attacker statuses",
                     "attacker refused with", "loop lag p99 / max ms", "verdict, failed targets"),
                    rows)]

@@ -10,6 +10,8 @@ generous quotas. The victim runs a steady, modest load: a short streamed chat ev
 (`victim.Victim`). After a quiet baseline window, the attacker runs each pattern in turn for
 `--window-s` seconds, within its own quotas, from a process of its own (`attacks`):
 
+    busy       not an attack: ordinary streamed chats keeping the batch full, the yardstick of
+               what any busy neighbour costs the victim (each pattern's ratios to it are reported)
     tools      chat requests carrying 28 tools of 60 KB descriptions (1.6 MiB bodies)
     schema     json_schema response formats that are costly to compile, each a new cache key
     bytes      resumable streams forced to byte tokens (U+FFFD alone), then replays of them

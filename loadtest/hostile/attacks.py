@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 from loadtest.hostile import bodies
 from loadtest.hostile.records import Outcome, error_code, event_error, grpc_outcome, sse_data
 
-PATTERNS = ("tools", "schema", "bytes", "stored", "followers", "grpc", "idle")
+PATTERNS = ("busy", "tools", "schema", "bytes", "stored", "followers", "grpc", "idle")
+REFERENCE = "busy"    # not an attack: an ordinary neighbour filling the batch, the others' yardstick
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,12 @@ async def _stream(run: _Run, kind: str, method: str, path: str, content: bytes |
 
 
 # ---- the patterns ------------------------------------------------------------------------------
+async def _busy(run: _Run) -> None:
+    body = bodies.busy_stream(run.spec.model)
+    await _loops(run, run.spec.concurrency, lambda k: _stream(
+        run, "busy", "POST", "/v1/chat/completions", body.with_nonce(k)))
+
+
 async def _tools(run: _Run) -> None:
     body = bodies.tools_bomb(run.spec.model)
     run.result.notes.append(f"body {len(body) / bodies.MIB:.2f} MiB")
@@ -311,5 +318,5 @@ async def _status_line(loop: asyncio.AbstractEventLoop, s: socket.socket) -> int
 
 
 _PATTERN_FNS: dict[str, Callable[[_Run], Awaitable[None]]] = {
-    "tools": _tools, "schema": _schema, "bytes": _bytes, "stored": _stored,
+    "busy": _busy, "tools": _tools, "schema": _schema, "bytes": _bytes, "stored": _stored,
     "followers": _followers, "grpc": _grpc, "idle": _idle}

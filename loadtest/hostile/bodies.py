@@ -112,6 +112,14 @@ def byte_stream(model: str, token_id: int, max_tokens: int) -> Spliced:
         stream_options={"resumable": True, "include_usage": True}))
 
 
+# ---- the reference: an ordinary busy neighbour ---------------------------------------------------
+def busy_stream(model: str, max_tokens: int = 128) -> Spliced:
+    """An ordinary streamed chat, what any legitimate neighbour sends: `concurrency` of them at
+    once keep the batch full, which is what sharing the verifier costs a victim at best."""
+    return Spliced.of(chat_body(model, f"Tell me a story about a harbour ({NONCE}).", max_tokens,
+                                stream=True))
+
+
 # ---- 4. stored responses, 5. followers ---------------------------------------------------------
 def stored_response(model: str, max_output_tokens: int = 2) -> Spliced:
     """A small stored background response (Responses API): each one is kept by the gateway."""

@@ -16,12 +16,18 @@ Targets, each PASS, FAIL or n/a (nothing to judge):
     refusals_named                    every refusal of the attacker a 4xx naming its cap (`code`)
     redis_watermark                   Redis used_memory stays within the watermark (Redis mode)
     nothing_lost                      every victim request answered in full (VictimSample.complete)
+
+The `busy` phase is no attack but the yardstick: an ordinary neighbour keeping the batch full.
+Every step then costs more than the quiet baseline's, so the victim's ratios under it are the
+least that sharing the verifier costs; each pattern's p99s are also given as ratios to it
+(`ratios_to_busy`), which say what the pattern costs beyond being a busy neighbour.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
+from loadtest.hostile.attacks import REFERENCE
 from loadtest.hostile.records import MemorySample, Outcome, Probe, VictimSample
 from loadtest.loadgen import quantile
 
@@ -176,6 +182,8 @@ def phase_report(phase: Phase, victim: Sequence[VictimSample], probes: Sequence[
                           + p["attacker"]["server_errors"])
     if phase.attack and phase.skipped:
         p["verdict"] = "SKIPPED"
+    elif phase.name == REFERENCE:
+        p["verdict"] = "REFERENCE"             # judged by nothing: what the others are held to
     elif phase.attack:
         p["targets"] = verdicts(p, baseline, targets)
         p["verdict"] = "FAIL" if "FAIL" in p["targets"].values() else "PASS"
@@ -195,6 +203,13 @@ def build_report(phases: Sequence[Phase], victim: Sequence[VictimSample],
         phases_out[phase.name] = phase_report(phase, victim, probes, memory, baseline, targets)
         if baseline is None:
             baseline = phases_out[phase.name]
+    reference = phases_out.get(REFERENCE)
+    if reference is not None:                  # beside the quiet baseline: a full batch's cost
+        for name, p in phases_out.items():
+            if name != REFERENCE and "verdict" in p:
+                p["ratios_to_busy"] = {
+                    f"{m}_p99": ratio(p["victim"][f"{m}_s"]["p99"], reference["victim"][f"{m}_s"]["p99"])
+                    for m in ("ttft", "tbt")}
     out["phases"] = phases_out
     out["victim_overall"] = {k: victim_summary(victim)[k]
                              for k in ("requests", "complete", "lost", "statuses", "codes")}
@@ -222,6 +237,10 @@ def summary(report: dict[str, Any]) -> str:
                      f"{ms(v['tbt_s']['p99']) + x(r['tbt_p99']):>16} {health:>18} "
                      f"{p['victim_until_settled']['lost']:>5} {p['server_errors']:>4}  "
                      f"{statuses:<18} {p.get('verdict', '')}")
+    for name, p in report["phases"].items():
+        if (rb := p.get("ratios_to_busy")) is not None:
+            lines.append(f"{name}: beside a busy neighbour's p99s (ttft, tbt){x(rb['ttft_p99'])}"
+                         f"{x(rb['tbt_p99'])}")
     for name, p in report["phases"].items():
         failed = [t for t, verdict in p.get("targets", {}).items() if verdict == "FAIL"]
         if failed:

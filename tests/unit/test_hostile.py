@@ -119,6 +119,30 @@ def test_a_skipped_pattern_is_judged_on_nothing():
     assert rep["verdicts"] == {"bytes": "SKIPPED"} and "targets" not in rep["phases"]["bytes"]
 
 
+def test_the_busy_reference_is_judged_on_nothing_and_each_attack_is_also_held_to_it():
+    # baseline [0, 10): ttft 0.1; busy [10, 20): 0.3, an ordinary full batch; tools [20, 30): 0.6
+    victim = [_victim(float(t), 0.1 if t < 10 else 0.3 if t < 20 else 0.6, gaps=(0.04,))
+              for t in range(30)]
+    phases = [Phase("baseline", 0.0, 10.0, 10.0, attack=False),
+              Phase("busy", 10.0, 20.0, 20.0), Phase("tools", 20.0, 30.0, 30.0)]
+    rep = build_report(phases, victim, [], [], Targets(), {})
+    assert rep["verdicts"] == {"busy": "REFERENCE", "tools": "FAIL"}
+    assert "targets" not in rep["phases"]["busy"] and "ratios_to_busy" not in rep["phases"]["busy"]
+    tools = rep["phases"]["tools"]
+    assert tools["ratios"]["ttft_p99"] == pytest.approx(6.0)
+    assert tools["ratios_to_busy"] == {"ttft_p99": pytest.approx(2.0), "tbt_p99": pytest.approx(1.0)}
+    assert "tools: beside a busy neighbour's p99s (ttft, tbt) (2.00x) (1.00x)" in summary(rep)
+    from tools.bench_tables import hostile
+    row = next(line for line in hostile(rep) if line.startswith("| tools |"))
+    assert "2.00× / 1.00×" in row
+
+
+def test_the_busy_pattern_is_an_ordinary_streamed_chat():
+    body = json.loads(bodies.busy_stream("m", 64).with_nonce(5))
+    assert body["stream"] and body["max_tokens"] == 64 and "(5)" in body["messages"][0]["content"]
+    assert set(body) == {"model", "messages", "max_tokens", "temperature", "stream"}
+
+
 def test_the_benchmarks_page_table_shows_each_phase_and_its_failed_targets():
     from tools.bench_tables import hostile
 
