@@ -7,6 +7,13 @@ compete by the policy's order, and tenants that ran ahead get only the slots nob
 wants (work conserving). A tenant that becomes active after idling starts at the class's floor
 (the least virtual time among active tenants), so idle time cannot be banked as credit.
 
+Prefill: a request's context is verifier work too, and a tenant of many short requests is
+mostly prompt. Were prefill free to its tenant, such a tenant would win every slot by key (fresh
+requests rank first under LAS and LAPS) while its virtual time barely moved. Each prefilled
+context token is charged `prefill_weight` verified tokens: what the step cost says one costs
+beside a verified tree token of a full step, about half on the default model (prefill runs many
+rows through one pass; a verified token shares a step's fixed cost with few others).
+
 `lag_tokens` trades fairness for policy order: 0 is strict weighted round robin between tenants,
 ∞ is no fairness. A few steps' worth of tokens keeps the policy's order when tenants are balanced
 and still stops a flooding tenant after it has run `lag_tokens` ahead.
@@ -16,6 +23,10 @@ from __future__ import annotations
 from typing import Mapping
 
 from scheduler.state import SchedulerState
+from scheduler.step_cost import StepCost
+
+DEFAULT_PREFILL_WEIGHT = 0.5    # without a step cost: the default model's order on CPU
+REFERENCE_PROMPT = 256          # context tokens the prefill rate is read at
 
 
 class TenantFairness:
@@ -49,3 +60,18 @@ class TenantFairness:
         vt = state.virtual_time
         local = {t: vt.get((cls, t), 0.0) for t in tenants}
         return local, min(local.values()) + self.lag_tokens
+
+
+def prefill_weight(cost: StepCost | None, max_batch: int, token_budget: int) -> float:
+    """Verified tree tokens one prefilled context token is worth: seconds a token of a
+    REFERENCE_PROMPT-token prefill takes ÷ seconds a tree token of a full step takes.
+
+    >>> from scheduler.step_cost import LinearStepCost
+    >>> prefill_weight(LinearStepCost(fixed_s=0.04, per_token_s=0.001), 8, 64)
+    0.712
+    """
+    if cost is None:
+        return DEFAULT_PREFILL_WEIGHT
+    per_prefilled = cost.prefill(REFERENCE_PROMPT) / REFERENCE_PROMPT
+    per_verified = cost(max_batch, token_budget) / token_budget
+    return round(per_prefilled / per_verified, 3) if per_verified > 0 else DEFAULT_PREFILL_WEIGHT

@@ -26,6 +26,10 @@ class PolicyConfig:
     tier_wait_s: Mapping[str, float | None] = field(default_factory=dict)
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     fair_lag_tokens: float = 256.0
+    # what one prefilled context token counts against its tenant's virtual time, in verified
+    # tree tokens (fairness.py, "Prefill"); None: what the step cost says a prefilled token costs
+    # beside a verified one (`prefill_weight`), 0: prefill is free to the tenant
+    fair_prefill_weight: float | None = None
     sizing: SizingConfig = SizingConfig()  # tree sizing: caps and gains (scheduler/sizing.py)
     # New requests start from their (tenant, drafter)'s learned prior (alpha.DrafterPrior); off,
     # every request starts from the fixed one, its sizing independent of what ran before it.

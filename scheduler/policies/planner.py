@@ -46,7 +46,7 @@ from typing import Collection, Iterable, Mapping
 from scheduler.alpha import AlphaEstimate, DrafterPrior, pool
 from scheduler.kv_budget import KVBudget
 from scheduler.policies.aging import TierAging
-from scheduler.policies.fairness import TenantFairness
+from scheduler.policies.fairness import TenantFairness, prefill_weight
 from scheduler.policies.ordering import Ordering
 from scheduler.policies.plan import Plan, PolicyConfig
 from scheduler.policies.queues import RequestQueues
@@ -98,6 +98,8 @@ class BatchPlanner:
         c.check()
         self.ordering = ordering
         self.fairness = TenantFairness(c.tenant_weights, c.fair_lag_tokens)
+        self._prefill_weight = (prefill_weight(c.step_cost, c.max_batch, c.token_budget)
+                                if c.fair_prefill_weight is None else c.fair_prefill_weight)
         ages = ordering.ages                  # the strict baseline holds no request to a bound
         self.aging = TierAging(c.aging_bound_s if ages else None, c.aging_margin_steps,
                                c.total_wait_bound_s if ages else None,
@@ -189,8 +191,11 @@ class BatchPlanner:
                 del self._warming[rid]
             first_warm = len(plan) - plan.warm    # a chunk of its context: it holds KV from now
             self._started.update(r for r, k in zip(plan.request_ids[:first_warm], plan.prefill) if k)
+            self._charge_prefill(state, zip(plan.request_ids, plan.prefill))
         else:
+            fresh = [(r, requests[r].unprefilled) for r in chosen if r not in self._started]
             plan = Plan(chosen, self.budget.trees([requests[r] for r in chosen]), aged)
+            self._charge_prefill(state, fresh)
         plan.evict = evict
         plan.homes = kv.planned_homes(plan.request_ids)
         return plan
@@ -236,6 +241,19 @@ class BatchPlanner:
         state.running = served
         self.ordering.finished(finished)
         return finished
+
+    def _charge_prefill(self, state: SchedulerState, chunks: Iterable[tuple[str, int]]) -> None:
+        """Charge the context tokens this plan prefills to their tenants' virtual time, as
+        `update` charges verified ones (fairness.py, "Prefill"): by the plan that runs them, since
+        the step's records carry verified tokens only."""
+        w = self._prefill_weight
+        if not w:
+            return
+        requests = state.requests
+        for rid, k in chunks:
+            if k:
+                s = requests[rid]
+                self.fairness.charge(state, s.plan_class, s.tenant, k * w)
 
     # ---- choosing ----------------------------------------------------------------------------
     def _kv(self, state: SchedulerState) -> KVBudget:

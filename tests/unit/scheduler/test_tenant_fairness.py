@@ -136,3 +136,28 @@ def test_a_tenant_that_queued_many_fresh_requests_does_not_go_first_on_every_tie
     state = build(policy, flood + [stats("l0", tenant="light", arrival=1.0, predicted=None)])
     plan = policy.plan(state, 1.0)
     assert "l0" in plan.request_ids and "f0" in plan.request_ids
+
+
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_a_plans_prefill_is_charged_to_its_tenant_at_the_prefill_weight(chunk):
+    # many short requests are mostly prompt: were prefill free, a tenant sending them would win
+    # every slot by key (fresh requests rank first) while its virtual time barely moved
+    from scheduler.request import RequestStats
+    policy = make_policy("fcfs", max_batch=2, aging_bound_s=None, prefill_chunk_tokens=chunk,
+                         tenant_weights={"w": 2.0}, fair_prefill_weight=0.5)
+    state = build(policy, [RequestStats("p", "w", 0.0, prompt_len=40, max_tokens=2),
+                           RequestStats("q", "t", 0.0, prompt_len=40, max_tokens=2)])
+    plan = policy.plan(state, 0.0)
+    prefilled = dict(zip(plan.request_ids, plan.prefill)) if chunk else {"p": 39, "q": 39}
+    assert 0 < prefilled["p"] <= 39
+    assert state.virtual_time[(0, "w")] == pytest.approx(prefilled["p"] * 0.5 / 2.0)
+    assert state.virtual_time[(0, "t")] == pytest.approx(prefilled["q"] * 0.5)
+
+
+def test_the_prefill_weight_is_what_the_step_cost_says_a_prefilled_token_costs():
+    from scheduler.policies.fairness import prefill_weight
+    from scheduler.step_cost import LinearStepCost
+    # a pass's fixed cost spread over 256 prefilled tokens, a step's over 64 tree tokens
+    cost = LinearStepCost(fixed_s=0.064, per_token_s=0.001)
+    assert prefill_weight(cost, 8, 64) == pytest.approx((0.320 / 256) / (0.128 / 64), abs=1e-3)
+    assert prefill_weight(None, 8, 64) == 0.5

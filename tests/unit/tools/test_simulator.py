@@ -54,6 +54,7 @@ def test_the_wait_credit_keeps_laps_tail_near_fcfs_on_the_loadtest_mix():
     # Three arrival sequences, ratios averaged: one seed's p99 moves by ~0.05x with any change to
     # tree sizing (a p99 of 600 requests is a handful of them).
     ratios = {"plain": [], "credited": []}
+    waits = {"plain": 0.0, "credited": 0.0}
     for seed in (2, 4, 6):
         s = replace(SMALL, n_requests=600, load=0.95, seed=seed, workload=sim.WORKLOADS["loadtest"],
                     calibration_requests=1000)
@@ -63,8 +64,11 @@ def test_the_wait_credit_keeps_laps_tail_near_fcfs_on_the_loadtest_mix():
         credited = run_sim(["laps"], s)["policies"]["laps"]
         ratios["plain"].append(plain["p99_latency_s"] / fcfs["p99_latency_s"])
         ratios["credited"].append(credited["p99_latency_s"] / fcfs["p99_latency_s"])
-        assert credited["max_wait_s"] < plain["max_wait_s"]
+        waits["plain"] += plain["max_wait_s"]
+        waits["credited"] += credited["max_wait_s"]
         assert credited["mean_latency_s"] < fcfs["mean_latency_s"]
+    # summed over the seeds: where both reach the aging bound, one seed's two differ by noise
+    assert waits["credited"] < 0.9 * waits["plain"]
     mean = {k: sum(v) / len(v) for k, v in ratios.items()}
     assert mean["plain"] > 1.5                                             # the problem
     assert mean["credited"] < 1.25                                         # what the credit fixes
