@@ -30,7 +30,7 @@ REFERENCE_PROMPT = 256          # context tokens the prefill rate is read at
 
 
 class TenantFairness:
-    def __init__(self, weights: Mapping[str, float] | None = None, lag_tokens: float = 256.0,
+    def __init__(self, weights: Mapping[str, float] | None = None, lag_tokens: float = 64.0,
                  default_weight: float = 1.0) -> None:
         self.weights = dict(weights or {})
         if any(w <= 0 for w in self.weights.values()) or default_weight <= 0:

@@ -25,7 +25,11 @@ class PolicyConfig:
     # (aging.py, "Per tier"); a tier not named: aging_bound_s; None: no bound (misses only counted)
     tier_wait_s: Mapping[str, float | None] = field(default_factory=dict)
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
-    fair_lag_tokens: float = 256.0
+    # how far (verified tokens over weight) a tenant may run ahead of the least served before it
+    # gets only what nobody else wants: one full step's tree tokens at the default token budget.
+    # Four steps' worth let a flood of cheap fresh requests (which rank first) hold another
+    # tenant's running stream out of the batch for that long each time it came back
+    fair_lag_tokens: float = 64.0
     # what one prefilled context token counts against its tenant's virtual time, in verified
     # tree tokens (fairness.py, "Prefill"); None: what the step cost says a prefilled token costs
     # beside a verified one (`prefill_weight`), 0: prefill is free to the tenant

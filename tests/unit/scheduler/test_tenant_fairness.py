@@ -161,3 +161,40 @@ def test_the_prefill_weight_is_what_the_step_cost_says_a_prefilled_token_costs()
     cost = LinearStepCost(fixed_s=0.064, per_token_s=0.001)
     assert prefill_weight(cost, 8, 64) == pytest.approx((0.320 / 256) / (0.128 / 64), abs=1e-3)
     assert prefill_weight(None, 8, 64) == 0.5
+
+
+def _victim_beside_a_flood(config_overrides: dict) -> float:
+    # a victim's short streams (8 tokens, every 0.5 s) beside another tenant's flood of cheap
+    # fresh requests (2 tokens, 30 a second, at most 64 live): the hostile test's stored pattern
+    from dataclasses import replace as dc_replace
+
+    from scheduler.admission import AdmissionLimits
+    from scheduler.policies.plan import PolicyConfig
+    victim = TenantMix("victim", 1.0, 8, 0.01, 40, 0.05, 4.0, 3.0, max_tokens=8)
+    flood = TenantMix("flood", 1.0, 2, 0.01, 30, 0.05, 4.0, 3.0, max_tokens=2)
+    reqs = with_arrivals(generate(WorkloadSpec(tenants=(victim,)), 60, 1), 2.0, 2)
+    horizon = reqs[-1].arrival_s
+    reqs += with_arrivals(generate(WorkloadSpec(tenants=(flood,)), int(30 * horizon), 3), 30.0, 4)
+    reqs.sort(key=lambda r: r.arrival_s)
+    for i, r in enumerate(reqs):
+        r.request_id, r.index = f"{r.tenant}{i}", i
+    cost = StepCostModel.from_json()
+    config = dc_replace(PolicyConfig(max_batch=8, token_budget=64, step_cost=cost, max_resident=32,
+                                     prefill_chunk_tokens=24, learn_priors=False),
+                        **config_overrides)
+    out = simulate(make_policy("laps", config), reqs, cost, WorkloadSpec(tenants=(victim, flood)),
+                   AdmissionLimits(max_live=10_000, max_live_per_tenant=64))
+    lat = sorted(s.finished_s - s.arrival_s for s in out.finished if s.tenant == "victim")
+    return sum(lat) / len(lat)
+
+
+def test_a_flood_of_cheap_requests_costs_a_victim_what_strict_round_robin_would():
+    # Fresh requests rank first under LAPS; a tenant of many cheap ones (mostly prompt) must be
+    # charged its prefills and held to a step's lead, or it keeps the victim's stream out of
+    # the batch. Near-strict round robin (a lead of one token) is the yardstick: every step
+    # then has the victim's request, at a full batch's step cost.
+    defaults = _victim_beside_a_flood({})
+    strict = _victim_beside_a_flood({"fair_lag_tokens": 1.0})
+    free_prefill = _victim_beside_a_flood({"fair_prefill_weight": 0.0, "fair_lag_tokens": 256.0})
+    assert defaults <= 1.15 * strict
+    assert free_prefill > 2 * strict                 # what it was: the flood won every slot
