@@ -5,7 +5,9 @@ included) divided by its weight. A tenant is *eligible* for a step while its vir
 most `lag_tokens` ahead of the least-served active tenant of its class; eligible tenants' requests
 compete by the policy's order, and tenants that ran ahead get only the slots nobody eligible
 wants (work conserving). A tenant that becomes active after idling starts at the class's floor
-(the least virtual time among active tenants), so idle time cannot be banked as credit.
+(the least virtual time among active tenants), so idle time cannot be banked as credit; into a
+class where nobody is active, at the highest virtual time of the class, so that nobody is held
+back for what it was served while nobody else asked.
 
 Prefill: a request's context is verifier work too, and a tenant of many short requests is
 mostly prompt. Were prefill free to its tenant, such a tenant would win every slot by key (fresh
@@ -46,7 +48,11 @@ class TenantFairness:
         """`tenant` got its first live request in class `cls`; `active` = the class's tenants."""
         vt = state.virtual_time
         others = [vt.get((cls, t), 0.0) for t in active if t != tenant]
-        floor = min(others) if others else vt.get((cls, tenant), 0.0)
+        if others:
+            floor = min(others)
+        else:   # nobody active: the class's highest, so that a tenant served alone meanwhile
+            # (using what nobody else wanted) is not held back until this one catches up
+            floor = max((v for (c, _), v in vt.items() if c == cls), default=0.0)
         vt[(cls, tenant)] = max(vt.get((cls, tenant), 0.0), floor)
 
     def charge(self, state: SchedulerState, cls: int, tenant: str, tokens: float) -> None:

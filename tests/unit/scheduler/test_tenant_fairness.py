@@ -198,3 +198,18 @@ def test_a_flood_of_cheap_requests_costs_a_victim_what_strict_round_robin_would(
     free_prefill = _victim_beside_a_flood({"fair_prefill_weight": 0.0, "fair_lag_tokens": 256.0})
     assert defaults <= 1.15 * strict
     assert free_prefill > 2 * strict                 # what it was: the flood won every slot
+
+
+def test_a_tenant_served_alone_is_not_held_back_by_one_that_arrives_while_it_is_away():
+    # v runs alone for a long time (its virtual time grows: nobody else wanted the verifier),
+    # then is briefly idle; a joins while nobody is active. Were a to start at its own old
+    # virtual time, v coming back would be deferred until a caught up with all of v's past.
+    policy = make_policy("fcfs", max_batch=1, aging_bound_s=None, fair_lag_tokens=10.0)
+    state = build(policy, [stats(f"v{i}", tenant="v", arrival=i, max_tokens=1) for i in range(40)])
+    run_steps(policy, state, 40)                     # one step each: v's virtual time is ~200
+    assert not state.requests
+    for i in range(20):
+        policy.add(state, stats(f"a{i}", tenant="a", arrival=100 + i))
+    policy.add(state, stats("v40", tenant="v", arrival=121))
+    verified = run_steps(policy, state, 6)
+    assert verified["v"] >= 10                       # served in turn with a, not after 40 steps
