@@ -184,3 +184,59 @@ def test_argmax_rows_matches_torch_first_of_equals(kernel_path, dtype):
     got = small_gemm.argmax_rows(x)
     ref = torch.argmax(torch.nan_to_num(x.float(), nan=float("-inf")), dim=1)
     assert got.tolist() == ref.tolist() and got[1] == 3 and got[2] == 999 and got[3] == 0
+
+
+
+def _ticks_inside(call, repeats: int) -> tuple[float, float]:
+    """Run `call` `repeats` times on another thread while this one counts loop turns; returns
+    (turns per second inside the calls, the calls' total seconds). A turn is counted only between
+    the timestamps taken just before and just after a call."""
+    import threading
+    import time
+
+    inside: list[tuple[float, float]] = []
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def calls() -> None:
+        try:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                call()
+                inside.append((t0, time.perf_counter()))
+        finally:
+            stop.set()
+
+    worker = threading.Thread(target=calls)
+    worker.start()
+    while not stop.is_set():
+        ticks.append(time.perf_counter())
+    worker.join()
+    seconds = sum(b - a for a, b in inside)
+    return sum(1 for t in ticks for a, b in inside if a < t < b) / seconds, seconds
+
+
+@pytest.mark.skipif(torch.float32 not in DTYPES, reason="float32 kernel unavailable")
+def test_a_kernel_call_lets_other_python_threads_run(kernel_path):
+    # The step loop calls the kernels from its own thread while the gateway's event loop serves
+    # every tenant from another: a kernel that held the GIL stopped the event loop for the whole
+    # call (a forward is one call). Another thread's turns inside the calls are compared with its
+    # turns while the same thread sleeps (GIL released) for as long, in the same test, so a busy
+    # machine slows both alike. Holding the GIL, the only turns inside a call are those of a
+    # switch at its start (at most one switch interval, 5 ms, of a call of ~100 ms or more).
+    import time
+
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(8192, 4096, generator=g)
+    packed = small_gemm.pack(weight)
+    x = torch.randn(256, 4096, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)           # the kernel on one core, the counting thread on the other
+    try:
+        kernel_rate, seconds = _ticks_inside(lambda: small_gemm.linear(x, packed, 8192), 4)
+        sleep_rate, _ = _ticks_inside(lambda: time.sleep(seconds / 4), 4)
+    finally:
+        torch.set_num_threads(threads)
+    assert kernel_rate >= 0.25 * sleep_rate, (
+        f"another thread ran {kernel_rate:.0f} turns/s inside the kernel's calls against "
+        f"{sleep_rate:.0f} while sleeping: the kernel holds the GIL")

@@ -114,6 +114,7 @@ void register_decoder(pybind11::module& m) {
   pybind11::class_<LayerStack>(m, "LayerStack")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, int64_t, int64_t, int64_t, int64_t, int64_t,
                           double>())
-      .def("forward", &LayerStack::forward);
-  m.def("argmax_rows", &argmax_rows, "index of each row's largest value");
+      .def("forward", &LayerStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "index of each row's largest value",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -403,12 +403,17 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Every kernel runs without the GIL, as torch's own operators do: a step's forward takes tens of
+// milliseconds, and holding the GIL through it stopped the gateway's event loop (every tenant's
+// stream writes, /health) for as long. Safe: the kernels touch no Python object, only the tensors
+// the step loop's thread passed and owns, and their scratch buffers are thread_local.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using nogil = pybind11::call_guard<pybind11::gil_scoped_release>;
   register_decoder(m);
-  m.def("rope_store", &rope_store, "rotary embedding of a step's queries and keys + their KV write");
-  m.def("tree_attention", &tree_attention, "attention of every request's step rows over its own KV");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2I] gate/up output");
+  m.def("rope_store", &rope_store, "rotary embedding of a step's queries and keys + their KV write", nogil());
+  m.def("tree_attention", &tree_attention, "attention of every request's step rows over its own KV", nogil());
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a [M, 2I] gate/up output", nogil());
   m.def("amx_permit", &amx_permit, "request the AMX tile state for this process");
-  m.def("linear", &linear, "few-row linear over a panel-packed weight");
-  m.def("rms_norm", &rms_norm, "RMSNorm of few rows, optionally after the residual add (in place)");
+  m.def("linear", &linear, "few-row linear over a panel-packed weight", nogil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of few rows, optionally after the residual add (in place)", nogil());
 }
