@@ -203,3 +203,16 @@ def _flood(gw: _Gateway, limit: str, total: int, concurrency: int) -> dict[str, 
             "cpu_s": round(cpu, 3), "rest_cpu_share": round(rest_rate, 3),
             "cpu_ms_per_refusal": round(1000 * cpu / sent, 4),
             "loop_lag_p99_le_s": lag.get("p99_le_s"), "loop_lag_max_le_s": lag.get("max_le_s")}
+
+
+def docs_table(doc: dict[str, Any]) -> list[str]:
+    """The benchmarks page's table of a result (tools/bench_docs.py): one row per mode and limit."""
+    from tools.bench_tables import num, table
+
+    rows = [(mode, limit, num(m["cpu_ms_per_refusal"], 3), num(m["refusals_per_s"], 0),
+             num(m["loop_lag_p99_le_s"], 4), num(m["loop_lag_max_le_s"], 4))
+            for mode, by_limit in doc["modes"].items() for limit, m in by_limit.items()]
+    return [f"{num(doc['refusals'])} requests a flood over {num(doc['concurrency'])} connections, "
+            f"load average {num(doc['load_average'][0], 1)} on {num(doc['cpu_count'])} CPUs.", "",
+            *table(("mode", "limit", "CPU ms a refusal", "refusals/s", "loop lag p99 ≤ s",
+                    "loop lag max ≤ s"), rows)]
