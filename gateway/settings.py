@@ -137,6 +137,10 @@ class Settings(BaseSettings):
     grammar_max_shipped_mb: float = Field(16.0, gt=0)
     # HTTP
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
+    # answer a generation request whose key was refused for its rpm or concurrency a moment ago
+    # with the same 429 before any work on it (gateway/http/refusal_book.py); off: every
+    # refusal takes the full path (`specgate bench refusals` compares the two)
+    early_refusals: bool = True
     # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:
     # an empty delta and HTTP/2 pings), so proxies that close idle connections do not cut one that
     # waits in the queue; keep it below their idle timeout (often 60 s). 0: none

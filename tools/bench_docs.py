@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from tools import bench_refusals
 from tools import bench_tables as t
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +145,12 @@ BENCHES: tuple[Bench, ...] = (
           "milliseconds to a second, and /health waits a few milliseconds at most beside any of "
           "them.",
           ("results/bench_front*.json",), t.front),
+    Bench("bench refusals", "specgate bench refusals --json results/bench_refusals.json",
+          "CPU per refused request of a closed-loop flood over rpm and over concurrency, and the "
+          "event loop's lag, with early refusals on (fast) and off (full), over Redis.",
+          "A key refused a moment ago is refused again before authentication, Redis and body "
+          "parsing: a refusal costs several times less CPU on either limit.",
+          ("results/bench_refusals*.json",), bench_refusals.docs_table),
     Bench("bench stall", "specgate bench stall --chunks 0,24 --json results/bench_stall.json",
           "Streams' longest gap between tokens while a long prompt is prefilled: counting "
           "streams, then one long prompt; per stream the median gap before the prompt (and after "

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import json
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from gateway import errors
 from gateway.followers import FollowerGate
+from gateway.http import early_refusal
 from gateway.http.deps import ClientDisconnected
+from gateway.http.refusal_book import RefusalBook
 from gateway.http.routers import admin, chat, completions, health, models
 from gateway.http.routers import metrics as metrics_router
 from gateway.http.routers import responses as responses_router
@@ -67,8 +69,20 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
               metrics_router.router, admin.router):
         app.include_router(r)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # the gate after (outside) the body limit: a key known to be over its limits is refused
+    # before its body is read at all
+    app.state.refusal_book = RefusalBook(_slots_held(service))
+    if settings.early_refusals:
+        early_refusal.install(app, app.state.refusal_book, metrics)
     app.openapi = _hoisting_body_schemas(app.openapi)
     return app
+
+
+def _slots_held(service: GenerationService) -> Callable[[str], int]:
+    """The concurrency slots this replica holds per tenant (none where it holds no grants:
+    Ray mode's ingress, whose service admits on another replica)."""
+    grants = getattr(service, "grants", None)
+    return grants.held if grants is not None else (lambda _tenant: 0)
 
 
 def _lifespan(metrics: GatewayMetrics) -> Any:

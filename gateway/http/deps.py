@@ -26,6 +26,7 @@ from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.http.choices import merged
+from gateway.http.early_refusal import remember_tenant
 from gateway.http.parse import model_parser, parse_json, parsed
 from gateway.keepalive import with_keepalive
 from gateway.service import EventStream, GenerateOutput, GenerationService, StreamChunk
@@ -150,11 +151,14 @@ async def require_metrics_reader(request: Request, tenants: TenantsDep,
 TenantDep = Annotated[Tenant, Depends(current_tenant)]
 
 
-async def arrived_tenant(tenant: TenantDep, service: ServiceDep) -> Tenant:
+async def arrived_tenant(request: Request, tenant: TenantDep, service: ServiceDep) -> Tenant:
     """The caller's tenant, its generation request charged to its requests per minute as it
     arrives (`GenerationService.arrive`): before the body is read, so a tenant over its rpm
     costs no parsing, and every refusal after this (a body that does not parse, a prompt too
-    large, a template that cannot render it) has cost the tenant a request."""
+    large, a template that cannot render it) has cost the tenant a request. The tenant is
+    left in the request's scope first, so that a refusal for its limits can be noted
+    (gateway/http/early_refusal.py) and the key's next requests refused before this runs."""
+    remember_tenant(request, tenant)
     await service.arrive(tenant)
     return tenant
 

@@ -19,6 +19,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from gateway.tenancy.limits import Grant, Limiter
@@ -50,6 +51,7 @@ class GrantKeeper:
         self.renew_every_s = limiter.lease_s / 3
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}            # grant id -> its lease
+        self._by_tenant: Counter[str] = Counter()   # tenant name -> its grants in `_held`
         self._releases: list[_Release] = []         # until done (succeeded, or gave up)
         self._down_until = 0.0        # after a failed call: no store call before this (backoff)
         self._delay = RETRY_FIRST_S
@@ -61,9 +63,16 @@ class GrantKeeper:
         """Renew `grant` every third of its lease until `release`."""
         now = time.monotonic()
         with self._cond:
+            if grant.grant_id not in self._held:
+                self._by_tenant[grant.tenant] += 1
             self._held[grant.grant_id] = _Held(grant, now + self.renew_every_s,
                                                now + self.limiter.lease_s)
             self._wake()
+
+    def held(self, tenant: str) -> int:
+        """The slots this keeper holds for `tenant`'s requests now: a lower bound on what the
+        shared limiter counts for it (gateway/http/refusal_book.py). Any thread; no I/O."""
+        return self._by_tenant.get(tenant, 0)
 
     def release(self, grant: Grant, used_tokens: int) -> concurrent.futures.Future:
         """Stop renewing `grant` and free its slot (correcting its TPM charge to `used_tokens`).
@@ -71,7 +80,7 @@ class GrantKeeper:
         tried again in the background until it succeeds or the lease ends."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            held = self._held.pop(grant.grant_id, None)
+            held = self._drop(grant.grant_id)
         if not self.limiter.remote:
             self.limiter.release(grant, used_tokens)
             done.set_result(True)
@@ -89,6 +98,17 @@ class GrantKeeper:
         """Releases not done yet (being tried, or waiting for the store to answer)."""
         with self._cond:
             return len(self._releases)
+
+    def _drop(self, grant_id: str) -> _Held | None:
+        """(Holding the lock.) Stop keeping a grant; its tenant's count goes down with it."""
+        held = self._held.pop(grant_id, None)
+        if held is not None:
+            left = self._by_tenant[held.grant.tenant] - 1
+            if left > 0:
+                self._by_tenant[held.grant.tenant] = left
+            else:
+                del self._by_tenant[held.grant.tenant]
+        return held
 
     # ---- the keeper's thread ---------------------------------------------------------------------
     def _wake(self) -> None:
@@ -160,7 +180,7 @@ class GrantKeeper:
                 # request runs on, uncounted, rather than be cut off.
                 log.warning("tenant %r: a running request's concurrency lease had ended; it is "
                             "no longer counted", h.grant.tenant)
-                del self._held[h.grant.grant_id]
+                self._drop(h.grant.grant_id)
 
     def _failed(self, exc: Exception) -> None:
         with self._cond:
