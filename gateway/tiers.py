@@ -59,14 +59,16 @@ class TierObjectives(BaseModel):
         return ttft_objective_s(self.ttft_s, self.ttft_prefill_allowance, prompt_tokens, cost)
 
 
-# The prefill allowances double tier by tier, as the fixed parts grow: priority's first token
-# within its prompt's whole pass and as much again (room for chunks taken between other
-# requests' steps), the lower tiers with more room for the queue ahead of them.
+# The prefill allowances double tier by tier, as the fixed parts grow. Priority's is several
+# passes' worth, not one: with chunked prefill (the gateway's default) each chunk rides in a step
+# whose own cost (the batch's decoding) it shares, so a prompt prefilled in chunks takes a few
+# times its whole pass; an allowance below that would make long prompts miss by construction
+# again. The lower tiers get more room for the queue ahead of them.
 DEFAULT_TIERS: dict[str, TierObjectives] = {
-    "priority": TierObjectives(ttft_s=1.0, ttft_prefill_allowance=2.0, tbt_s=0.1, percentile=99),
-    "default": TierObjectives(ttft_s=2.5, ttft_prefill_allowance=4.0, tbt_s=0.2, percentile=99,
+    "priority": TierObjectives(ttft_s=1.0, ttft_prefill_allowance=4.0, tbt_s=0.1, percentile=99),
+    "default": TierObjectives(ttft_s=2.5, ttft_prefill_allowance=8.0, tbt_s=0.2, percentile=99,
                               on_predicted_miss="flex"),
-    "flex": TierObjectives(ttft_s=30.0, ttft_prefill_allowance=8.0, tbt_s=0.5, percentile=95,
+    "flex": TierObjectives(ttft_s=30.0, ttft_prefill_allowance=16.0, tbt_s=0.5, percentile=95,
                            max_queue_wait_s=300.0),
 }
 

@@ -89,7 +89,8 @@ def ttft_objective_s(ttft_s: float, prefill_allowance: float, prompt_tokens: int
     follows the prefill curve's shape (attention makes long prompts dearer per token). The whole
     pass is the yardstick, not the chunked cost: it is what the prompt costs the hardware; how the
     deployment spends it (chunks between other requests' steps, at a chunk size of its choosing)
-    is the scheduler's business, which a multiple above 1 leaves room for. The prompt is counted
+    is the scheduler's business, which a multiple above 1 leaves room for (chunks share steps
+    with the batch's decoding, so a chunked prefill takes a few passes' worth). The prompt is counted
     as sent: a prefix-cache hit is the deployment's gain, not a tighter promise. No profile
     (`cost` None) or no allowance: the fixed part alone.
 
