@@ -27,6 +27,7 @@ from gateway.looplag import LoopLag
 from gateway.tiers import DEFAULT_TIERS, TierObjectives, attainment
 from scheduler.loop import StepLoop
 from scheduler.request import RequestStats
+from scheduler.step_cost import StepCost
 from workers.contract import StepResult, WorkItem
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -142,9 +143,11 @@ class GatewayMetrics:
     def admitted(self, tenant: str, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
 
-    def times(self, tenant: str, tier: str, predicted_ttft_s: float | None = None) -> "RequestTimes":
-        """A new request's latencies, as its tokens come (`predicted_ttft_s`: admission's)."""
-        return RequestTimes(self, tenant, tier, predicted_ttft_s)
+    def times(self, tenant: str, tier: str, predicted_ttft_s: float | None = None,
+              prompt_tokens: int = 0, step_cost: StepCost | None = None) -> "RequestTimes":
+        """A new request's latencies, as its tokens come (`predicted_ttft_s`: admission's;
+        `prompt_tokens`, `step_cost`: what its TTFT objective grows with, `TierObjectives.ttft_for`)."""
+        return RequestTimes(self, tenant, tier, predicted_ttft_s, prompt_tokens, step_cost)
 
     def done(self, tenant: str, status: str, seconds: float, completion_tokens: int) -> None:
         self.requests.labels(tenant, status).inc()
@@ -189,9 +192,11 @@ class RequestTimes:
     its tier's objectives to `specgate_slo_requests_total` (`gateway.tiers.attainment`)."""
 
     def __init__(self, metrics: GatewayMetrics, tenant: str, tier: str,
-                 predicted_ttft_s: float | None = None) -> None:
+                 predicted_ttft_s: float | None = None, prompt_tokens: int = 0,
+                 step_cost: StepCost | None = None) -> None:
         self.metrics, self.tenant, self.tier = metrics, tenant, tier
         self.predicted_ttft_s = predicted_ttft_s
+        self.prompt_tokens, self.step_cost = prompt_tokens, step_cost
         self.objectives = metrics.tiers.get(tier)
         self.ttft_s: float | None = None
         self.gaps = self.slow_gaps = 0
@@ -219,7 +224,8 @@ class RequestTimes:
         (both series exist once a tier and tenant have a request, so a rate reads 0, not none)."""
         if self.objectives is None:
             return
-        met = attainment(self.objectives, self.ttft_s, self.gaps, self.slow_gaps, lived_s)
+        met = attainment(self.objectives, self.ttft_s, self.gaps, self.slow_gaps, lived_s,
+                         self.prompt_tokens, self.step_cost)
         for objective, ok in met.items():
             counts = self.metrics.slo
             counts.labels(self.tenant, self.tier, objective, "met").inc(1 if ok else 0)

@@ -3,7 +3,9 @@
 met its tier's objectives (what /metrics counts, `specgate_slo_requests_total`).
 
 A tier (`priority`, `default`, `flex`: OpenAI's `service_tier`; the planner's order,
-scheduler/tiers.py) has a time-to-first-token target and a time-between-tokens target, each to be
+scheduler/tiers.py) has a time-to-first-token target (a fixed part, `ttft_s`, plus
+`ttft_prefill_allowance` times the prompt's prefill as the step-cost profile prices it: one rule,
+`scheduler.tiers.ttft_objective_s`, says why) and a time-between-tokens target, each to be
 met by `percentile` per cent of its requests (the rest is the error budget the burn-rate alerts
 watch), a maximum queue wait, and what the planner does about a request about to pass it
 (`on_miss`): `promote` plans it ahead of its band (aging per tier: it waits no longer, at the
@@ -18,7 +20,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler.tiers import TIERS
+from scheduler.step_cost import StepCost
+from scheduler.tiers import TIERS, ttft_objective_s
 
 REQUEST_TIERS = ("auto", *TIERS)        # what a request's `service_tier` may say
 OBJECTIVES = ("ttft", "tbt")            # the objectives each tier has, as /metrics names them
@@ -28,7 +31,10 @@ class TierObjectives(BaseModel):
     """One tier's objectives (module docstring)."""
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
-    ttft_s: float = Field(gt=0)                 # time to first token, from arrival
+    ttft_s: float = Field(gt=0)                 # time to first token, from arrival: fixed part
+    # plus this many times the prompt's prefill pass as the step-cost profile prices it (0: the
+    # fixed part alone; `scheduler.tiers.ttft_objective_s`)
+    ttft_prefill_allowance: float = Field(default=0.0, ge=0)
     tbt_s: float = Field(gt=0)                  # time between tokens
     # the share of the tier's requests, in per cent, that must meet each target (95, 99): a
     # request meets the TBT target when this share of its own gaps is within it
@@ -47,11 +53,23 @@ class TierObjectives(BaseModel):
         """The target share as a ratio (0.99): 1 − this is the error budget."""
         return self.percentile / 100
 
+    def ttft_for(self, prompt_tokens: int, cost: StepCost | None) -> float:
+        """The TTFT objective of a request of this tier with a `prompt_tokens`-token prompt, on
+        the deployment whose step-cost profile is `cost` (`ttft_objective_s`)."""
+        return ttft_objective_s(self.ttft_s, self.ttft_prefill_allowance, prompt_tokens, cost)
 
+
+# The prefill allowances double tier by tier, as the fixed parts grow. Priority's is several
+# passes' worth, not one: with chunked prefill (the gateway's default) each chunk rides in a step
+# whose own cost (the batch's decoding) it shares, so a prompt prefilled in chunks takes a few
+# times its whole pass; an allowance below that would make long prompts miss by construction
+# again. The lower tiers get more room for the queue ahead of them.
 DEFAULT_TIERS: dict[str, TierObjectives] = {
-    "priority": TierObjectives(ttft_s=1.0, tbt_s=0.1, percentile=99),
-    "default": TierObjectives(ttft_s=2.5, tbt_s=0.2, percentile=99, on_predicted_miss="flex"),
-    "flex": TierObjectives(ttft_s=30.0, tbt_s=0.5, percentile=95, max_queue_wait_s=300.0),
+    "priority": TierObjectives(ttft_s=1.0, ttft_prefill_allowance=4.0, tbt_s=0.1, percentile=99),
+    "default": TierObjectives(ttft_s=2.5, ttft_prefill_allowance=8.0, tbt_s=0.2, percentile=99,
+                              on_predicted_miss="flex"),
+    "flex": TierObjectives(ttft_s=30.0, ttft_prefill_allowance=16.0, tbt_s=0.5, percentile=95,
+                           max_queue_wait_s=300.0),
 }
 
 
@@ -85,10 +103,12 @@ def wait_bounds(tiers: Mapping[str, TierObjectives]) -> dict[str, float | None]:
 
 
 def attainment(o: TierObjectives, ttft_s: float | None, gaps: int, slow_gaps: int,
-               waited_s: float) -> dict[str, bool]:
+               waited_s: float, prompt_tokens: int = 0,
+               cost: StepCost | None = None) -> dict[str, bool]:
     """Which objectives an ended request met: objective -> met. `ttft_s`: its time to first
     token (None: it had none); `gaps`, `slow_gaps`: its gaps between tokens, and those over the
-    tier's TBT target; `waited_s`: how long it lived.
+    tier's TBT target; `waited_s`: how long it lived; `prompt_tokens`, `cost`: its prompt and
+    the deployment's step-cost profile, which its TTFT objective grows with (`o.ttft_for`).
 
     A request with no first token counts only if it lived past the TTFT target (a miss: its
     client waited that long for nothing); its TBT is not judged. A request's TBT is met when at
@@ -99,8 +119,13 @@ def attainment(o: TierObjectives, ttft_s: float | None, gaps: int, slow_gaps: in
     ({'ttft': True, 'tbt': True}, {'ttft': False, 'tbt': False})
     >>> attainment(o, None, 0, 0, 0.2), attainment(o, None, 0, 0, 3.0)
     ({}, {'ttft': False})
+    >>> from scheduler.step_cost import LinearStepCost
+    >>> long = o.model_copy(update={"ttft_prefill_allowance": 2.0})
+    >>> attainment(long, 1.5, 100, 5, 9.0, 1000, LinearStepCost(per_token_s=0.001))["ttft"]
+    True
     """
+    objective = o.ttft_for(prompt_tokens, cost)
     if ttft_s is None:
-        return {"ttft": False} if waited_s > o.ttft_s else {}
-    return {"ttft": ttft_s <= o.ttft_s,
+        return {"ttft": False} if waited_s > objective else {}
+    return {"ttft": ttft_s <= objective,
             "tbt": slow_gaps <= gaps * (1 - o.objective) + 1e-9}

@@ -31,7 +31,7 @@ from scheduler.miss import Backlog, OnMiss, Prediction, Work, backlogs, elapse, 
 from scheduler.policies.planner import BatchPlanner
 from scheduler.request import RequestStats, Status
 from scheduler.state import SchedulerState
-from scheduler.tiers import TIERS, tier_of
+from scheduler.tiers import TIERS, tier_of, ttft_objective_s
 
 
 class MissForecast:
@@ -40,8 +40,9 @@ class MissForecast:
     def __init__(self, planner: BatchPlanner, refresh_s: float = 0.5) -> None:
         self.planner = planner
         self.refresh_s = refresh_s
-        # tier -> its TTFT objective and what a predicted miss does (`configure`); empty: off
-        self.ttft_s: dict[str, float] = {}
+        # tier -> its TTFT objective (fixed part, prefill allowance) and what a predicted miss
+        # does (`configure`); empty: off
+        self.ttft_s: dict[str, tuple[float, float]] = {}
         self.on_miss: dict[str, OnMiss] = {}
         self._lock = threading.Lock()
         self._backlogs: dict[str, Backlog] = {}
@@ -53,9 +54,20 @@ class MissForecast:
     def enabled(self) -> bool:
         return bool(self.ttft_s)
 
-    def configure(self, ttft_s: Mapping[str, float], on_miss: Mapping[str, OnMiss]) -> None:
-        """Each tier's TTFT objective and what admission does with a predicted miss of it."""
-        self.ttft_s, self.on_miss = dict(ttft_s), dict(on_miss)
+    def configure(self, ttft_s: Mapping[str, float | tuple[float, float]],
+                  on_miss: Mapping[str, OnMiss]) -> None:
+        """Each tier's TTFT objective, as seconds or (fixed seconds, prefill allowance)
+        (`scheduler.tiers.ttft_objective_s`), and what admission does with a predicted miss of it."""
+        self.ttft_s = {t: (v, 0.0) if isinstance(v, (int, float)) else (float(v[0]), float(v[1]))
+                       for t, v in ttft_s.items()}
+        self.on_miss = dict(on_miss)
+
+    def objectives(self, prompt_len: int) -> dict[str, float]:
+        """Each tier's TTFT objective for a request with a `prompt_len`-token prompt, priced by
+        the planner's step-cost model (the one rule: `ttft_objective_s`)."""
+        cost = self.planner.config.step_cost
+        return {t: ttft_objective_s(fixed, allowance, prompt_len, cost)
+                for t, (fixed, allowance) in self.ttft_s.items()}
 
     # ---- the loop's thread ---------------------------------------------------------------------
     def refresh(self, state: SchedulerState, now: float, *, force: bool = False) -> None:

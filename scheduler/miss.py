@@ -160,8 +160,9 @@ def judge(tier: str, forecast: Callable[[str], Prediction | None], ttft_s: Mappi
           on_miss: Mapping[str, OnMiss], flex_allowed: bool) -> Verdict:
     """Admission's verdict on a newcomer asking for `tier`: `forecast(tier)` its prediction in a
     tier (None: no prediction yet, e.g. before the first step: admitted); `ttft_s`, `on_miss`:
-    each tier's TTFT objective and what a predicted miss does; `flex_allowed`: its tenant may use
-    `flex`.
+    each tier's TTFT objective for this request (its prompt's allowance included:
+    `scheduler.tiers.ttft_objective_s`, `MissForecast.objectives`) and what a predicted miss
+    does; `flex_allowed`: its tenant may use `flex`.
 
     Only the wait is judged: a request that would miss on an empty queue (its own prefill and
     first step exceed the objective) is admitted, since waiting cannot help it. Retry-After is

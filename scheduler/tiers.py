@@ -19,9 +19,15 @@ as it did (`plan_class` is then the tenant's class itself: fairness accounts sto
 keep their meaning too).
 
 Aging (scheduler/policies/aging.py) holds each tier to its own maximum wait; what an overdue
-request may go ahead of is the tier's band (`BANDS`).
+request may go ahead of is the tier's band (`BANDS`). A request's TTFT objective is its tier's
+fixed part plus an allowance for its prompt's prefill (`ttft_objective_s`).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.step_cost import StepCost
 
 TIERS = ("priority", "default", "flex")     # in the order they are served
 DEFAULT_TIER = "default"
@@ -62,3 +68,39 @@ def class_tier(cls: int) -> str:
     if cls < -_SPAN // 2:
         return "priority"
     return "flex" if cls >= _SPAN // 2 else "default"
+
+
+def ttft_objective_s(ttft_s: float, prefill_allowance: float, prompt_tokens: int,
+                     cost: "StepCost | None") -> float:
+    """A request's time-to-first-token objective: its tier's fixed part `ttft_s` plus
+    `prefill_allowance` times the seconds its prompt's prefill takes in a pass of its own, as the
+    deployment's step-cost profile prices it (`cost.prefill`). The one rule: the gateway's
+    metrics, admission's miss prediction and the simulator's judge all ask it.
+
+    Why it scales with the prompt: a prompt's prefill is work the client sizes, and it precedes
+    the first token whatever the order of service; with a fixed objective, every prompt whose own
+    prefill exceeds it misses by construction, which no scheduling can fix (and the tier's
+    error budget then measures its prompt mix, not its service). Operators write TTFT objectives
+    per prompt size for that reason.
+
+    Why a multiple of the profiled prefill and not seconds per token: the same setting means the
+    same on any machine and model (prefill speed differs by two orders of magnitude between a CPU
+    and a GPU; a per-token allowance right for one is wrong for the other by that much), and it
+    follows the prefill curve's shape (attention makes long prompts dearer per token). The whole
+    pass is the yardstick, not the chunked cost: it is what the prompt costs the hardware; how the
+    deployment spends it (chunks between other requests' steps, at a chunk size of its choosing)
+    is the scheduler's business, which a multiple above 1 leaves room for (chunks share steps
+    with the batch's decoding, so a chunked prefill takes a few passes' worth). The prompt is counted
+    as sent: a prefix-cache hit is the deployment's gain, not a tighter promise. No profile
+    (`cost` None) or no allowance: the fixed part alone.
+
+    >>> from scheduler.step_cost import LinearStepCost
+    >>> cost = LinearStepCost(per_token_s=0.001)          # a prompt's pass: 1 ms a token
+    >>> ttft_objective_s(1.0, 2.0, 100, cost), ttft_objective_s(1.0, 2.0, 1000, cost)
+    (1.2, 3.0)
+    >>> ttft_objective_s(1.0, 0.0, 1000, cost), ttft_objective_s(1.0, 2.0, 1000, None)
+    (1.0, 1.0)
+    """
+    if prefill_allowance <= 0 or prompt_tokens <= 0 or cost is None:
+        return ttft_s
+    return ttft_s + prefill_allowance * cost.prefill(prompt_tokens)

@@ -135,7 +135,8 @@ def simulate(policy: Policy, requests: list[SimRequest], cost: StepCostModel,
                     max_resident=max_resident if max_resident is not None else 1 << 30,
                     clock=clock, lengths=lengths)
     finished: list[RequestStats] = []
-    slo = TierObjectivesMet(clock, policy.config.aging_bound_s) if tiers is not None else None
+    slo = TierObjectivesMet(clock, policy.config.aging_bound_s, cost=cost) \
+        if tiers is not None else None
 
     def done(event: Finished) -> None:
         event.stats.tau_history = []            # the summary never reads it: 100k requests' worth

@@ -1,7 +1,9 @@
 """Service tiers in the simulator (`specgate sim --tiers priority=0.2,default=0.5,flex=0.3`):
 which tier each simulated request is sold, and whether it met its tier's objectives.
 
-The objectives are the gateway's (`gateway.tiers.DEFAULT_TIERS`): time to first token, time
+The objectives are the gateway's (`gateway.tiers.DEFAULT_TIERS`): time to first token (its fixed
+part plus the tier's allowance for the prompt's prefill, priced by the run's step-cost profile as
+the gateway prices it by its own: `gateway.tiers.attainment`), time
 between tokens (judged as the gateway's metrics judge it: a step's tokens share the gap since the
 previous ones, and a request meets its TBT when at most 100 − percentile per cent of its gaps are
 over the target, `gateway.tiers.attainment`) and the maximum wait the planner holds the tier to
@@ -21,6 +23,7 @@ from typing import Mapping
 from gateway.tiers import DEFAULT_TIERS, TierObjectives, attainment, wait_bounds
 from scheduler.events import Delta, Event, Finished
 from scheduler.request import RequestStats
+from scheduler.step_cost import StepCost
 from scheduler.tiers import TIERS
 
 
@@ -69,8 +72,10 @@ class TierObjectivesMet:
     them on the wall clock, and judges each finished request against its tier (module docstring)."""
 
     def __init__(self, clock, aging_bound_s: float | None,
-                 tiers: Mapping[str, TierObjectives] = DEFAULT_TIERS) -> None:
-        self.clock, self.tiers = clock, tiers
+                 tiers: Mapping[str, TierObjectives] = DEFAULT_TIERS,
+                 cost: StepCost | None = None) -> None:
+        """`cost`: the run's step-cost profile, which prices each prompt's TTFT allowance."""
+        self.clock, self.tiers, self.cost = clock, tiers, cost
         self.wait_bound = {t: (o.max_queue_wait_s if o.max_queue_wait_s is not None
                                else aging_bound_s) for t, o in tiers.items()}
         self._times: dict[str, _Times] = {}
@@ -105,7 +110,8 @@ class TierObjectivesMet:
         o = self.tiers.get(s.tier)
         if o is None:
             return
-        met = attainment(o, t.ttft_s, t.gaps, t.slow_gaps, now - t.arrival_s)
+        met = attainment(o, t.ttft_s, t.gaps, t.slow_gaps, now - t.arrival_s, s.prompt_len,
+                         self.cost)
         bound = self.wait_bound.get(s.tier)
         ok = all(met.values()) and (bound is None or s.max_wait_s <= bound)
         self.requests[s.tier] += 1

@@ -213,7 +213,8 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
     worker.follow(step_loop)
     if settings.slo_admission:                  # miss prediction: scheduler/forecast.py
         tiers = settings.service_tiers
-        step_loop.forecast.configure({t: o.ttft_s for t, o in tiers.items()},
+        step_loop.forecast.configure({t: (o.ttft_s, o.ttft_prefill_allowance)
+                                      for t, o in tiers.items()},
                                      {t: o.on_predicted_miss for t, o in tiers.items()})
     return step_loop
 

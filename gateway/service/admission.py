@@ -112,14 +112,15 @@ class Admission:
         if not forecast.enabled:
             return prep
         s, now = prep.request.stats, self.step_loop.clock()
+        objectives = forecast.objectives(s.prompt_len)    # this request's, by tier
         verdict = judge(s.tier, lambda tier: forecast.predict(tier, s.tenant, s.prompt_len,
                                                               s.max_tokens, now),
-                        forecast.ttft_s, forecast.on_miss, prep.tenant.allows_tier("flex"))
+                        objectives, forecast.on_miss, prep.tenant.allows_tier("flex"))
         p = verdict.predicted
         if verdict.action == "refuse":
             self.metrics.refused(s.tenant, "slo_unattainable",
                                  "rate_limited" if verdict.status == 429 else "overloaded")
-            raise errors.slo_unattainable(verdict.status, s.tier, forecast.ttft_s[s.tier],
+            raise errors.slo_unattainable(verdict.status, s.tier, objectives[s.tier],
                                           p.ttft_s, verdict.retry_after_s)
         s.tier = verdict.tier                     # flex, if moved: echoed as the tier it ran in
         return replace(prep, predicted_ttft_s=p.ttft_s) if p is not None else prep

@@ -58,7 +58,9 @@ class RequestStream:
         self._t0 = t0
         self._last_t: float | None = None
         req = prep.request
-        self._times = parts.metrics.times(req.stats.tenant, req.stats.tier, prep.predicted_ttft_s)
+        self._times = parts.metrics.times(req.stats.tenant, req.stats.tier, prep.predicted_ttft_s,
+                                          req.stats.prompt_len,
+                                          parts.step_loop.policy.config.step_cost)
         self._text = OutputText(parts.tokenizer, req.prompt_ids, prep.stops)
         self._ids: list[int] = []
         self._pending_ids: list[int] = []

@@ -14,6 +14,13 @@ counts above and below the shares come and go, does not churn (displacing whenev
 under its share re-prefilled 576 times in the simulator's bursty chunked run under LAS, doubling
 its mean latency).
 
+Tiers come before tenants (scheduler/tiers.py): a request that has not started takes the place of
+a started request of a lower service tier first, whoever's tenant holds what: the lowest tier's
+least recently served request not in this step. Otherwise the tier served first waits for a
+lower tier's requests to end whenever they hold every slot (as aging's promotions make them do
+under overload), and its objective is lost to the residency, not the order. A deployment whose
+requests are all one tier never displaces so.
+
 Pure bookkeeping over the plan's view of the state; one `ResidentShares` per plan, counting the
 started requests only when a start first meets a full house.
 """
@@ -22,6 +29,9 @@ from __future__ import annotations
 from typing import Callable, Collection, Mapping
 
 from scheduler.request import RequestStats
+from scheduler.tiers import TIERS, tier_of
+
+_RANK = {t: i for i, t in enumerate(TIERS)}
 
 
 class ResidentShares:
@@ -34,6 +44,7 @@ class ResidentShares:
         self.weight, self.live_tenants = weight, live_tenants
         self._held: dict[str, list[str]] | None = None    # tenant -> its started requests
         self._total = 0.0                                  # live tenants' summed weights
+        self._out: set[str] = set()                        # displaced in this plan
 
     def share(self, tenant: str) -> float:
         """The started requests `tenant` is entitled to now."""
@@ -42,8 +53,11 @@ class ResidentShares:
 
     def displaceable(self, s: RequestStats, taken: Collection[str]) -> str | None:
         """A started request that `s` (not started) may take the place of, none of `taken` (this
-        step's batch): the least recently served of the tenant furthest over its share, when
-        `s`'s tenant holds none. None: `s` waits for a slot."""
+        step's batch): one of a lower tier, else the least recently served of the tenant furthest
+        over its share, when `s`'s tenant holds none. None: `s` waits for a slot."""
+        below = self._lower_tier(s, taken)
+        if below is not None:
+            return below
         held = self._count()
         if held.get(s.tenant):                  # it holds one already: it is making progress
             return None
@@ -58,9 +72,29 @@ class ResidentShares:
                                                 -self.requests[r].arrival_s, r))
         return None
 
+    def _lower_tier(self, s: RequestStats, taken: Collection[str]) -> str | None:
+        """A started request of a tier served after `s`'s, none of `taken`: the lowest such
+        tier's least recently served (module docstring, tiers). None: there is none."""
+        rank = _RANK[tier_of(s.tier)]
+        if rank == len(TIERS) - 1:              # the last tier outranks nobody
+            return None
+        best, key = None, None
+        for rid in self.started:
+            r = self.requests.get(rid)
+            if r is None or rid in taken or rid in self._out:
+                continue
+            other = _RANK[tier_of(r.tier)]
+            if other <= rank:
+                continue
+            k = (-other, r.last_served_s, -r.arrival_s, rid)
+            if key is None or k < key:
+                best, key = rid, k
+        return best
+
     def displace(self, out: str, s: RequestStats) -> None:
         """`s` starts in `out`'s place (`displaceable`'s answer): the counts follow."""
         held = self._count()
+        self._out.add(out)
         held[self.requests[out].tenant].remove(out)
         held.setdefault(s.tenant, []).append(s.request_id)
 

@@ -256,3 +256,26 @@ def test_tier_doctests():
     import scheduler.tiers
 
     assert doctest.testmod(gateway.tiers).failed == doctest.testmod(scheduler.tiers).failed == 0
+
+
+def test_a_long_prompts_ttft_objective_exceeds_a_short_ones_by_its_prefill_allowance():
+    from gateway.metrics import GatewayMetrics
+    from scheduler.step_cost import LinearStepCost
+
+    cost = LinearStepCost(fixed_s=0.01, per_token_s=0.001)
+    # the settings' override path takes the new field over the tier's defaults
+    o = Settings(service_tiers={"priority": {"ttft_prefill_allowance": 3}}).service_tiers["priority"]
+    assert (o.ttft_s, o.ttft_prefill_allowance) == (1.0, 3.0)
+    short, long = o.ttft_for(100, cost), o.ttft_for(1000, cost)
+    assert long - short == pytest.approx(3.0 * (cost.prefill(1000) - cost.prefill(100)))
+    assert o.ttft_for(1000, None) == o.ttft_s                # no profile: the fixed part
+    # /metrics judges by it: the same first token is met for the long prompt only
+    m = GatewayMetrics(tiers={"priority": o})
+    for prompt in (100, 1000):
+        t = m.times("acme", "priority", prompt_tokens=prompt, step_cost=cost)
+        t.first_token((short + long) / 2)
+        t.ended(5.0)
+    met = {r: m.registry.get_sample_value("specgate_slo_requests_total", {
+        "tenant": "acme", "tier": "priority", "objective": "ttft", "result": r})
+        for r in ("met", "missed")}
+    assert met == {"met": 1, "missed": 1}

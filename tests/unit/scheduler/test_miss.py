@@ -151,3 +151,22 @@ def test_a_priority_newcomer_is_never_refused_for_the_lower_tiers_load():
     assert judge("priority", forecast, OBJ, {"priority": "refuse"}, True).action == "admit"
     assert forecast("priority").wait_s == 0
     assert judge("default", forecast, OBJ, {"default": "refuse"}, True).action == "refuse"
+
+
+def test_a_long_prompt_the_forecast_serves_within_its_scaled_objective_is_admitted():
+    # its own prefill fits the fixed part, its wait does not: refused on the fixed part alone,
+    # admitted once the objective grows with its prompt (`ttft_objective_s`)
+    cost = LinearStepCost(per_token_s=0.001)
+    planner = make_policy("fcfs", max_batch=1, step_cost=cost)
+    state = SchedulerState(step_s=0.1)
+    ahead = _live("d", "default", max_tokens=6, running=True, steps=1)     # 0.5 s to go
+    state.requests[ahead.request_id] = ahead
+    for allowance, action in ((0.0, "refuse"), (1.0, "admit")):
+        f = MissForecast(planner)
+        f.configure({"default": (1.0, allowance)}, {"default": "refuse"})
+        f.refresh(state, now=10.0, force=True)
+        p = f.predict("default", "x", 800, 4, now=10.0)
+        assert p.ttft_s - p.wait_s < 1.0 < p.ttft_s < 1.0 + cost.prefill(800)
+        v = judge("default", lambda t: f.predict(t, "x", 800, 4, now=10.0),
+                  f.objectives(800), f.on_miss, False)
+        assert v.action == action

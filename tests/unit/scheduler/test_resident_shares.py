@@ -80,3 +80,33 @@ def test_share_is_the_weighted_part_of_the_cap_among_live_tenants():
     assert shares.displaceable(a_new, taken=()) is None  # a holds some already
     shares.displace(out, b)
     assert shares.displaceable(stats("b1", tenant="b"), taken=()) is None   # b holds one now
+
+
+def _tiered(s, tier):
+    s.tier = tier
+    return s
+
+
+@pytest.mark.parametrize("name", ["fcfs", "laps", "priority"])
+def test_a_priority_request_starts_in_place_of_a_lower_tiers_even_of_its_own_tenant(name):
+    # without this, a started house of flex requests holds the priority tier's request until
+    # one of them ends: its tier is served first, but only once it can start
+    policy = make_policy(name, max_batch=2, max_resident=4, **NO_AGING)
+    state = build(policy, [_tiered(s, "flex") for s in _hog(4)])
+    for t in range(3):
+        step(policy, state, t * 0.1)
+    policy.add(state, _tiered(stats("p0", tenant="a", arrival=1.0, **LONG), "priority"))
+    plan = policy.plan(state, 1.0)
+    assert "p0" in plan.request_ids
+    assert len(plan.evict) == 1 and plan.evict[0].startswith("a")
+    assert plan.evict[0] not in plan.request_ids
+
+
+def test_a_lower_tier_never_starts_in_place_of_a_higher_tiers_request():
+    policy = make_policy("fcfs", max_batch=2, max_resident=4, **NO_AGING)
+    state = build(policy, [_tiered(s, "default") for s in _hog(4)])
+    for t in range(3):
+        step(policy, state, t * 0.1)
+    policy.add(state, _tiered(stats("f0", tenant="a", arrival=-1, **BEST), "flex"))
+    plan = policy.plan(state, 1.0)
+    assert "f0" not in plan.request_ids and not plan.evict

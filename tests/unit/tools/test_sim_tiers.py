@@ -26,8 +26,8 @@ def test_tiers_are_drawn_by_share_from_their_own_stream():
     assert tiers.count("flex") / 20_000 == pytest.approx(0.3, abs=0.01)
 
 
-def _ended(slo, clock, rid, tier, max_wait_s=0.0):
-    s = RequestStats(rid, "t", 0.0, prompt_len=4, max_tokens=64, tier=tier)
+def _ended(slo, clock, rid, tier, max_wait_s=0.0, prompt_len=4):
+    s = RequestStats(rid, "t", 0.0, prompt_len=prompt_len, max_tokens=64, tier=tier)
     s.max_wait_s, s.committed = max_wait_s, 10
     s.end(Status.FINISHED, "stop", clock.now)
     slo.event(Finished(rid, s.status, "stop", s, None))
@@ -71,3 +71,35 @@ def test_tiers_are_served_in_order_and_judged_per_policy():
         assert ttft["priority"] < ttft["default"] < ttft["flex"]
     untiered = run_sim(["fcfs"], replace(s, tiers=()))["policies"]["fcfs"]
     assert "slo_attainment" not in untiered
+
+
+def test_the_simulators_judge_and_the_gateways_agree_on_a_long_prompts_ttft():
+    # a first token later than the fixed part but within the prompt's allowance: met by both
+    # judges for a long prompt, missed by both for a short one (same request, same step costs)
+    from gateway.metrics import GatewayMetrics
+    from scheduler.step_cost import LinearStepCost
+
+    cost = LinearStepCost(per_token_s=0.001)
+    o = DEFAULT_TIERS["priority"]
+    assert o.ttft_prefill_allowance > 0
+    first = o.ttft_s + 0.5 * o.ttft_prefill_allowance * cost.prefill(2000)
+    clock = FakeClock(0.0)
+    sim = TierObjectivesMet(clock, aging_bound_s=60.0, cost=cost)
+    gateway = GatewayMetrics(tiers=DEFAULT_TIERS)
+    for rid, prompt in (("long", 2000), ("short", 10)):
+        clock.now = 0.0
+        s = RequestStats(rid, "t", 0.0, prompt_len=prompt, max_tokens=64, tier="priority")
+        sim.arrived(s)
+        times = gateway.times("t", "priority", prompt_tokens=prompt, step_cost=cost)
+        clock.now = first
+        sim.event(Delta(rid, (7,), None))
+        times.first_token(first)
+        _ended(sim, clock, rid, "priority", prompt_len=prompt)
+        times.ended(first)
+
+    def met(result):
+        return gateway.registry.get_sample_value("specgate_slo_requests_total", {
+            "tenant": "t", "tier": "priority", "objective": "ttft", "result": result})
+
+    assert sim.summary(end_s=clock.now)["slo_attainment"] == {"priority": 0.5}
+    assert (met("met"), met("missed")) == (1, 1)
