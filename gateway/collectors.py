@@ -77,6 +77,10 @@ class SchedulerCollector:
         g.add_metric([], perceptible)
         yield g
         yield from _prefix_cache_gauges(self.step_loop.worker)
+        paused = GaugeMetricFamily("specgate_paused_requests", "Live requests held out of the plan "
+                                   "because their stream's reader fell behind (backpressure)")
+        paused.add_metric([], float(len(self.step_loop.state.paused.copy())))
+        yield paused
         held = GaugeMetricFamily("specgate_kv_tokens", "KV slots (tokens) the resident requests hold")
         held.add_metric([], float(self.step_loop.state.kv_tokens))
         yield held

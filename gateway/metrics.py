@@ -10,7 +10,8 @@ Four sources feed them:
                                   per step;
   the step loop                   step duration and batch size, preemptions (`InstrumentedWorker`,
                                   a pass-through around the worker), and, read when scraped, live
-                                  requests per level and status (gateway/collectors.py);
+                                  requests per level and status, and paused requests
+                                  (gateway/collectors.py);
   the app's event loop            how late it runs a task (gateway/looplag.py).
 prometheus-client's metrics are thread-safe, so both threads record directly.
 """
@@ -99,6 +100,9 @@ class GatewayMetrics:
         self.preemptions = Counter("specgate_preemptions",
                                    "Requests in one step's batch left out of the next "
                                    "while still live", registry=r)
+        self.stream_paused = Counter("specgate_stream_pauses",
+                                     "Streams paused in the scheduler because their reader fell "
+                                     "behind (gateway/service/stream.py, backpressure)", registry=r)
         self.verified_tokens = Counter("specgate_verified_tokens",
                                        "Verifier work done for a tenant: per step and request, "
                                        "the root row plus every tree node", ["tenant"], registry=r)

@@ -145,6 +145,16 @@ class Settings(BaseSettings):
     # an empty delta and HTTP/2 pings), so proxies that close idle connections do not cut one that
     # waits in the queue; keep it below their idle timeout (often 60 s). 0: none
     stream_keepalive_s: float = Field(KEEPALIVE_S, ge=0)
+    # backpressure (gateway/service/stream.py): a live stream whose reader has left this many
+    # generated tokens unread is paused in the scheduler (no steps, its KV freed) until it has
+    # drained to stream_resume_tokens; 0: never paused. Enough to ride out a reader's hiccup
+    # without a pause, little beside what a client that stopped reading would waste.
+    stream_backlog_tokens: int = Field(256, ge=0)
+    stream_resume_tokens: int = Field(64, ge=0)
+    # bytes one HTTP connection may hold written and unsent, in the transport and in the
+    # socket's send buffer each (gateway/http/server.py SEND_BUFFER_BYTES): a stream's backlog
+    # builds only once they are full; 0: the event loop's and the kernel's defaults
+    send_buffer_bytes: int = Field(16384, ge=0)
     # `n`: choices one request may ask for, each its own request through the scheduler
     max_choices: int = Field(8, ge=1)
     openapi_docs: bool = False                 # serve /docs, /redoc and /openapi.json (public)

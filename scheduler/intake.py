@@ -1,6 +1,6 @@
 """The step loop's side that other threads touch: requests in, events out.
 
-`submit`, `adopt`, `cancel`, `set_tenant`, `drop_tenant` and `attach` may be called from any
+`submit`, `adopt`, `cancel`, `pause`, `set_tenant`, `drop_tenant` and `attach` may be called from any
 thread (the gateway's). They admit (admission counts and limits, sinks: one lock), persist a new
 request before anyone is told it was admitted, and enqueue a message; the loop applies the inbox
 at its next step boundary (`Intake.apply`, called by `StepLoop.step`), so the policy, the state and the worker are
@@ -8,7 +8,7 @@ touched by the loop's thread alone. Events go out to each request's sink (`emit`
 thread.
 
 Inbox messages, applied in order: ("submit", Request), ("cancel", request id, status, cause),
-("tenant", tenant name, weight), ("drop_tenant", tenant id).
+("pause", request id, paused), ("tenant", tenant name, weight), ("drop_tenant", tenant id).
 """
 from __future__ import annotations
 
@@ -110,6 +110,11 @@ class Intake:
             raise ValueError(f"{status} is not a terminal state")
         self._post(("cancel", request_id, status, cause))
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Hold a request out of the plan (`paused`), or put it back, from the next step
+        boundary: its stream's reader fell behind, or caught up (scheduler/policies/pauses.py)."""
+        self._post(("pause", request_id, paused))
+
     def set_tenant(self, tenant: str, *, weight: float, max_queued: int | None) -> None:
         """A tenant's fair-share weight and live-request cap, as they are now (tenants change at
         run time). The cap holds from the next `submit`; the weight from the next step."""
@@ -139,13 +144,17 @@ class Intake:
 
     # ---- the loop's thread -------------------------------------------------------------------
     def apply(self, planner: BatchPlanner, admit: Callable[[Request], None],
-              end: Callable[[str, Status, str | None], None]) -> None:
+              end: Callable[[str, Status, str | None], None],
+              pause: Callable[[str, bool], None]) -> None:
         """Apply the queued messages in order: a tenant's weight and removal reach the planner
-        and the worker here; `admit` takes each submitted request, `end` each cancellation."""
+        and the worker here; `admit` takes each submitted request, `end` each cancellation,
+        `pause` each pause and resume."""
         inbox = self.inbox
         while inbox:
             msg = inbox.popleft()
-            if msg[0] == "tenant":
+            if msg[0] == "pause":
+                pause(msg[1], msg[2])
+            elif msg[0] == "tenant":
                 planner.fairness.weights[msg[1]] = msg[2]
             elif msg[0] == "drop_tenant":
                 self.worker.drop_tenant(msg[1])

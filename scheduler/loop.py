@@ -17,7 +17,7 @@ Persisting before streaming is what makes restart recovery exact: every token a 
 is in the store, so a new loop over the same store re-prefills prompt + committed tokens and only
 ever streams what comes after them (none lost, none re-sent).
 
-Threads: `submit`, `adopt`, `cancel`, `set_tenant`, `drop_tenant` and `attach` may be called
+Threads: `submit`, `adopt`, `cancel`, `pause`, `set_tenant`, `drop_tenant` and `attach` may be called
 from any thread (the gateway's); they only admit and enqueue (scheduler/intake.py), and the loop
 applies them at the next step boundary, so the policy, the state and the worker are touched by
 the loop's thread alone. A cancelled request's KV is freed at the next boundary: within one step.
@@ -109,6 +109,11 @@ class StepLoop:
                cause: str | None = None) -> None:
         """End a request at the next step boundary (`Intake.cancel`)."""
         self.intake.cancel(request_id, status, cause)
+
+    def pause(self, request_id: str, paused: bool = True) -> None:
+        """Hold a request out of the plan, or (`paused=False`) put it back with its place, at
+        the next step boundary (`Intake.pause`; scheduler/policies/pauses.py)."""
+        self.intake.pause(request_id, paused)
 
     def set_tenant(self, tenant: str, *, weight: float, max_queued: int | None) -> None:
         """A tenant's fair-share weight and live-request cap, as they are now (`Intake.set_tenant`)."""
@@ -266,7 +271,15 @@ class StepLoop:
         self._end(request_id, Status.FAILED, "error", str(exc))
 
     def _apply_inbox(self) -> None:
-        self.intake.apply(self.policy, self._admit, self._end)   # a cancel ends it
+        self.intake.apply(self.policy, self._admit, self._end, self._pause)   # a cancel ends it
+
+    def _pause(self, request_id: str, paused: bool) -> None:
+        """Pause a live request, its KV freed (the planner budgets by nothing it cannot see),
+        or resume a paused one; one that ended meanwhile is left as it is."""
+        if not paused:
+            self.policy.pauses.resume(self.state, request_id, self.clock())
+        elif self.policy.pauses.pause(self.state, request_id, self.clock()) is not None:
+            self.kv.evict(request_id)
 
     def _admit(self, req: Request) -> None:
         """A submitted (or adopted) request joins the plan. With a length predictor and KV room it

@@ -133,6 +133,9 @@ class RequestStats:
     max_wait_s: float = 0.0                # longest gap between arrival/steps seen so far
     in_steps_s: float = 0.0                # time inside the steps it was in (prefills included):
                                            # latency − this is waiting, what an order can move
+    paused_s: float = 0.0                  # time held out of the plan because its stream's
+                                           # reader fell behind (scheduler/policies/pauses.py):
+                                           # not waiting the scheduler caused, so no bound counts it
     prefill_left: int | None = None        # context tokens whose KV is still to compute, while
                                            # it holds KV (chunked prefill); None: holds none
     kv_tokens: int = 0                     # KV slots it holds (0: none), as the worker reports

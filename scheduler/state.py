@@ -14,6 +14,9 @@ from scheduler.request import RequestStats
 class SchedulerState:
     requests: dict[str, RequestStats] = field(default_factory=dict)   # live requests only
     running: set[str] = field(default_factory=set)       # ids in the latest step's batch
+    # Live requests held out of the plan while their stream's reader catches up
+    # (scheduler/policies/pauses.py): in no queue, holding no KV, not in `requests`.
+    paused: dict[str, RequestStats] = field(default_factory=dict)
     # Tenant fairness, per (priority class, tenant): virtual time = verified tree tokens ÷ weight.
     virtual_time: dict[tuple[int, str], float] = field(default_factory=dict)
     step_s: float | None = None                          # moving average of a step's duration

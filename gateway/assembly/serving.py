@@ -26,6 +26,7 @@ from gateway.responses.service import ResponseService
 from gateway.responses.store import open_responses
 from gateway.service import GenerationService
 from gateway.service.constraint import GrammarLimits
+from gateway.service.stream import Backlog
 from gateway.settings import Settings
 from gateway.tenancy.limits import Limiter
 from gateway.tenancy.records import new_api_key
@@ -156,7 +157,9 @@ def assemble(settings: Settings, target: Target, *, replica: ReplicaLease | None
                                     drafters=settings.drafter_names, ready_checks=checks,
                                     length_oracle=oracle, grammars=target.grammars,
                                     grammar_limits=GrammarLimits.from_settings(settings),
-                                    store_full=store_room.full if store_room else None)
+                                    store_full=store_room.full if store_room else None,
+                                    backlog=Backlog(settings.stream_backlog_tokens,
+                                                    settings.stream_resume_tokens))
     records: RecordReader = step_loop.store
     cancel = None                   # the service's: this replica's step loop
     if settings.redis_url:          # any replica over this Redis answers for any request

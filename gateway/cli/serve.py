@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if emb.kernel_note:
         print(f"specgate: {emb.kernel_note}", file=sys.stderr)
     config = uvicorn_config(emb.app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level)
+                            log_level=settings.log_level, send_buffer_bytes=settings.send_buffer_bytes)
     emb.start()
     try:
         run_on(config.get_loop_factory(), _serve(emb, uvicorn.Server(config)))

@@ -22,9 +22,53 @@ import uvicorn
 KEEP_ALIVE_S = 90
 
 
-def uvicorn_config(app: Any, **options: Any) -> Any:
-    """The uvicorn.Config every specgate HTTP server runs with (`options`: host, port, …)."""
-    return uvicorn.Config(app, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S, **options)
+# What one connection may hold written and unsent, in the event loop's transport and again in
+# the kernel's send buffer. A stream's backpressure (gateway/service/stream.py) starts only once
+# these are full: with the kernel's own sizing a client that never reads can leave megabytes
+# unread on loopback, hundreds of streamed tokens' worth of steps other tenants wanted. Token
+# streams are slow beside what even this much in flight carries. 0: the defaults (64 KiB in the
+# transport, the kernel's autotuned send buffer).
+SEND_BUFFER_BYTES = 16384
+
+
+def uvicorn_config(app: Any, *, send_buffer_bytes: int = SEND_BUFFER_BYTES, **options: Any) -> Any:
+    """The uvicorn.Config every specgate HTTP server runs with (`options`: host, port, …), its
+    connections' write buffering bounded by `send_buffer_bytes` (`SEND_BUFFER_BYTES`)."""
+    config = uvicorn.Config(app, lifespan="on", timeout_keep_alive=KEEP_ALIVE_S, **options)
+    if send_buffer_bytes:
+        base = uvicorn.config.import_from_string(uvicorn.config.HTTP_PROTOCOLS[config.http]) \
+            if isinstance(config.http, str) and config.http in uvicorn.config.HTTP_PROTOCOLS else None
+        if base is not None:
+            config.http = _bounded(base, send_buffer_bytes)
+    return config
+
+
+def _bounded(base: type, limit: int) -> type:
+    """uvicorn's HTTP protocol `base`, each connection's write buffers bounded by `limit` bytes."""
+
+    class Bounded(base):                                # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            bound_writes(transport, limit)
+
+    Bounded.__name__ = f"Bounded{base.__name__}"
+    return Bounded
+
+
+def bound_writes(transport: Any, limit: int) -> None:
+    """Pause the protocol's writes (uvicorn's `send` waits) past `limit` bytes in the transport,
+    and size the socket's send buffer to `limit` (the kernel doubles it for its bookkeeping).
+    Best effort: a transport or socket that refuses keeps its defaults."""
+    try:
+        transport.set_write_buffer_limits(high=limit)
+    except (AttributeError, NotImplementedError, ValueError):
+        pass
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+        except (OSError, AttributeError):
+            pass
 
 
 def run_on(loop_factory: Callable[[], asyncio.AbstractEventLoop] | None, main: Any) -> None:

@@ -23,7 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service.admission import Admission
 from gateway.service.constraint import GrammarLimits
 from gateway.service.prepare import RequestPreparer
-from gateway.service.stream import RequestStream, StreamParts
+from gateway.service.stream import Backlog, RequestStream, StreamParts
 from gateway.service.tenant_sync import TenantSync
 from gateway.service.types import GenerateInput, GenerateOutput, new_request_id
 from gateway.takeover import take_over
@@ -44,13 +44,14 @@ class GenerationService:
                  request_id: Callable[[str], str] = new_request_id,
                  length_oracle: LengthOracle | None = None, grammars: Any = None,
                  grammar_limits: GrammarLimits | None = None,
-                 store_full: Callable[[], bool] | None = None):
+                 store_full: Callable[[], bool] | None = None, backlog: Backlog = Backlog()):
         """`models`: the ids served (the first is the target); `drafters`: the drafter names this
         deployment serves (a tenant's policy picks among them); `ready_checks`: each must return
         True (and not raise) for `ready()`; `request_id`, `length_oracle`, `grammars`,
         `grammar_limits`: the preparer's (gateway/service/prepare.py); `store_full`: is the state
         store above its memory watermark (`scheduler.store.room.StoreRoom.full`, never waiting):
-        then new requests are refused as they arrive."""
+        then new requests are refused as they arrive; `backlog`: when a stream whose reader
+        fell behind is paused and resumed (gateway/service/stream.py)."""
         if not models:
             raise ValueError("a service needs at least one model id")
         self.step_loop = step_loop
@@ -70,7 +71,7 @@ class GenerationService:
         grants = GrantKeeper(limiter) if limiter is not None else None
         self.admission = Admission(step_loop, self.preparer, limiter=limiter, grants=grants,
                                    metrics=self.metrics, tenants=self.tenants)
-        self._parts = StreamParts(tokenizer, self.metrics, grants, step_loop, self.adopt)
+        self._parts = StreamParts(tokenizer, self.metrics, grants, step_loop, self.adopt, backlog)
         # detached requests (`open_detached`): their draining tasks, and who hears they ended
         self._detached: set[asyncio.Task] = set()
         self.detached_ended: list[Callable[[str], None]] = []

@@ -6,6 +6,15 @@ everything else runs on the consumer's event loop. A stop string ends the reques
 loop cancels it as finished); closing the stream before the end cancels it, unless it is
 detached, in which case it is handed to `adopt` and runs to its end. A concurrency grant is
 released, on the grant keeper's thread, however the request ends.
+
+Backpressure: the consumer pulls one event at a time, and a writer whose client does not read
+stops pulling (uvicorn's `send`, gRPC's `write`, wait while the connection's buffers are full).
+The tokens the sink has posted and the consumer not yet pulled are the stream's backlog; past
+`Backlog.pause_tokens` the request is paused in the scheduler (scheduler/policies/pauses.py: not
+planned, its KV freed), and once the consumer has drained it to `Backlog.resume_tokens` it is
+resumed with its place. Nothing is lost: every token generated is in the queue, in order. A
+detached stream (a background or resumable response) is never paused: it runs whether or not
+anyone reads, and its followers read it from the state store.
 """
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -31,14 +41,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class Backlog:
+    """A stream's bounds on tokens generated and not yet pulled by its writer (module
+    docstring): paused past `pause_tokens` (0: never), resumed at `resume_tokens` or fewer."""
+    pause_tokens: int = 256
+    resume_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.pause_tokens and not 0 <= self.resume_tokens < self.pause_tokens:
+            raise ValueError("a stream resumes below the backlog it pauses at: "
+                             f"0 <= resume_tokens < pause_tokens, got {self.resume_tokens} "
+                             f"and {self.pause_tokens}")
+
+
+@dataclass(frozen=True)
 class StreamParts:
-    """What every stream of one service shares: the step loop (whose `cancel` ends a request),
-    and `adopt(stream)`, which runs a detached stream on with nobody listening (the event loop's)."""
+    """What every stream of one service shares: the step loop (whose `cancel` ends a request,
+    and `pause` holds one whose reader fell behind), `adopt(stream)`, which runs a detached stream
+    on with nobody listening (the event loop's), and the backlog bounds."""
     tokenizer: Any
     metrics: GatewayMetrics
     grants: GrantKeeper | None
     step_loop: StepLoop
     adopt: Callable[["RequestStream"], None]
+    backlog: Backlog = Backlog()
 
 
 class RequestStream:
@@ -73,6 +99,12 @@ class RequestStream:
         self._closed = False
         self._detached = bool(req.meta.get("detached"))
         self._adopted = False        # detached, and handed on when closed early
+        # backlog (module docstring): tokens posted by the sink and pulled by the consumer, and
+        # whether the request is paused; the lock orders each pause before its resume
+        self._pause_at = 0 if self._detached else parts.backlog.pause_tokens
+        self._posted = self._pulled = 0
+        self._paused = False
+        self._hold = threading.Lock()
 
     @property
     def service_tier(self) -> str:
@@ -90,6 +122,14 @@ class RequestStream:
             self._aio.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:                           # the event loop is gone: nobody listens
             self._closed = True
+            return
+        if self._pause_at and isinstance(event, Delta):
+            with self._hold:
+                self._posted += len(event.token_ids)
+                if not self._paused and self._posted - self._pulled >= self._pause_at:
+                    self._paused = True
+                    self.parts.step_loop.pause(self.request_id)
+                    self.parts.metrics.stream_paused.inc()
 
     # ---- the consumer's event loop ------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[StreamChunk | GenerateOutput]:
@@ -101,6 +141,8 @@ class RequestStream:
                 raise StopAsyncIteration
             event = await self._queue.get()
             if isinstance(event, Delta):
+                if self._pause_at:
+                    self._pulled_(len(event.token_ids))
                 self._on_delta(event)
             else:
                 settled = self._on_finished(event)
@@ -108,6 +150,15 @@ class RequestStream:
                     # the slot is free before the client hears the end: its next request fits
                     await asyncio.shield(asyncio.wrap_future(settled))
         return self._out.popleft()
+
+    def _pulled_(self, n: int) -> None:
+        """The writer took `n` more tokens: resume the request once its backlog has drained."""
+        with self._hold:
+            self._pulled += n
+            if self._paused and self._posted - self._pulled <= self.parts.backlog.resume_tokens:
+                self._paused = False
+                if not self._ended:
+                    self.parts.step_loop.pause(self.request_id, False)
 
     async def aclose(self) -> None:
         self.close()

@@ -27,6 +27,10 @@ those that have waited longest first: past the bound requests are served by thei
 FCFS would. Its deadline, arrival + time in steps + bound, moves only when it is served, so a
 heap holds them.
 
+**Pauses** (scheduler/policies/pauses.py): a request whose stream's reader fell behind is out
+of the index while paused, and comes back with the pause added to its last service and to its
+total-wait deadline (`RequestStats.paused_s`): time nobody wanted it served is no wait.
+
 **Per tier** (`TierAging`): each service tier (scheduler/tiers.py) has an index of its own, with
 its own bound: the tier's maximum wait (`PolicyConfig.tier_wait_s`; the deployment's
 `aging_bound_s` for a tier not named there). Ages compare within a tier only, and what an
@@ -72,6 +76,17 @@ class AgingIndex:
             self._order[stats.request_id] = None
         self._push_total(stats)
 
+    def restore(self, s: RequestStats, requests: Mapping[str, RequestStats]) -> None:
+        """A request back from a pause (pauses.py), its last service moved on by the pause: in
+        its place among the others by that time (`add` appends, as an arrival is the newest), so
+        that `overdue`, which reads the front only, still finds the oldest first."""
+        if self.bound_s is not None:
+            t, order = s.last_served_s, list(self._order)
+            at = next((i for i, r in enumerate(order) if requests[r].last_served_s > t), len(order))
+            order.insert(at, s.request_id)
+            self._order = OrderedDict.fromkeys(order)
+        self._push_total(s)
+
     def served(self, request_ids: Iterable[str], requests: dict | None = None) -> None:
         if self.bound_s is not None:
             move = self._order.move_to_end
@@ -87,7 +102,7 @@ class AgingIndex:
 
     def _push_total(self, s: RequestStats) -> None:
         if self.total_bound_s is not None:
-            d = s.arrival_s + s.in_steps_s + self.total_bound_s
+            d = s.arrival_s + s.in_steps_s + s.paused_s + self.total_bound_s
             self._deadline[s.request_id] = d
             heapq.heappush(self._totals, (d, s.request_id))
             if len(self._totals) > 2 * len(self._deadline) + 64:
@@ -167,6 +182,9 @@ class TierAging:
 
     def add(self, s: RequestStats) -> None:
         self.indexes[tier_of(s.tier)].add(s)
+
+    def restore(self, s: RequestStats, requests: Mapping[str, RequestStats]) -> None:
+        self.indexes[tier_of(s.tier)].restore(s, requests)
 
     def served(self, request_ids: Iterable[str], requests: dict) -> None:
         by_tier: dict[str, list[str]] = {}

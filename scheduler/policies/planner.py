@@ -35,6 +35,8 @@ Both are pure bookkeeping: no I/O, no clock (time comes in as arguments), no ran
 plan works out (KV room and homes, how many more may start) lives in objects made for that call
 (`KVBudget`, `_Starts`); the planner keeps only what outlives a step: the queues, aging, which
 requests have started or are prefilling ahead of their turn, and the tenants' drafter priors.
+Requests whose stream's reader fell behind are paused (`pauses`, pauses.py): out of the state's
+live requests and of every index until resumed, so no plan sees them.
 While every live request fits in one batch nobody needs ranking: the plan takes them all (in
 admission order within each planning class, which decides only who starts when KV is short),
 and served requests are re-ranked by the first plan that must choose.
@@ -48,6 +50,7 @@ from scheduler.kv_budget import KVBudget
 from scheduler.policies.aging import TierAging
 from scheduler.policies.fairness import TenantFairness, prefill_weight
 from scheduler.policies.ordering import Ordering
+from scheduler.policies.pauses import Pauses
 from scheduler.policies.plan import Plan, PolicyConfig
 from scheduler.policies.queues import RequestQueues
 from scheduler.policies.shares import ResidentShares
@@ -112,6 +115,8 @@ class BatchPlanner:
         self.priors: dict[tuple[str, str | None], DrafterPrior] = {}
         self._started: set[str] = set()       # live requests that have had a step (hold KV)
         self._warming: dict[str, None] = {}   # admitted ahead of their turn, oldest first
+        # held out of every plan while their stream's reader catches up (pauses.py)
+        self.pauses = Pauses(self.queues, self.aging, self._started, self._warming)
 
     @property
     def name(self) -> str:
@@ -157,10 +162,13 @@ class BatchPlanner:
 
     def remove(self, state: SchedulerState, request_id: str, status: Status,
                cause: str | None, now: float) -> RequestStats | None:
-        """End a live request early (cancelled, failed). Returns it, or None if not live."""
+        """End a live request early (cancelled, failed), paused or not. Returns it, or None
+        if not live."""
         s = state.requests.get(request_id)
         if s is not None:
             self._retire(state, s, status, cause, now)
+        elif (s := self.pauses.end(state, request_id)) is not None:
+            s.end(status, cause, now)
         return s
 
     def rebuild(self, state: SchedulerState) -> None:
@@ -191,11 +199,12 @@ class BatchPlanner:
                 del self._warming[rid]
             first_warm = len(plan) - plan.warm    # a chunk of its context: it holds KV from now
             self._started.update(r for r, k in zip(plan.request_ids[:first_warm], plan.prefill) if k)
-            self._charge_prefill(state, zip(plan.request_ids, plan.prefill))
+            charge_prefill(self.fairness, self._prefill_weight, state,
+                           zip(plan.request_ids, plan.prefill))
         else:
             fresh = [(r, requests[r].unprefilled) for r in chosen if r not in self._started]
             plan = Plan(chosen, self.budget.trees([requests[r] for r in chosen]), aged)
-            self._charge_prefill(state, fresh)
+            charge_prefill(self.fairness, self._prefill_weight, state, fresh)
         plan.evict = evict
         plan.homes = kv.planned_homes(plan.request_ids)
         return plan
@@ -241,19 +250,6 @@ class BatchPlanner:
         state.running = served
         self.ordering.finished(finished)
         return finished
-
-    def _charge_prefill(self, state: SchedulerState, chunks: Iterable[tuple[str, int]]) -> None:
-        """Charge the context tokens this plan prefills to their tenants' virtual time, as
-        `update` charges verified ones (fairness.py, "Prefill"): by the plan that runs them, since
-        the step's records carry verified tokens only."""
-        w = self._prefill_weight
-        if not w:
-            return
-        requests = state.requests
-        for rid, k in chunks:
-            if k:
-                s = requests[rid]
-                self.fairness.charge(state, s.plan_class, s.tenant, k * w)
 
     # ---- choosing ----------------------------------------------------------------------------
     def _kv(self, state: SchedulerState) -> KVBudget:
@@ -340,3 +336,17 @@ class BatchPlanner:
         self.queues.remove(s)
         self._started.discard(rid)
         self.aging.remove(rid)
+
+
+def charge_prefill(fairness: TenantFairness, weight: float, state: SchedulerState,
+                   chunks: Iterable[tuple[str, int]]) -> None:
+    """Charge the context tokens a plan prefills to their tenants' virtual time, as `update`
+    charges verified ones (fairness.py, "Prefill"): by the plan that runs them, since the step's
+    records carry verified tokens only. `weight`: verified tokens one prefilled token is worth."""
+    if not weight:
+        return
+    requests = state.requests
+    for rid, k in chunks:
+        if k:
+            s = requests[rid]
+            fairness.charge(state, s.plan_class, s.tenant, k * weight)
