@@ -141,6 +141,11 @@ class Settings(BaseSettings):
     # with the same 429 before any work on it (gateway/http/refusal_book.py); off: every
     # refusal takes the full path (`specgate bench refusals` compares the two)
     early_refusals: bool = True
+    # how long the gate holds an early refusal before answering it (at most the refusal's own
+    # Retry-After): a client that retries at once, as a flood does, then gets one answer per
+    # connection per hold instead of as many as the gateway can write; the hold is a sleep,
+    # which costs the event loop nothing. 0: answer at once
+    early_refusal_hold_s: float = Field(1.0, ge=0, le=10)
     # a stream that has sent nothing for this long sends a keep-alive (SSE: a comment line; gRPC:
     # an empty delta and HTTP/2 pings), so proxies that close idle connections do not cut one that
     # waits in the queue; keep it below their idle timeout (often 60 s). 0: none

@@ -119,7 +119,9 @@ class _served:
         cmd = tg.serve_command(port, free_port(), tenants, model=None, redis_url=self.redis_url,
                                fake_step_ms=self.fake_step_ms)
         env = {**os.environ, "SPECGATE_STORE_PREFIX": self.prefix,
-               "SPECGATE_EARLY_REFUSALS": "true" if self.early else "false"}
+               "SPECGATE_EARLY_REFUSALS": "true" if self.early else "false",
+               # the cost of a refusal is measured, not how a hold paces a flood
+               "SPECGATE_EARLY_REFUSAL_HOLD_S": "0"}
         log_path = Path(self.tmp.name) / "gateway.log"
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, cwd=tg.REPO, env=env, stdout=log,

@@ -73,7 +73,8 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     # before its body is read at all
     app.state.refusal_book = RefusalBook(_slots_held(service))
     if settings.early_refusals:
-        early_refusal.install(app, app.state.refusal_book, metrics)
+        early_refusal.install(app, app.state.refusal_book, metrics,
+                              hold_s=settings.early_refusal_hold_s)
     app.openapi = _hoisting_body_schemas(app.openapi)
     return app
 

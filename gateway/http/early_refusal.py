@@ -6,7 +6,9 @@
                  charge an arrival, `GENERATION_PATHS`) whose bearer key's digest has a verdict
                  in the `RefusalBook` (gateway/http/refusal_book.py) is answered there with the
                  limiter's 429 (the same code, words and Retry-After the full path gives), with
-                 no routing, no dependency, no thread hop, no store call and no body parsed;
+                 no routing, no dependency, no thread hop, no store call and no body parsed,
+                 after a hold (`hold_s`, at most the Retry-After): a refusal that cost nothing
+                 would otherwise only let a client that retries at once send more of them;
     the note     the app's `ApiError` handler, wrapped: a 429 the full path gave for `rpm` or
                  `concurrency` to a request that passed the gate is noted in the book under its
                  key's digest, for its tenant (which `remember_tenant` left in the request's
@@ -18,6 +20,7 @@ models or read its stored responses, as on the full path.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -36,7 +39,8 @@ _TENANT = "specgate.tenant"            # set by `remember_tenant`, read by the n
 _CODES = {f"{kind}_exceeded": kind for kind in KINDS}
 
 
-def install(app: FastAPI, book: RefusalBook, metrics: GatewayMetrics) -> None:
+def install(app: FastAPI, book: RefusalBook, metrics: GatewayMetrics, *,
+            hold_s: float = 0.0) -> None:
     """Gate the app's generation routes with `book` (module docstring). Call after every other
     middleware and exception handler is added: the gate must be outermost, and the note wraps
     the `ApiError` handler installed before it."""
@@ -50,7 +54,7 @@ def install(app: FastAPI, book: RefusalBook, metrics: GatewayMetrics) -> None:
         return await answer(request, exc)
 
     app.add_exception_handler(ApiError, note)
-    app.add_middleware(Gate, book=book, metrics=metrics)
+    app.add_middleware(Gate, book=book, metrics=metrics, hold_s=hold_s)
 
 
 def remember_tenant(request: Request, tenant: Tenant) -> None:
@@ -70,8 +74,12 @@ def bearer_key(headers: list[tuple[bytes, bytes]]) -> str | None:
 class Gate:
     """The ASGI middleware (module docstring)."""
 
-    def __init__(self, app: Any, book: RefusalBook, metrics: GatewayMetrics) -> None:
-        self.app, self.book, self.metrics = app, book, metrics
+    def __init__(self, app: Any, book: RefusalBook, metrics: GatewayMetrics,
+                 hold_s: float = 0.0) -> None:
+        """`hold_s`: how long a refusal is held before it is answered (at most its own
+        Retry-After): a closed-loop client then gets one refusal per connection per hold, so a
+        cheaper refusal does not just let it send more of them."""
+        self.app, self.book, self.metrics, self.hold_s = app, book, metrics, hold_s
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if (scope["type"] != "http" or scope["method"] != "POST"
@@ -87,6 +95,9 @@ class Gate:
             return await self.app(scope, receive, send)
         tenant, exc = found
         self.metrics.refused(tenant, str(exc.kind), "rate_limited")     # as Admission counts
+        hold = min(self.hold_s, exc.retry_after_s)
+        if hold > 0:
+            await asyncio.sleep(hold)              # a timer: nothing of the loop's is held
         await _send(send, limit_refusal(exc))
 
 

@@ -6,6 +6,7 @@ keys are untouched. The book's own rules run on a fake clock; the gateway's on t
 over a real Redis, the calls counted on the real tenant registry."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from typing import Iterator
@@ -107,7 +108,7 @@ class Counting:
 @pytest.fixture
 def gw(redis_url, redis_prefix) -> Iterator[tuple]:
     settings = Settings(fake_worker=True, fake_step_ms=20.0, log_level="critical",
-                        redis_url=redis_url, store_prefix=redis_prefix)
+                        redis_url=redis_url, store_prefix=redis_prefix, early_refusal_hold_s=0)
     with serving(settings, {"limited": [LIMITED], "capped": [CAPPED], "other": [OTHER]},
                  tenant_options={"limited": {"rpm": 1}, "capped": {"max_concurrent": 1}},
                  log_level="critical") as (emb, url):
@@ -199,3 +200,26 @@ def test_a_full_tenant_is_refused_early_until_one_of_its_requests_ends_here(gw):
     assert post(url, CAPPED).status_code == 200             # no verdict outlives the slot
     assert auth.calls == calls + 2
 
+
+
+def test_an_early_refusal_is_held_without_holding_the_event_loop(redis_url, redis_prefix):
+    # a flood retrying at once gets one refusal per connection per hold, and while refusals are
+    # held another tenant is served: the hold is a timer, not work
+    hold = 0.8
+    settings = Settings(fake_worker=True, fake_step_ms=20.0, log_level="critical",
+                        redis_url=redis_url, store_prefix=redis_prefix, early_refusal_hold_s=hold)
+    with serving(settings, {"limited": [LIMITED], "other": [OTHER]},
+                 tenant_options={"limited": {"rpm": 1}}, log_level="critical") as (emb, url):
+        assert post(url, LIMITED).status_code == 200
+        assert_refused(post(url, LIMITED), "rpm_exceeded")           # the full path notes it
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            started = time.monotonic()
+            held = [pool.submit(post, url, LIMITED) for _ in range(3)]
+            other = post(url, OTHER)
+            other_s = time.monotonic() - started
+            for f in held:
+                assert_refused(f.result(), "rpm_exceeded")
+            held_s = time.monotonic() - started
+        assert other.status_code == 200
+        assert held_s >= hold                        # answered no sooner than the hold
+        assert other_s < held_s                      # served while the refusals were held
