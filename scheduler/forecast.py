@@ -54,13 +54,11 @@ class MissForecast:
     def enabled(self) -> bool:
         return bool(self.ttft_s)
 
-    def configure(self, ttft_s: Mapping[str, float | tuple[float, float]],
+    def configure(self, ttft_s: Mapping[str, tuple[float, float]],
                   on_miss: Mapping[str, OnMiss]) -> None:
-        """Each tier's TTFT objective, as seconds or (fixed seconds, prefill allowance)
+        """Each tier's TTFT objective as (fixed seconds, prefill allowance)
         (`scheduler.tiers.ttft_objective_s`), and what admission does with a predicted miss of it."""
-        self.ttft_s = {t: (v, 0.0) if isinstance(v, (int, float)) else (float(v[0]), float(v[1]))
-                       for t, v in ttft_s.items()}
-        self.on_miss = dict(on_miss)
+        self.ttft_s, self.on_miss = dict(ttft_s), dict(on_miss)
 
     def objectives(self, prompt_len: int) -> dict[str, float]:
         """Each tier's TTFT objective for a request with a `prompt_len`-token prompt, priced by

@@ -12,6 +12,7 @@ from scheduler.state import SchedulerState
 from scheduler.step_cost import LinearStepCost
 
 OBJ = {"priority": 1.0, "default": 2.5, "flex": 30.0}
+FIXED = {t: (seconds, 0.0) for t, seconds in OBJ.items()}   # `configure`: no prefill allowance
 
 
 def test_an_empty_queue_costs_only_the_newcomers_own_prefill_and_first_step():
@@ -109,7 +110,7 @@ def _live(rid, tier, *, max_tokens, tenant="t", arrival=0.0, running=False, step
 def test_the_forecast_puts_a_tier_behind_its_own_and_the_higher_tiers_only():
     planner = make_policy("fcfs", max_batch=1)
     f = MissForecast(planner)
-    f.configure(OBJ, {})
+    f.configure(FIXED, {})
     state = SchedulerState(step_s=0.1)
     for s in (_live("p", "priority", max_tokens=11, running=True, steps=1),  # 10 left
               _live("d", "default", max_tokens=20, arrival=1.0),              # 20 to come
@@ -130,7 +131,7 @@ def test_a_forecast_without_objectives_or_step_time_predicts_nothing():
     state = SchedulerState(step_s=0.1)
     f.refresh(state, now=0.0)
     assert f.predict("default", "t", 8, 4, now=0.0) is None       # off
-    f.configure(OBJ, {})
+    f.configure(FIXED, {})
     f.refresh(SchedulerState(), now=0.0)                           # no step measured, no cost
     assert f.predict("default", "t", 8, 4, now=0.0) is None
 
@@ -138,7 +139,7 @@ def test_a_forecast_without_objectives_or_step_time_predicts_nothing():
 def test_a_priority_newcomer_is_never_refused_for_the_lower_tiers_load():
     planner = make_policy("fcfs", max_batch=1)
     f = MissForecast(planner)
-    f.configure(OBJ, {})
+    f.configure(FIXED, {})
     state = SchedulerState(step_s=0.1)
     for i in range(20):                          # 20 s of default and flex work queued
         s = _live(f"d{i}", "default" if i % 2 else "flex", max_tokens=10, arrival=float(i))

@@ -27,7 +27,7 @@ def run(policy: str, n: int = 45, backlog: int = 6) -> list[tuple[float, float]]
     worker = FakeWorker(alpha=0.0, clock=clock, step_cost=lambda b, t: STEP_S)
     planner = make_policy(policy, max_batch=BATCH, step_cost=cost)
     loop = StepLoop(planner, worker, clock=clock, max_resident=BATCH)
-    loop.forecast.configure({"default": 1e9}, {})
+    loop.forecast.configure({"default": (1e9, 0.0)}, {})
     loop.forecast.refresh_s = 0.0                 # every step: no staleness in the measurement
     first: dict[str, float] = {}
 
