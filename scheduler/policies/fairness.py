@@ -22,7 +22,7 @@ and still stops a flooding tenant after it has run `lag_tokens` ahead.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from scheduler.state import SchedulerState
 from scheduler.step_cost import StepCost
@@ -58,6 +58,20 @@ class TenantFairness:
     def charge(self, state: SchedulerState, cls: int, tenant: str, tokens: float) -> None:
         key = (cls, tenant)
         state.virtual_time[key] = state.virtual_time.get(key, 0.0) + tokens / self.weight(tenant)
+
+    def charge_prefill(self, state: SchedulerState, weight: float,
+                       chunks: Iterable[tuple[str, int]]) -> None:
+        """Charge the context tokens a plan prefills, (request id, tokens), to their tenants'
+        virtual time, as verified ones are charged (module docstring, "Prefill"): by the plan
+        that runs them, since a step's records carry verified tokens only. `weight`: verified
+        tokens one prefilled token is worth."""
+        if not weight:
+            return
+        requests = state.requests
+        for rid, k in chunks:
+            if k:
+                s = requests[rid]
+                self.charge(state, s.plan_class, s.tenant, k * weight)
 
     def split(self, state: SchedulerState, cls: int,
               tenants: Mapping[str, int]) -> tuple[dict[str, float], float]:

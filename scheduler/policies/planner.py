@@ -199,12 +199,12 @@ class BatchPlanner:
                 del self._warming[rid]
             first_warm = len(plan) - plan.warm    # a chunk of its context: it holds KV from now
             self._started.update(r for r, k in zip(plan.request_ids[:first_warm], plan.prefill) if k)
-            charge_prefill(self.fairness, self._prefill_weight, state,
-                           zip(plan.request_ids, plan.prefill))
+            self.fairness.charge_prefill(state, self._prefill_weight,
+                                         zip(plan.request_ids, plan.prefill))
         else:
             fresh = [(r, requests[r].unprefilled) for r in chosen if r not in self._started]
             plan = Plan(chosen, self.budget.trees([requests[r] for r in chosen]), aged)
-            charge_prefill(self.fairness, self._prefill_weight, state, fresh)
+            self.fairness.charge_prefill(state, self._prefill_weight, fresh)
         plan.evict = evict
         plan.homes = kv.planned_homes(plan.request_ids)
         return plan
@@ -336,17 +336,3 @@ class BatchPlanner:
         self.queues.remove(s)
         self._started.discard(rid)
         self.aging.remove(rid)
-
-
-def charge_prefill(fairness: TenantFairness, weight: float, state: SchedulerState,
-                   chunks: Iterable[tuple[str, int]]) -> None:
-    """Charge the context tokens a plan prefills to their tenants' virtual time, as `update`
-    charges verified ones (fairness.py, "Prefill"): by the plan that runs them, since the step's
-    records carry verified tokens only. `weight`: verified tokens one prefilled token is worth."""
-    if not weight:
-        return
-    requests = state.requests
-    for rid, k in chunks:
-        if k:
-            s = requests[rid]
-            fairness.charge(state, s.plan_class, s.tenant, k * weight)
