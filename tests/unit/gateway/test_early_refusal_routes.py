@@ -1,0 +1,160 @@
+"""Early refusals beyond REST's generation routes (gateway/http/early_refusal.py): followers
+(chat resumes, GETs of a stored response) are refused at the gate for the limits their own full
+path checks, before authentication, with the same refusal; a key refused on one route is
+refused early on the others that check the same limit, and never for a limit its route does
+not check. On the fake worker over a real Redis, the calls counted on the real tenant
+registry."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+
+from gateway.http.early_refusal import route_of
+from gateway.http.refusal_book import RefusalBook
+from gateway.settings import Settings
+from gateway.tenancy.records import Tenant
+from tests.helpers import serving
+from tests.unit.gateway.test_early_refusals import Clock, Counting, assert_refused
+from tests.unit.gateway.test_followers import background, following, until_accepted
+
+MODEL = "smollm2-135m"
+LIMITED, ACME, CAPPED, OTHER = ("sk-routes-limited-001", "sk-routes-acme-000001",
+                                "sk-routes-capped-0001", "sk-routes-other-00001")
+CAP = 1                          # follower slots a tenant may hold
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@contextlib.contextmanager
+def gateway(redis_url: str, redis_prefix: str, hold_s: float = 0.0) -> Iterator[tuple]:
+    """The embedded gateway, the book on a clock that moves only when the test says, and the
+    tenant registry's `authenticate` counted."""
+    settings = Settings(fake_worker=True, fake_step_ms=20.0, log_level="critical",
+                        redis_url=redis_url, store_prefix=redis_prefix, early_refusal_hold_s=hold_s,
+                        max_followers_per_tenant=CAP)
+    with serving(settings, {"limited": [LIMITED], "acme": [ACME], "capped": [CAPPED],
+                            "other": [OTHER]},
+                 tenant_options={"limited": {"rpm": 2}, "capped": {"max_concurrent": 1}},
+                 log_level="critical") as (emb, url):
+        book: RefusalBook = emb.app.state.refusal_book
+        clock = Clock(time.monotonic())
+        book._clock = clock
+        yield emb, url, None, None, clock, Counting(emb.tenants, "authenticate")
+
+
+@pytest.fixture
+def gw(redis_url, redis_prefix) -> Iterator[tuple]:
+    with gateway(redis_url, redis_prefix) as g:
+        yield g
+
+
+def post(url: str, key: str) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", headers=auth(key), timeout=60,
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+
+
+# ---- which routes are gated, and for what ----------------------------------------------------------
+@pytest.mark.parametrize("method,path,query,route", [
+    ("POST", "/v1/completions", b"", "generate"),
+    ("GET", "/v1/chat/completions/chatcmpl-1/stream", b"after=3", "follow"),
+    ("GET", "/v1/responses/resp_1", b"", "read"),
+    ("GET", "/v1/responses/resp_1", b"stream=true&starting_after=2", "follow"),
+    ("GET", "/v1/responses/resp_1", b"stream=1&stream=no", "read"),       # the last one counts
+    ("GET", "/v1/responses/resp_1", b"stream=maybe", None),               # the full path's 422
+    ("POST", "/v1/responses/resp_1/cancel", b"", None),                   # uncharged
+    ("DELETE", "/v1/responses/resp_1", b"", None),
+    ("GET", "/v1/responses/", b"", None),
+    ("GET", "/v1/chat/completions/a/b/stream", b"", None),
+    ("GET", "/v1/models", b"", None),
+])
+def test_a_route_is_gated_as_its_full_path_is_charged(method, path, query, route):
+    assert route_of({"method": method, "path": path, "query_string": query}) == route
+
+
+def test_a_key_holds_a_verdict_of_each_kind_and_a_route_gets_only_its_own():
+    held, followers = {"t": 1}, {"t": 1}
+    book = RefusalBook(lambda n: held.get(n, 0), follower_held=lambda n: followers.get(n, 0),
+                       follower_cap=1, clock=Clock())
+    tenant = Tenant("t", max_concurrent=1)
+    assert book.note("d", tenant, "concurrency", 1.0) and book.note("d", tenant, "followers", 1.0)
+    assert book.refusal("d", ("rpm",)) is None
+    assert book.refusal("d", ("rpm", "concurrency"))[1] == "concurrency"
+    name, kind, exc = book.refusal("d", ("rpm", "followers"))
+    assert (name, kind, exc.kind) == ("t", "followers", "concurrency")
+    assert exc.message.startswith("Too many streams followed at once: at most 1")
+    followers["t"] = 0                                # its follower ended here: that verdict goes
+    assert book.refusal("d", ("rpm", "followers")) is None
+    assert book.refusal("d", ("concurrency",))[1] == "concurrency" and len(book) == 1
+    assert not book.note("e", tenant, "followers", 1.0)               # not all held here
+
+
+# ---- followers ----------------------------------------------------------------------------------------
+def test_rpm_refuses_early_on_every_route_that_charges_it_and_no_other(gw):
+    emb, url, _, _, clock, auth_calls = gw
+    resp = background(url, LIMITED)                                   # 1 of 2 a minute
+    get = f"{url}/v1/responses/{resp}"
+    try:
+        assert httpx.get(get, headers=auth(LIMITED), timeout=30).status_code == 200     # 2
+        full = httpx.get(get, headers=auth(LIMITED), timeout=30)       # refused, and noted
+        assert_refused(full, "rpm_exceeded")
+        calls = auth_calls.calls
+        for r in (httpx.get(get, headers=auth(LIMITED), timeout=30),
+                  httpx.get(get + "?stream=true", headers=auth(LIMITED), timeout=30),
+                  httpx.get(f"{url}/v1/chat/completions/{resp}/stream", headers=auth(LIMITED),
+                            timeout=30),
+                  post(url, LIMITED)):                                 # one bucket for all
+            assert_refused(r, "rpm_exceeded")
+            assert r.json()["error"]["message"].startswith("Rate limit reached: 2 requests per minute")
+        assert auth_calls.calls == calls                                # none of them authenticated
+        # an uncharged route is not gated: cancelling it takes the full path, and succeeds
+        cancel = httpx.post(get + "/cancel", headers=auth(LIMITED), timeout=30)
+        assert cancel.status_code == 200 and auth_calls.calls == calls + 1
+        clock.now += emb.app.state.refusal_book.max_age_s
+        assert_refused(httpx.get(get, headers=auth(LIMITED), timeout=30), "rpm_exceeded")
+        assert auth_calls.calls == calls + 2
+    finally:
+        emb.service.cancel(resp)
+
+
+def test_a_follower_past_its_cap_is_refused_early_until_one_of_its_followers_ends(gw):
+    emb, url, _, _, clock, auth_calls = gw
+    resp = background(url, ACME)
+    get = f"{url}/v1/responses/{resp}"
+    try:
+        with following(get + "?stream=true", ACME):
+            full = httpx.get(get + "?stream=true", headers=auth(ACME), timeout=30)
+            assert_refused(full, "concurrency_exceeded")
+            calls = auth_calls.calls
+            for _ in range(3):
+                early = httpx.get(get + "?stream=true", headers=auth(ACME), timeout=30)
+                assert_refused(early, "concurrency_exceeded")
+                assert early.json()["error"]["message"] == full.json()["error"]["message"]
+            assert auth_calls.calls == calls
+            # what the followers' cap does not bound is served: a plain read, a generation
+            assert httpx.get(get, headers=auth(ACME), timeout=30).status_code == 200
+            assert post(url, ACME).status_code == 200
+            assert auth_calls.calls == calls + 2
+        until_accepted(get + "?stream=true", ACME)        # no verdict outlives the slot
+    finally:
+        emb.service.cancel(resp)
+
+
+def test_a_tenant_at_its_max_concurrent_may_still_follow(gw):
+    # the generation's concurrency verdict is not a follower's: they are counted apart
+    emb, url, _, _, clock, auth_calls = gw
+    resp = background(url, CAPPED)                                  # its one slot
+    try:
+        assert_refused(post(url, CAPPED), "concurrency_exceeded")
+        calls = auth_calls.calls
+        assert_refused(post(url, CAPPED), "concurrency_exceeded")
+        assert auth_calls.calls == calls                            # refused early
+        with following(f"{url}/v1/responses/{resp}?stream=true", CAPPED):
+            pass
+    finally:
+        emb.service.cancel(resp)
