@@ -72,9 +72,11 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # the gate after (outside) the body limit: a key known to be over its limits is refused
     # before its body is read at all
+    grants = getattr(service, "grants", None)
     app.state.refusal_book = book = RefusalBook(
         _slots_held(service), follower_held=_follower_slots_held(app.state.followers),
-        follower_cap=app.state.followers.max_per_tenant)
+        follower_cap=app.state.followers.max_per_tenant,
+        refunds=grants.refunds if grants is not None else (lambda _tenant: 0))
     # shared with the gRPC front (`early_refusals` off: None, and neither front gates)
     app.state.early_refusals = None
     if settings.early_refusals:

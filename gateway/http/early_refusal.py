@@ -11,7 +11,7 @@ one, so a key refused on one is refused early on both (gRPC's gate: gateway/grpc
 The routes gated, and the kinds each asks for, are those its full path checks, in its order:
 
     generate   POST /v1/chat/completions, /v1/completions, /v1/responses, gRPC `Generate` and
-               `GenerateStream`: the tenant's rpm, then its concurrency;
+               `GenerateStream`: the tenant's rpm, then its tpm and concurrency;
     follow     GET /v1/chat/completions/{id}/stream, GET /v1/responses/{id}?stream=true, gRPC
                `Resume` (gateway/followers.py): rpm, then the follower slots;
     read       GET /v1/responses/{id}: rpm only (one request charged, no slot).
@@ -46,7 +46,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.service.admission import limit_refusal
 from gateway.tenancy.records import Tenant, presented_digest
 
-ROUTE_KINDS = {"generate": ("rpm", "concurrency"), "follow": ("rpm", "followers"),
+ROUTE_KINDS = {"generate": ("rpm", "tpm", "concurrency"), "follow": ("rpm", "followers"),
                "read": ("rpm",)}
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 _CHAT, _RESPONSES = "/v1/chat/completions/", "/v1/responses/"      # a follower's id follows
@@ -94,7 +94,7 @@ class EarlyRefusals:
             kind = "followers"
         if kind not in ROUTE_KINDS[route]:
             return False
-        return self.book.note(digest, tenant, kind, exc.retry_after_s or 0.0)
+        return self.book.note(digest, tenant, kind, exc.retry_after_s or 0.0, exc.closed)
 
 
 def install(app: FastAPI, refusals: EarlyRefusals) -> None:

@@ -20,7 +20,20 @@ What a verdict is, and why it can only refuse what the shared limiter would refu
                  the verdict at once. Slots held on other replicas free where this one cannot
                  see it, so a refusal while some are held elsewhere is not noted;
     followers    the same for the tenant's follower slots (gateway/followers.py), against the
-                 followers' cap, which is a deployment's, not a tenant's.
+                 followers' cap, which is a deployment's, not a tenant's;
+    tpm          a tpm refusal depends on its request's tokens, so it is noted only for what is
+                 true of any request of the key: that not even one token fits the tenant's
+                 window (`Closed`, which admission's precheck gives when it can be sure of it:
+                 gateway/service/admission.py). The window only moves later with time and with
+                 charges, unless a charge is refunded: noted only when every grant the store
+                 counted live for the tenant is held here, so a refund is a release here, which
+                 `GrantKeeper.refunds` counts and which ends the verdict at once; otherwise it
+                 lasts until one token fits, when the full path would next admit a request. Its
+                 Retry-After is that wait, the soonest any request of the key could fit. A
+                 charge never takes the window past a minute ahead, so that is at most one
+                 token's share of the minute: this spares the full path to a flood against a
+                 small tpm; against a large one a refusal is its own request's size, which the
+                 gate cannot know without reading the body, and is not noted.
 
 A key holds one verdict of each kind; a route asks only for the kinds its own full path checks
 (`refusal(digest, kinds)`): a follower is never refused for its tenant's generations' slots.
@@ -43,12 +56,12 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from gateway.followers import cap_refusal
-from gateway.tenancy.rates import CONCURRENCY_RETRY_S, LimitExceeded, Verdict, refusal
+from gateway.tenancy.rates import CONCURRENCY_RETRY_S, Closed, LimitExceeded, Verdict, refusal
 from gateway.tenancy.records import Tenant
 
 MAX_AGE_S = 1.0        # what a stale verdict may delay: a revocation's 401, a raised limit
 MAX_KEYS = 4096
-KINDS = ("rpm", "concurrency", "followers")
+KINDS = ("rpm", "tpm", "concurrency", "followers")
 
 
 @dataclass(frozen=True)
@@ -56,21 +69,25 @@ class _Verdict:
     tenant: Tenant           # as it was when refused: the limits the refusal names
     kind: str
     ends: float              # the book's clock: gone from then on
-    retry_at: float          # rpm: when its next slot fits (the Retry-After counts down to it)
+    retry_at: float          # rpm, tpm: when its next slot fits (the Retry-After counts down to it)
+    refunds: int = 0         # tpm: the tenant's refunds here when it was read (`GrantKeeper.refunds`)
 
 
 class RefusalBook:
     def __init__(self, held: Callable[[str], int], *, clock: Callable[[], float] = time.monotonic,
                  max_age_s: float = MAX_AGE_S, max_keys: int = MAX_KEYS,
                  follower_held: Callable[[str], int] = lambda _tenant: 0,
-                 follower_cap: int | None = None) -> None:
+                 follower_cap: int | None = None,
+                 refunds: Callable[[str], int] = lambda _tenant: 0) -> None:
         """`held(tenant name)`: the concurrency slots this replica's requests of that tenant
         hold now (`GrantKeeper.held`); `follower_held`, the same of its follower slots, whose
-        cap is `follower_cap` (None: follower refusals are not noted)."""
+        cap is `follower_cap` (None: follower refusals are not noted); `refunds`, the refunds
+        of its tokens this replica has seen (`GrantKeeper.refunds`)."""
         if max_age_s <= 0 or max_keys < 1:
             raise ValueError("max_age_s must be > 0 and max_keys >= 1")
         self._held, self._clock = held, clock
         self._follower_held, self.follower_cap = follower_held, follower_cap
+        self._refunds = refunds
         self.max_age_s, self.max_keys = max_age_s, max_keys
         self._verdicts: dict[str, dict[str, _Verdict]] = {}
 
@@ -105,23 +122,30 @@ class RefusalBook:
     def _refusal(self, v: _Verdict, now: float) -> LimitExceeded:
         if v.kind == "followers":
             return cap_refusal(self.follower_cap or 0)
-        wait = v.retry_at - now if v.kind == "rpm" else CONCURRENCY_RETRY_S
+        wait = CONCURRENCY_RETRY_S if v.kind == "concurrency" else v.retry_at - now
         return refusal(v.tenant, 0, Verdict(False, 0.0, v.kind, wait))
 
-    def note(self, digest: str, tenant: Tenant, kind: str, retry_after_s: float) -> bool:
+    def note(self, digest: str, tenant: Tenant, kind: str, retry_after_s: float,
+             closed: Closed | None = None) -> bool:
         """The full path refused the key with this digest, of `tenant`, for `kind` (one of
-        `KINDS`; others are not noted), retry after `retry_after_s`: remember it if it is sure
-        to hold (module docstring). Returns whether it was noted."""
+        `KINDS`; others are not noted), retry after `retry_after_s`, and, for tpm, said what
+        holds for all its requests (`closed`; without it a tpm refusal is not noted): remember
+        it if it is sure to hold (module docstring). Returns whether it was noted."""
         now = self._clock()
+        refunds = 0
         if kind == "rpm" and tenant.rpm is not None:
             retry_at = now + max(0.0, retry_after_s)
             ends = min(retry_at, now + self.max_age_s)
+        elif kind == "tpm" and tenant.tpm is not None and closed is not None:
+            # `until` is on the monotonic clock the refusal read, the book's may be another
+            retry_at = now + (closed.until - time.monotonic())
+            ends, refunds = min(retry_at, now + self.max_age_s), closed.refunds
         elif ((kind == "concurrency" and tenant.max_concurrent is not None)
               or (kind == "followers" and self.follower_cap is not None)):
             retry_at = ends = now + self.max_age_s
         else:
             return False
-        v = _Verdict(tenant, kind, ends, retry_at)
+        v = _Verdict(tenant, kind, ends, retry_at, refunds)
         if ends <= now or not self._still(v):
             return False
         if digest not in self._verdicts and len(self._verdicts) >= self.max_keys:
@@ -132,7 +156,10 @@ class RefusalBook:
         return True
 
     def _still(self, v: _Verdict) -> bool:
-        """A slots verdict holds while this replica alone fills the tenant's slots."""
+        """A slots verdict holds while this replica alone fills the tenant's slots; a tpm one
+        until this replica sees a refund."""
+        if v.kind == "tpm":
+            return self._refunds(v.tenant.name) == v.refunds
         if v.kind == "concurrency":
             return self._held(v.tenant.name) >= (v.tenant.max_concurrent or 0)
         if v.kind == "followers":

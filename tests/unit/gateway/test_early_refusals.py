@@ -73,9 +73,10 @@ def test_a_concurrency_verdict_needs_every_slot_held_here_and_ends_when_one_free
     assert book.refusal("d", KINDS) is None
 
 
-def test_only_rpm_and_concurrency_of_a_limited_tenant_are_noted():
+def test_only_the_limits_of_a_limited_tenant_are_noted_and_tpm_only_for_every_request():
     book = RefusalBook(lambda _: 9, clock=Clock())
-    assert not book.note("a", Tenant("t", tpm=100), "tpm", 5.0)        # a release refunds tpm
+    # a tpm refusal alone is its request's: a smaller one may fit (test_early_refusal_tpm.py)
+    assert not book.note("a", Tenant("t", tpm=100), "tpm", 5.0)
     assert not book.note("b", Tenant("t"), "rpm", 5.0)                 # no such limit
     assert not book.note("c", Tenant("t"), "concurrency", 1.0)
     assert not book.note("d", Tenant("t", rpm=5), "rpm", 0.0)          # nothing left to wait
