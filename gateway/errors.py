@@ -38,6 +38,11 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "perm
 class ApiError(Exception):
     """A refusal with the status, message and OpenAI fields a client gets."""
 
+    # what the refusal says of every request of the key's tenant, not only this one (a tpm
+    # refusal's `gateway.tenancy.rates.Closed`, for the refusal book: gateway/http/
+    # refusal_book.py); never shown to the client
+    closed: Any = None
+
     def __init__(self, status: int, message: str, *, type: str | None = None,
                  param: str | None = None, code: str | None = None,
                  retry_after_s: float | None = None) -> None:

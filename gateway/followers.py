@@ -35,7 +35,7 @@ from gateway import errors
 from gateway.errors import ApiError
 from gateway.metrics import GatewayMetrics
 from gateway.tenancy.grants import GrantKeeper
-from gateway.tenancy.limits import Grant, LimitExceeded, Limiter
+from gateway.tenancy.limits import CONCURRENCY_RETRY_S, Grant, LimitExceeded, Limiter
 from gateway.tenancy.records import Tenant
 
 FOLLOW_POOL = "follow"     # the limiter's set of a tenant's follower slots
@@ -101,12 +101,17 @@ class FollowerGate:
 
     def _refused(self, tenant: Tenant, exc: LimitExceeded) -> ApiError:
         """A limiter's refusal as the client's 429, counted (reason "followers" for the cap)."""
+        reason = str(exc.kind)
         if exc.kind == "concurrency":
-            reason = "followers"
-            message = (f"Too many streams followed at once: at most {self.max_per_tenant}. "
-                       f"Try again when one ends.")
-        else:
-            reason, message = str(exc.kind), exc.message
+            reason, exc = "followers", cap_refusal(self.max_per_tenant)
         if self.metrics is not None:
             self.metrics.refused(tenant.name, reason, "rate_limited")
-        return errors.rate_limited(message, exc.retry_after_s, code=f"{exc.kind}_exceeded")
+        return errors.rate_limited(exc.message, exc.retry_after_s, code=f"{exc.kind}_exceeded")
+
+
+def cap_refusal(cap: int) -> LimitExceeded:
+    """A follower refused past its tenant's `cap` follower slots, in words of the cap: the
+    limiter's own would name `max_concurrent`, which is not what refused it. (The early refusal
+    of a key past its cap gives the same: gateway/http/refusal_book.py.)"""
+    return LimitExceeded("concurrency", CONCURRENCY_RETRY_S,
+                         f"Too many streams followed at once: at most {cap}. Try again when one ends.")

@@ -78,9 +78,15 @@ def _sink(service: GenerationService, request_id: str, grant: list | None, detac
 def _ended(service: GenerationService, request_id: str, grant: list | None, used: int,
            detached: bool) -> None:
     if grant is not None and service.limiter is not None:
+        tenant = None
         try:
-            service.limiter.correct(Grant.from_list(grant), used)
+            g = Grant.from_list(grant)
+            tenant = g.tenant
+            service.limiter.correct(g, used)
         except Exception:
             log.exception("correcting the usage of recovered request %s failed", request_id)
+        finally:
+            if tenant is not None and service.grants is not None:
+                service.grants.refunded(tenant)    # tokens refunded: its tpm verdicts end
     if detached:
         service.tell_detached_ended(request_id)

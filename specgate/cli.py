@@ -40,7 +40,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("bench", "front"), "tools.bench_front",
             "does one client's 2 MB prompt stall /health and other tenants? (real model)"),
     Command(("bench", "refusals"), "tools.bench_refusals",
-            "CPU per refused request (rpm, concurrency) and the loop's lag, early refusals on/off"),
+            "CPU per refused request (rpm, concurrency, tpm; gRPC rpm) and the loop's lag, "
+            "early refusals on/off"),
     Command(("bench", "stall"), "tools.bench_stall",
             "do running streams stall while a long prompt is prefilled? chunked vs whole (real model)"),
     Command(("bench", "kv"), "tools.bench_kv",

@@ -146,10 +146,13 @@ BENCHES: tuple[Bench, ...] = (
           "them.",
           ("results/bench_front*.json",), t.front),
     Bench("bench refusals", "specgate bench refusals --json results/bench_refusals.json",
-          "CPU per refused request of a closed-loop flood over rpm and over concurrency, and the "
-          "event loop's lag, with early refusals on (fast) and off (full), over Redis.",
+          "CPU per refused request of a closed-loop flood over rpm, concurrency and tpm over "
+          "REST, and over rpm over gRPC, and the event loop's lag, with early refusals on (fast) "
+          "and off (full), over Redis.",
           "A key refused a moment ago is refused again before authentication, Redis and body "
-          "parsing: a refusal costs several times less CPU on either limit.",
+          "parsing: over REST a refusal costs several times less CPU on every limit, tpm "
+          "included while not even one token fits its window. Over gRPC the saving is smaller: "
+          "what an early refusal still costs is about what grpc.aio spends on any call.",
           ("results/bench_refusals*.json",), bench_refusals.docs_table),
     Bench("bench stall", "specgate bench stall --chunks 0,24 --json results/bench_stall.json",
           "Streams' longest gap between tokens while a long prompt is prefilled: counting "

@@ -3,10 +3,14 @@
 A tenant over its limits that sends the next request as soon as the last is refused (a closed
 loop) takes as much of the gateway's CPU as its refusals cost: that CPU is the event loop's and
 the GIL's, taken from every other tenant's streams and from the step loop. So the figure here is
-the gateway process's CPU seconds per refused request, for the two limits a flood hits:
+the gateway process's CPU seconds per refused request, for the limits a flood hits:
 
     rpm          a tenant with a small requests-per-minute limit, spent first; then a flood
     concurrency  a tenant with `max_concurrent` 1, its one slot held by a long stream; then a flood
+    tpm          a tenant whose whole tokens-per-minute window one request took; then a flood
+                 (small, so that not even one token fits for the flood's length: only then is a
+                 tpm refusal true of every request of the key, and refused early)
+    grpc_rpm     the rpm tenant again, its flood over gRPC `Generate` (the client: grpc.aio)
 
 `specgate serve --fake-worker` runs in a child process over Redis (the state store a fleet
 uses; its keys under a prefix of their own, deleted afterwards), once per mode:
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -37,8 +42,9 @@ from loadtest.hostile import target as tg
 from loadtest.results import write_result
 
 MODES = ("fast", "full")
-LIMITS = ("rpm", "concurrency")
+LIMITS = ("rpm", "concurrency", "tpm", "grpc_rpm")
 RPM = 30                       # the rpm tenant's limit: spent by its first RPM requests
+TPM = 3                        # the tpm tenant's: one request of "hi" and one token fills it
 HOLD_TOKENS = 3000             # the concurrency tenant's held stream: longer than any flood
 
 
@@ -88,8 +94,9 @@ def summary(r: dict[str, Any]) -> str:
 
 # ---- the gateway ------------------------------------------------------------------------------------
 class _Gateway:
-    def __init__(self, url: str, pid: int, keys: dict[str, str], admin: str) -> None:
+    def __init__(self, url: str, pid: int, keys: dict[str, str], admin: str, grpc_port: int) -> None:
         self.url, self.pid, self.keys, self.admin = url, pid, keys, admin
+        self.grpc_port = grpc_port
         host, port = url.removeprefix("http://").split(":")
         self.host, self.port = host, int(port)
 
@@ -107,17 +114,18 @@ class _served:
         from gateway.tenancy.records import new_api_key
 
         self.tmp = tempfile.TemporaryDirectory(prefix="specgate-refusals-")
-        keys = {"rpm": new_api_key(), "concurrency": new_api_key()}
+        keys = {"rpm": new_api_key(), "concurrency": new_api_key(), "tpm": new_api_key()}
         admin = new_api_key()
         doc = {"admin_keys": [admin], "tenants": [
             {"name": "rpm", "api_keys": [keys["rpm"]], "rpm": RPM},
-            {"name": "concurrency", "api_keys": [keys["concurrency"]], "max_concurrent": 1}]}
+            {"name": "concurrency", "api_keys": [keys["concurrency"]], "max_concurrent": 1},
+            {"name": "tpm", "api_keys": [keys["tpm"]], "tpm": TPM}]}
         tenants = Path(self.tmp.name) / "tenants.yaml"
         tenants.write_text(json.dumps(doc), encoding="utf-8")
         self.prefix = f"specgate-refusals-{uuid.uuid4().hex[:12]}:"
-        port = free_port()
-        cmd = tg.serve_command(port, free_port(), tenants, model=None, redis_url=self.redis_url,
-                               fake_step_ms=self.fake_step_ms)
+        port, self.grpc_port = free_port(), free_port()
+        cmd = tg.serve_command(port, self.grpc_port, tenants, model=None,
+                               redis_url=self.redis_url, fake_step_ms=self.fake_step_ms)
         env = {**os.environ, "SPECGATE_STORE_PREFIX": self.prefix,
                "SPECGATE_EARLY_REFUSALS": "true" if self.early else "false",
                # the cost of a refusal is measured, not how a hold paces a flood
@@ -132,7 +140,7 @@ class _served:
         except BaseException:
             self.__exit__()
             raise
-        return _Gateway(url, self.proc.pid, keys, admin)
+        return _Gateway(url, self.proc.pid, keys, admin, self.grpc_port)
 
     def __exit__(self, *_: Any) -> None:
         tg.stop(self.proc)
@@ -141,8 +149,9 @@ class _served:
 
 
 # ---- one flood -----------------------------------------------------------------------------------
-def _request(gw: _Gateway, key: str, max_tokens: int, stream: bool = False) -> bytes:
-    body = json.dumps({"model": "smollm2-135m", "prompt": "Say hello.", "max_tokens": max_tokens,
+def _request(gw: _Gateway, key: str, max_tokens: int, stream: bool = False,
+             prompt: str = "Say hello.") -> bytes:
+    body = json.dumps({"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
                        "stream": stream}).encode()
     return (f"POST /v1/completions HTTP/1.1\r\nHost: {gw.host}\r\nAuthorization: Bearer {key}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -185,21 +194,66 @@ def _hold_slot(gw: _Gateway) -> socket.socket:
     return sock
 
 
+def _fill_tpm(gw: _Gateway) -> None:
+    """One request of the tpm tenant charged its whole window (the fake worker's tokenizer
+    reads a character a token, and the request uses all it was charged: nothing is refunded)."""
+    with socket.create_connection((gw.host, gw.port)) as sock:
+        sock.sendall(_request(gw, gw.keys["tpm"], TPM - 2, prompt="hi"))
+        buf = b""
+        while (whole := _split_response(buf)) is None:
+            if not (data := sock.recv(65536)):
+                raise ConnectionError("the gateway closed the connection")
+            buf += data
+    if whole[0] != 200:
+        raise RuntimeError(f"the tpm tenant's first request was refused: {whole[0]}")
+
+
+async def _grpc_load(gw: _Gateway, key: str, total: int,
+                     concurrency: int) -> tuple[int, int, None, float]:
+    """`load`'s closed loop over gRPC `Generate`, on one channel (HTTP/2 streams)."""
+    import grpc
+
+    from gateway.grpc_api.proto import specgate_pb2 as pb
+    from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(model="smollm2-135m", prompt="Say hello.", max_tokens=1)
+    metadata, left, ok = (("authorization", f"Bearer {key}"),), total, 0
+    async with grpc.aio.insecure_channel(f"{gw.host}:{gw.grpc_port}") as channel:
+        stub = pb_grpc.GenerationStub(channel)
+
+        async def client() -> None:
+            nonlocal left, ok
+            while left > 0:
+                left -= 1
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await stub.Generate(req, metadata=metadata)
+                    ok += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return ok, total - ok, None, time.perf_counter() - t0
+
+
 def _flood(gw: _Gateway, limit: str, total: int, concurrency: int) -> dict[str, Any]:
-    held = _spend_rpm(gw) if limit == "rpm" else _hold_slot(gw)
+    held = (_spend_rpm(gw) if limit in ("rpm", "grpc_rpm") else
+            _fill_tpm(gw) if limit == "tpm" else _hold_slot(gw))
     try:
-        raw = _request(gw, gw.keys[limit], 1)
+        # the tpm flood's request fits the whole window ("hi"): refused for its fill, not its size
+        raw = (b"" if limit == "grpc_rpm" else
+               _request(gw, gw.keys[limit], 1, prompt="hi" if limit == "tpm" else "Say hello."))
         rest0, t0 = _cpu_s(gw.pid), time.perf_counter()
         time.sleep(1.0)                              # the process at rest (a held stream steps)
         rest_rate = (_cpu_s(gw.pid) - rest0) / (time.perf_counter() - t0)
         lag0, cpu0 = _lag(gw), _cpu_s(gw.pid)
-        ok, other, _, elapsed = asyncio.run(load(gw.host, gw.port, raw, total, concurrency))
+        ok, other, _, elapsed = asyncio.run(
+            _grpc_load(gw, gw.keys["rpm"], total, concurrency) if limit == "grpc_rpm"
+            else load(gw.host, gw.port, raw, total, concurrency))
         cpu = _cpu_s(gw.pid) - cpu0 - rest_rate * elapsed
         lag = tg.lag_between(lag0, _lag(gw)) or {}
     finally:
         if isinstance(held, socket.socket):
             held.close()
-    sent = total + concurrency                     # `load` warms each connection up first
+    sent = total + (concurrency if raw else 0)      # `load` warms each connection up first
     return {"statuses": {"200": ok, "other": other}, "elapsed_s": round(elapsed, 3),
             "refusals_per_s": round(other / elapsed, 1),
             "cpu_s": round(cpu, 3), "rest_cpu_share": round(rest_rate, 3),

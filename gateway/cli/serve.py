@@ -125,9 +125,10 @@ async def _serve(emb: Embedded, server: Any) -> None:
 async def start_grpc(emb: Embedded) -> GrpcServer:
     """The gRPC front on `grpc_port` (unset: a free port), over the HTTP front's service,
     tenants and state, with its body cap: a message larger than `max_body_bytes` is refused as a
-    REST body is."""
+    REST body is, and its early refusals: a key refused on one front is refused early on both."""
     s = emb.settings
     return await start_grpc_server(emb.service, emb.tenants, emb.limiter, s.grpc_port or 0,
                                    host=s.host, replayer=emb.replayer,
                                    max_message_bytes=s.max_body_bytes,
-                                   keepalive_s=s.stream_keepalive_s, followers=emb.followers)
+                                   keepalive_s=s.stream_keepalive_s, followers=emb.followers,
+                                   early=emb.app.state.early_refusals)

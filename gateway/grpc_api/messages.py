@@ -7,7 +7,7 @@ the service's output and events into messages. Used by the embedded server
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncGenerator, AsyncIterator, Protocol
+from typing import Any, AsyncGenerator, AsyncIterator, Callable, Protocol
 
 import pydantic
 
@@ -44,15 +44,19 @@ class Arrivals(Protocol):
 
 
 async def arrived_input(service: Arrivals, tenants: TenantRegistry, request: pb.GenerateRequest,
-                        metadata: Any, max_bytes: int | None) -> GenerateInput:
+                        metadata: Any, max_bytes: int | None,
+                        seen: Callable[[Tenant], None] | None = None) -> GenerateInput:
     """A request as it arrives, in REST's order: its size against the body cap (413, before
     anything: in Ray mode Serve's proxy takes messages up to its own cap, so this is ours), the
-    caller's tenant (401), the request charged to the tenant's requests per minute (429; from
-    here on every refusal has cost the tenant a request), then REST's validation, off the event
-    loop (its work grows with the message)."""
+    caller's tenant (401; handed to `seen`, so that a refusal from here on can be noted for
+    the key: gateway/grpc_api/early.py), the request charged to the tenant's requests per
+    minute (429; from here on every refusal has cost the tenant a request), then REST's
+    validation, off the event loop (its work grows with the message)."""
     if max_bytes is not None and request.ByteSize() > max_bytes:
         raise errors.too_large(f"the request message is larger than {max_bytes} bytes")
     tenant = await authed_tenant(tenants, metadata)
+    if seen is not None:
+        seen(tenant)
     await service.arrive(tenant)
     return await asyncio.to_thread(generate_input, request, tenant)
 

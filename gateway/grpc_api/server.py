@@ -31,15 +31,18 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.errors import ApiError
 from gateway.followers import FollowerGate
+from gateway.grpc_api.early import EarlyGate, noted
 from gateway.grpc_api.messages import (arrived_input, authed_tenant, kept_alive, response_message,
                                        stream_messages)
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.grpc_api.status import status_of
+from gateway.http.early_refusal import EarlyRefusals
 from gateway.keepalive import KEEPALIVE_S
 from gateway.replay import Cursor, Replayer
 from gateway.service import EventStream, GenerationService
 from gateway.tenancy.limits import Limiter
+from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import TenantRegistry
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,8 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
                             max_message_bytes: int | None = None,
                             replayer: Replayer | None = None,
                             keepalive_s: float = KEEPALIVE_S,
-                            followers: FollowerGate | None = None) -> GrpcServer:
+                            followers: FollowerGate | None = None,
+                            early: EarlyRefusals | None = None) -> GrpcServer:
     """Serve on `host:port` (0: a free port) on the running event loop, the service's.
 
     `tenants` authenticates keys (`authenticate(key) -> Tenant | None`). `limiter` is accepted so
@@ -85,12 +89,15 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     it is parsed. `replayer`: reads the state store for `Resume` (None: Resume answers
     NOT_FOUND). `keepalive_s`: a waiting stream's keep-alive (module docstring; 0: none).
     `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one over
-    `limiter`)."""
-    server = grpc.aio.server(options=message_options(max_message_bytes) + keepalive_options(keepalive_s))
+    `limiter`). `early`: the REST app's early refusals, shared, so a key refused on either front
+    is refused before any work on both (gateway/grpc_api/early.py; None: not gated)."""
+    server = grpc.aio.server(options=message_options(max_message_bytes) + keepalive_options(keepalive_s),
+                             interceptors=[EarlyGate(early)] if early is not None else None)
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(service, tenants, replayer, max_message_bytes=max_message_bytes,
                            keepalive_s=keepalive_s,
-                           followers=followers if followers is not None else FollowerGate(limiter)),
+                           followers=followers if followers is not None else FollowerGate(limiter),
+                           early=early),
         server)
     health_servicer = _Health(service.ready)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -127,25 +134,30 @@ def message_options(max_message_bytes: int | None) -> list[tuple[str, int]]:
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, service: GenerationService, tenants: TenantRegistry,
                  replayer: Replayer | None = None, *, max_message_bytes: int | None = None,
-                 keepalive_s: float = KEEPALIVE_S, followers: FollowerGate | None = None):
+                 keepalive_s: float = KEEPALIVE_S, followers: FollowerGate | None = None,
+                 early: EarlyRefusals | None = None):
         """`replayer`: reads the state store for `Resume` (None: Resume answers NOT_FOUND);
         `max_message_bytes`: the request cap (`arrived_input`); `keepalive_s`: a waiting stream's
         keep-alive message (0: none); `followers`: what a `Resume` costs its tenant (None:
-        nothing)."""
+        nothing); `early`: where a refusal for the tenant's limits is noted (None: nowhere)."""
         self.service = service
         self.tenants = tenants
         self.replayer = replayer
         self.max_message_bytes = max_message_bytes
         self.keepalive_s = keepalive_s
         self.followers = followers if followers is not None else FollowerGate(None)
+        self.early = early
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        seen: list[Tenant] = []               # the caller's tenant, once authenticated
         try:
             inp = await arrived_input(self.service, self.tenants, request,
-                                      context.invocation_metadata(), self.max_message_bytes)
+                                      context.invocation_metadata(), self.max_message_bytes,
+                                      seen.append)
             out = await self.service.generate(inp)
             return response_message(out)
         except Exception as exc:            # every failure becomes a status (see `status_of`)
+            self._note(context, seen, "generate", exc)
             await abort_with(context, exc)
 
     async def GenerateStream(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -153,15 +165,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # arrives as CancelledError at whichever await is pending (the service's next event, or a
         # write), and either way passes the finally below, which closes the service's stream and
         # so cancels the request. A suspended generator would be closed only when collected.
-        stream = None
+        stream, seen = None, []
         try:
             inp = await arrived_input(self.service, self.tenants, request,
-                                      context.invocation_metadata(), self.max_message_bytes)
+                                      context.invocation_metadata(), self.max_message_bytes,
+                                      seen.append)
             stream = await self.service.open_stream(inp)                       # admits, or raises
             await context.send_initial_metadata((("request-id", stream.request_id),
                                                  ("service-tier", stream.service_tier)))
             await self._write(context, stream)
         except Exception as exc:
+            self._note(context, seen, "generate", exc)
             await abort_with(context, exc)
         finally:
             if stream is not None:
@@ -171,6 +185,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # the rest of a stream, from the state store (gateway/replay.py); closing it cancels
         # nothing: the request is not this call's. It is a request of its tenant's, charged and
         # holding a follower slot before anything else (gateway/followers.py)
+        tenant = None
         try:
             tenant = await authed_tenant(self.tenants, context.invocation_metadata())
             async with self.followers.held(tenant):
@@ -180,7 +195,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 stream = self.replayer.stream(record, Cursor(tokens=request.after))
                 await self._write(context, stream)
         except Exception as exc:
+            self._note(context, [tenant] if tenant is not None else [], "follow", exc)
             await abort_with(context, exc)
+
+    def _note(self, context: grpc.aio.ServicerContext, seen: list[Tenant], route: str,
+              exc: BaseException) -> None:
+        """A refusal for the tenant's limits noted for the call's key (gateway/grpc_api/early.py)."""
+        if seen:
+            noted(self.early, context.invocation_metadata(), seen[0], route, exc)
 
     async def _write(self, context: grpc.aio.ServicerContext, stream: EventStream) -> None:
         """A stream's events written as messages, with keep-alives while it waits."""

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from gateway import errors
 from gateway.followers import FollowerGate
 from gateway.http import early_refusal
+from gateway.http.early_refusal import EarlyRefusals
 from gateway.http.deps import ClientDisconnected
 from gateway.http.refusal_book import RefusalBook
 from gateway.http.routers import admin, chat, completions, health, models
@@ -71,10 +72,16 @@ def build_app(settings: Settings, service: GenerationService, tenants: TenantReg
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # the gate after (outside) the body limit: a key known to be over its limits is refused
     # before its body is read at all
-    app.state.refusal_book = RefusalBook(_slots_held(service))
+    grants = getattr(service, "grants", None)
+    app.state.refusal_book = book = RefusalBook(
+        _slots_held(service), follower_held=_follower_slots_held(app.state.followers),
+        follower_cap=app.state.followers.max_per_tenant,
+        refunds=grants.refunds if grants is not None else (lambda _tenant: 0))
+    # shared with the gRPC front (`early_refusals` off: None, and neither front gates)
+    app.state.early_refusals = None
     if settings.early_refusals:
-        early_refusal.install(app, app.state.refusal_book, metrics,
-                              hold_s=settings.early_refusal_hold_s)
+        app.state.early_refusals = EarlyRefusals(book, metrics, settings.early_refusal_hold_s)
+        early_refusal.install(app, app.state.early_refusals)
     app.openapi = _hoisting_body_schemas(app.openapi)
     return app
 
@@ -84,6 +91,12 @@ def _slots_held(service: GenerationService) -> Callable[[str], int]:
     Ray mode's ingress, whose service admits on another replica)."""
     grants = getattr(service, "grants", None)
     return grants.held if grants is not None else (lambda _tenant: 0)
+
+
+def _follower_slots_held(followers: FollowerGate) -> Callable[[str], int]:
+    """The follower slots this replica holds per tenant (none without a limiter: nothing is
+    refused then)."""
+    return followers.keeper.held if followers.keeper is not None else (lambda _tenant: 0)
 
 
 def _lifespan(metrics: GatewayMetrics) -> Any:

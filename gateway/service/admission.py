@@ -22,6 +22,7 @@ admission on a worker thread then.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 from gateway import errors
@@ -34,6 +35,7 @@ from gateway.service.tenant_sync import TenantSync
 from gateway.service.types import GenerateInput, Prepared
 from gateway.tenancy.grants import GrantKeeper
 from gateway.tenancy.limits import Grant, LimitExceeded, Limiter
+from gateway.tenancy.rates import Closed
 from gateway.tenancy.records import Tenant
 from scheduler.admission import ADMITTED
 from scheduler.loop import StepLoop
@@ -127,13 +129,18 @@ class Admission:
 
     def _precheck(self, inp: GenerateInput, tenant: Tenant) -> None:
         """429 now if the tenant's limits would refuse even the least this request can cost.
-        Charges nothing."""
+        Charges nothing. A tpm refusal says, where it can, what holds for every request of the
+        tenant (`_closed`)."""
         if self.limiter is None:
             return
+        # before the store is read: a refund landing after the read counts after this
+        seen = (time.monotonic(), *self.grants.snapshot(tenant.name)) if self.grants else None
         try:
             self.limiter.precheck(tenant, fields.least_tokens(inp, self.step_loop.worker.context_limit))
         except LimitExceeded as exc:
-            raise self._refused(tenant.name, exc) from None
+            err = self._refused(tenant.name, exc)
+            err.closed = _closed(exc, seen)
+            raise err from None
 
     def _acquire(self, prep: Prepared) -> Grant | None:
         if self.limiter is None:
@@ -172,6 +179,21 @@ class Admission:
             raise errors.overloaded(retry_after_s=verdict.retry_after_s, code="queue_full")
         self.metrics.admitted(req.stats.tenant, req.stats.prompt_len)
         stream.admitted = True
+
+
+def _closed(exc: LimitExceeded, seen: tuple[float, int, int] | None) -> Closed | None:
+    """What a tpm refusal says of every request of its tenant (`Closed`), given (the time, this
+    replica's slots held for the tenant, its refunds) taken before the store was read: only
+    when no request could fit whatever its size (`closed_s`), and every grant the store
+    counted live for the tenant is one of those held here. Then only a release here can refund
+    tokens (a grant charged elsewhere later would have needed room the store had not), and it
+    counts a refund here. The one exception: a grant of ours whose lease ran out in a store
+    outage (renewals failing for a lease) leaves room in the count for one charged elsewhere,
+    whose refund this replica does not see; the book's age bound covers that."""
+    if seen is None or exc.closed_s <= 0 or exc.live is None:
+        return None
+    at, held, refunds = seen
+    return Closed(at + exc.closed_s, refunds) if exc.live <= held else None
 
 
 def limit_refusal(exc: LimitExceeded) -> ApiError:

@@ -52,6 +52,7 @@ class GrantKeeper:
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}            # grant id -> its lease
         self._by_tenant: Counter[str] = Counter()   # tenant name -> its grants in `_held`
+        self._refunds: Counter[str] = Counter()     # tenant name -> its refunds (`refunds`)
         self._releases: list[_Release] = []         # until done (succeeded, or gave up)
         self._down_until = 0.0        # after a failed call: no store call before this (backoff)
         self._delay = RETRY_FIRST_S
@@ -74,6 +75,26 @@ class GrantKeeper:
         shared limiter counts for it (gateway/http/refusal_book.py). Any thread; no I/O."""
         return self._by_tenant.get(tenant, 0)
 
+    def snapshot(self, tenant: str) -> tuple[int, int]:
+        """(`held`, `refunds`) of `tenant` at one moment. Any thread; no I/O."""
+        with self._cond:
+            return self._by_tenant.get(tenant, 0), self._refunds.get(tenant, 0)
+
+    def refunds(self, tenant: str) -> int:
+        """How many store calls that may have refunded `tenant`'s tokens per minute (a release,
+        a correction) this replica has seen answered, or fail: one more means tokens may have
+        been freed since (a tpm verdict of the refusal book ends then: gateway/http/
+        refusal_book.py). Counted after the call, never before, so that a refusal read from
+        the store before a refund landed is always followed by a change here. Any thread."""
+        return self._refunds.get(tenant, 0)
+
+    def refunded(self, tenant: str) -> None:
+        """A store call that may have refunded `tenant`'s tokens was answered (or failed): the
+        releases here count themselves; a correction made elsewhere (gateway/takeover.py) says
+        so. Any thread."""
+        with self._cond:
+            self._refunds[tenant] += 1
+
     def release(self, grant: Grant, used_tokens: int) -> concurrent.futures.Future:
         """Stop renewing `grant` and free its slot (correcting its TPM charge to `used_tokens`).
         The future is True once the slot is free, False if the first try failed: then it is
@@ -82,7 +103,10 @@ class GrantKeeper:
         with self._cond:
             held = self._drop(grant.grant_id)
         if not self.limiter.remote:
-            self.limiter.release(grant, used_tokens)
+            try:
+                self.limiter.release(grant, used_tokens)
+            finally:
+                self.refunded(grant.tenant)
             done.set_result(True)
             return done
         now = time.monotonic()
@@ -150,6 +174,7 @@ class GrantKeeper:
         try:
             self.limiter.release(r.grant, r.used_tokens)
         except Exception as exc:
+            self.refunded(r.grant.tenant)       # a call that timed out may have been applied
             if time.monotonic() < r.expires:
                 self._failed(exc)                     # kept: tried again once the backoff ends
                 _resolve(r.done, False)
@@ -157,6 +182,7 @@ class GrantKeeper:
             log.warning("tenant %r: gave up releasing a concurrency slot (%s); its lease has "
                         "ended, so it is free anyway", r.grant.tenant, exc)
         else:
+            self.refunded(r.grant.tenant)
             self._answered()
         _resolve(r.done, True)
         with self._cond:

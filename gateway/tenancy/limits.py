@@ -32,7 +32,7 @@ from typing import Callable
 from gateway.tenancy.buckets import MemoryBuckets, RedisBuckets
 from gateway.tenancy.rates import (CONCURRENCY_RETRY_S, DEFAULT_LEASE_S, WINDOW_S, Grant,
                                    LimitExceeded, Usage, Verdict, arrival, check, gcra_adjust,
-                                   gcra_take, refusal)
+                                   gcra_take, refusal, tpm_closed_s)
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.tenants import connect_store
 
@@ -108,13 +108,19 @@ class Limiter:
         """Raise LimitExceeded if a request of at least `tokens` tokens would be refused by
         `acquire` now; charges nothing. For what is known before a request's prompt is tokenized
         (its tenant, a lower bound on its tokens): a tenant over its limits is refused before that
-        work is done. A tenant without a tpm or a concurrency cap costs no store call."""
+        work is done. A tenant without a tpm or a concurrency cap costs no store call. A tpm
+        refusal carries what holds for every request of the tenant (`LimitExceeded.closed_s`,
+        `live`): the store was read for it anyway."""
         if tenant.tpm is None and tenant.max_concurrent is None:
             return
         now = self._clock()
-        verdict = check(tenant, self._buckets.usage(tenant, now), now, tokens)
+        usage = self._buckets.usage(tenant, now)
+        verdict = check(tenant, usage, now, tokens)
         if not verdict.allowed:
-            raise refusal(tenant, tokens, verdict)
+            exc = refusal(tenant, tokens, verdict)
+            if verdict.kind == "tpm" and exc.retryable:     # what holds for any request of it
+                exc.closed_s, exc.live = tpm_closed_s(tenant, usage.tpm_tat, now), usage.live
+            raise exc
 
     def release(self, grant: Grant, used_tokens: int) -> None:
         """Free the grant's concurrency slot and correct its TPM charge to `used_tokens` (the

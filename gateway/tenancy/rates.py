@@ -30,6 +30,14 @@ class LimitExceeded(Exception):
     `retryable` False: the request can never fit the limit (more tokens than the whole TPM), so
     waiting is useless and the client must change the request."""
 
+    # A tpm refusal by `Limiter.precheck` also says what holds for every request of its tenant,
+    # not only this one (gateway/http/refusal_book.py): `closed_s`, how long not even one token
+    # fits unless a charge is refunded first (`tpm_closed_s`; 0: unknown, or one fits now), and
+    # `live`, the tenant's grants live in the store when it was read (the charges that could be
+    # refunded; None: unknown).
+    closed_s: float = 0.0
+    live: int | None = None
+
     def __init__(self, kind: str, retry_after_s: float, message: str,
                  retryable: bool = True) -> None:
         super().__init__(message)
@@ -88,6 +96,31 @@ def gcra_adjust(tat: float, now: float, delta: float, per_minute: int) -> float:
     45.0
     """
     return max(max(tat, now) + delta * WINDOW_S / per_minute, now)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What a tpm refusal says of every request of its tenant on this replica (gateway/http/
+    refusal_book.py): none fits until `until`, unless a charge is refunded first; every charge
+    that could be was held here, so a refund comes through this replica's `GrantKeeper`, whose
+    count of its tenant's refunds was `refunds` before the store was read."""
+    until: float                 # time.monotonic()
+    refunds: int
+
+
+def tpm_closed_s(tenant: Tenant, tpm_tat: float, now: float) -> float:
+    """How long no request of `tenant` can fit its tokens per minute, whatever its size: the wait
+    of the least any request costs, one token (0: one fits now, or no tpm). The bucket's TAT
+    only moves later with time and with charges, so this holds unless a charge is refunded.
+
+    tpm=600 (0.1 s a token), TAT 65 at t=0: one token would take it to 65.1, 5.1 s past the window.
+    >>> round(tpm_closed_s(Tenant("t", tpm=600), 65.0, 0.0), 6)
+    5.1
+    """
+    if tenant.tpm is None:
+        return 0.0
+    new, wait = gcra_take(tpm_tat, now, 1, tenant.tpm)
+    return 0.0 if new is not None else wait
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from gateway.http.refusal_book import RefusalBook
+from gateway.http.refusal_book import KINDS, RefusalBook
 from gateway.settings import Settings
 from gateway.tenancy.records import Tenant
 from gateway.tenancy.rates import Verdict, refusal
@@ -39,13 +39,13 @@ def test_an_rpm_verdict_lasts_until_the_next_slot_and_counts_its_retry_after_dow
     book = RefusalBook(lambda _: 0, clock=clock, max_age_s=60.0)
     assert book.note("d", tenant, "rpm", 10.0)
     clock.now += 4.0
-    name, exc = book.refusal("d")
+    name, kind, exc = book.refusal("d", KINDS)
     # the limiter's own words and wait for the same moment
     same = refusal(tenant, 0, Verdict(False, 0.0, "rpm", 6.0))
-    assert (name, exc.kind, exc.message, exc.retry_after_s) == ("t", "rpm", same.message, 6.0)
-    assert book.refusal("other digest") is None
+    assert (name, kind, exc.kind, exc.message, exc.retry_after_s) == ("t", "rpm", "rpm", same.message, 6.0)
+    assert book.refusal("other digest", KINDS) is None
     clock.now += 6.0                                   # the slot is free: the verdict is gone
-    assert book.refusal("d") is None and len(book) == 0
+    assert book.refusal("d", KINDS) is None and len(book) == 0
 
 
 def test_every_verdict_ends_within_max_age_whatever_its_wait():
@@ -54,10 +54,10 @@ def test_every_verdict_ends_within_max_age_whatever_its_wait():
     book.note("r", Tenant("t", rpm=1), "rpm", 59.0)
     book.note("c", Tenant("t", max_concurrent=2), "concurrency", 1.0)
     clock.now += 0.9
-    assert book.refusal("r")[1].retry_after_s == pytest.approx(58.1)   # still the slot's wait
-    assert book.refusal("c")[1].kind == "concurrency"
+    assert book.refusal("r", KINDS)[2].retry_after_s == pytest.approx(58.1)   # still the slot's wait
+    assert book.refusal("c", KINDS)[2].kind == "concurrency"
     clock.now += 0.1
-    assert book.refusal("r") is None and book.refusal("c") is None
+    assert book.refusal("r", KINDS) is None and book.refusal("c", KINDS) is None
 
 
 def test_a_concurrency_verdict_needs_every_slot_held_here_and_ends_when_one_frees():
@@ -68,14 +68,15 @@ def test_a_concurrency_verdict_needs_every_slot_held_here_and_ends_when_one_free
     assert not book.note("d", tenant, "concurrency", 1.0)
     held["t"] = 2
     assert book.note("d", tenant, "concurrency", 1.0)
-    assert book.refusal("d")[1].message.startswith("Too many concurrent requests: at most 2")
+    assert book.refusal("d", KINDS)[2].message.startswith("Too many concurrent requests: at most 2")
     held["t"] = 1                                      # one of its requests ended here
-    assert book.refusal("d") is None
+    assert book.refusal("d", KINDS) is None
 
 
-def test_only_rpm_and_concurrency_of_a_limited_tenant_are_noted():
+def test_only_the_limits_of_a_limited_tenant_are_noted_and_tpm_only_for_every_request():
     book = RefusalBook(lambda _: 9, clock=Clock())
-    assert not book.note("a", Tenant("t", tpm=100), "tpm", 5.0)        # a release refunds tpm
+    # a tpm refusal alone is its request's: a smaller one may fit (test_early_refusal_tpm.py)
+    assert not book.note("a", Tenant("t", tpm=100), "tpm", 5.0)
     assert not book.note("b", Tenant("t"), "rpm", 5.0)                 # no such limit
     assert not book.note("c", Tenant("t"), "concurrency", 1.0)
     assert not book.note("d", Tenant("t", rpm=5), "rpm", 0.0)          # nothing left to wait
