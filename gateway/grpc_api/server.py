@@ -34,6 +34,7 @@ from gateway.followers import FollowerGate
 from gateway.grpc_api.early import EarlyGate, noted
 from gateway.grpc_api.messages import (arrived_input, authed_tenant, kept_alive, response_message,
                                        stream_messages)
+from gateway.grpc_api.parse_guard import ParseGuard
 from gateway.grpc_api.proto import specgate_pb2 as pb
 from gateway.grpc_api.proto import specgate_pb2_grpc as pb_grpc
 from gateway.grpc_api.status import status_of
@@ -91,8 +92,9 @@ async def start_grpc_server(service: GenerationService, tenants: TenantRegistry,
     `followers`: what a `Resume` costs its tenant (REST's resumes' gate; default: one over
     `limiter`). `early`: the REST app's early refusals, shared, so a key refused on either front
     is refused before any work on both (gateway/grpc_api/early.py; None: not gated)."""
+    gates = [ParseGuard()] + ([EarlyGate(early)] if early is not None else [])
     server = grpc.aio.server(options=message_options(max_message_bytes) + keepalive_options(keepalive_s),
-                             interceptors=[EarlyGate(early)] if early is not None else None)
+                             interceptors=gates)
     pb_grpc.add_GenerationServicer_to_server(
         GenerationServicer(service, tenants, replayer, max_message_bytes=max_message_bytes,
                            keepalive_s=keepalive_s,

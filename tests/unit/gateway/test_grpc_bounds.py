@@ -26,7 +26,7 @@ CAP = 64 * 1024
 
 
 @contextlib.contextmanager
-def grpc_gateway(settings: Settings) -> Iterator[tuple[object, pb_grpc.GenerationStub]]:
+def grpc_gateway(settings: Settings) -> Iterator[tuple[object, pb_grpc.GenerationStub, grpc.Channel]]:
     """The embedded gateway with its gRPC front as the CLI starts it, on a loop thread."""
     from gateway.builders.embedded import build_embedded
 
@@ -38,7 +38,7 @@ def grpc_gateway(settings: Settings) -> Iterator[tuple[object, pb_grpc.Generatio
     server = asyncio.run_coroutine_threadsafe(start_grpc(emb), loop).result(30)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     try:
-        yield emb, pb_grpc.GenerationStub(channel)
+        yield emb, pb_grpc.GenerationStub(channel), channel
     finally:
         channel.close()
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
@@ -53,14 +53,14 @@ def gateway():
     # prefilled whole: the message under the cap is a prompt of some 60 000 tokens
     settings = Settings(fake_worker=True, fake_step_ms=1, fake_context=100_000, grpc_port=0,
                         max_body_bytes=CAP, prefill_chunk_tokens=0)
-    with grpc_gateway(settings) as (emb, stub):
+    with grpc_gateway(settings) as (emb, stub, channel):
         emb.tenants.put(Tenant("metered", rpm=3), ["sk-metered"])
-        yield emb, stub
+        yield emb, stub, channel
 
 
 @pytest.mark.parametrize("rpc", ["unary", "stream"])
 def test_a_message_over_max_body_bytes_is_refused_and_one_under_it_served(gateway, rpc):
-    emb, stub = gateway
+    emb, stub, _ = gateway
     auth = (("authorization", f"Bearer {emb.dev_key}"),)
     model = emb.settings.model_id
     with pytest.raises(grpc.RpcError) as err:
@@ -74,7 +74,7 @@ def test_a_message_over_max_body_bytes_is_refused_and_one_under_it_served(gatewa
 
 
 def test_grpc_refusals_count_against_the_tenants_rpm(gateway):
-    emb, stub = gateway
+    emb, stub, _ = gateway
     auth = (("x-api-key", "sk-metered"),)
     model = emb.settings.model_id
     for req, code in ((pb.GenerateRequest(model=model, prompt="x", temperature=9), "INVALID_ARGUMENT"),
@@ -104,3 +104,25 @@ def test_a_message_over_the_cap_is_refused_before_its_key_is_read():
     with pytest.raises(ApiError) as err:                      # under the cap: the key is read
         asyncio.run(arrived_input(Unreached(), TenantRegistry(), big, (), 4096))
     assert err.value.status == 401
+
+
+@pytest.mark.parametrize("method,streams", [("Generate", False), ("GenerateStream", True),
+                                            ("Resume", True)])
+def test_a_message_that_does_not_parse_gets_invalid_argument_in_the_apis_words(gateway, method,
+                                                                                 streams):
+    """Bytes no request type reads (a truncated field) get INVALID_ARGUMENT naming the method
+    and `invalid_message`, not UNKNOWN with the parser's exception text; the front serves on."""
+    emb, stub, channel = gateway
+    auth = (("authorization", f"Bearer {emb.dev_key}"),)
+    rpc = (channel.unary_stream if streams else channel.unary_unary)(
+        f"/specgate.v1.Generation/{method}")
+    with pytest.raises(grpc.RpcError) as err:
+        result = rpc(b"\x0a\xff\xff", metadata=auth, timeout=30)    # field 1, length past the end
+        if streams:
+            list(result)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert method in err.value.details() and "Error" not in err.value.details()
+    assert dict(err.value.trailing_metadata())["error-code"] == "invalid_message"
+    ok = call(stub, "unary", pb.GenerateRequest(model=emb.settings.model_id, prompt="hi",
+                                                max_tokens=2), auth)[-1]
+    assert ok.usage.completion_tokens == 2
