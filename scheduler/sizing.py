@@ -171,6 +171,17 @@ def _budgets(depths: Sequence[int], alphas: Sequence[float], spare: int,
     return [_tree_budget(d, max_depth) for d in depths]
 
 
+def cut_to(budgets: Sequence[TreeBudget], alphas: Sequence[float], spare: int,
+           max_depth: int) -> list[TreeBudget]:
+    """`budgets` cut to `spare` nodes in all as `size_trees` cuts its own (leftovers to the
+    highest α); unchanged when within. What the planner uses to hold a tenant to its share.
+
+    >>> cut_to([TreeBudget(8, 8), TreeBudget(4, 4)], [0.9, 0.5], 6, 16)
+    [TreeBudget(max_nodes=4, max_depth=4), TreeBudget(max_nodes=2, max_depth=2)]
+    """
+    return _budgets([b.max_nodes for b in budgets], alphas, spare, max_depth)
+
+
 @functools.lru_cache(maxsize=4096)
 def _tree_budget(nodes: int, max_depth: int) -> TreeBudget:
     """The budget of a tree of `nodes` nodes: one per (nodes, max_depth) for the process, shared

@@ -192,6 +192,7 @@ def _step_loop(settings: Settings, target: Target, metrics: GatewayMetrics,
                          sizing=SizingConfig(max_tree_tokens=settings.max_tree_tokens),
                          step_cost=target.step_cost, max_resident=max_resident,
                          prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                         tenant_row_share=settings.tenant_row_share,
                          tier_wait_s=wait_bounds(settings.service_tiers), **target.kv, **extra)
     admission = AdmissionControl(AdmissionLimits(
         max_live=settings.max_live, max_live_per_tenant=settings.max_live_per_tenant,

@@ -45,6 +45,11 @@ class PolicyConfig:
     # in chunks beside the trees (`chunk_budget`); 0: the step loop prefills each request whole,
     # in a pass of its own, before its first step
     prefill_chunk_tokens: int = 0
+    # in a step shared by several tenants, the least share of the rows beyond one a request that
+    # each tenant's chunks and draft nodes may take (its weight's share if larger): what keeps one
+    # tenant's drafts and prefills from stretching every other tenant's gaps (row_shares.py);
+    # None: no shares, the rows go wherever they commit the most
+    tenant_row_share: float | None = 0.5
     # attention over this many keys costs about what one row's linears do: a chunk of k tokens
     # after o tokens of context counts k × (1 + o / this) against prefill_chunk_tokens, so a
     # step with a chunk costs about the same early and late in a long prompt. None: the step
@@ -66,6 +71,8 @@ class PolicyConfig:
             raise ValueError("max_resident must hold at least one full batch")
         if self.prefill_chunk_tokens < 0:
             raise ValueError("prefill_chunk_tokens must be >= 0 (0: whole prefills)")
+        if self.tenant_row_share is not None and not 0 < self.tenant_row_share <= 1:
+            raise ValueError("tenant_row_share must be in (0, 1] (or None: no shares)")
         if self.prefill_keys_per_row is not None and not self.prefill_keys_per_row > 0:
             raise ValueError("prefill_keys_per_row must be > 0")
         for tier, wait in self.tier_wait_s.items():

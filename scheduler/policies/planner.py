@@ -108,7 +108,7 @@ class BatchPlanner:
                                c.total_wait_bound_s if ages else None,
                                c.tier_wait_s if ages else {t: None for t in TIERS})
         self.queues = RequestQueues(ordering, self.fairness, c.token_budget / c.max_batch)
-        self.budget = StepBudget(c, ordering.node_urgency)
+        self.budget = StepBudget(c, ordering.node_urgency, self.fairness.weight)
         self._limit = min(c.max_batch, c.token_budget)   # one root token per request at least
         # What each (tenant, drafter)'s requests have shown the planner (alpha.DrafterPrior): soft
         # state, relearned after a restart; a rebuild keeps it, and a caller may carry it over.

@@ -12,7 +12,8 @@ from typing import Callable, Mapping
 
 from scheduler.policies.plan import Plan, PolicyConfig
 from scheduler.request import RequestStats
-from scheduler.sizing import TreeSizer
+from scheduler.policies.row_shares import RowShares
+from scheduler.sizing import TreeSizer, cut_to
 from scheduler.state import SchedulerState
 from workers.contract import NO_SPECULATION, TreeBudget
 
@@ -49,26 +50,56 @@ def chunk_budget(per_request: int, token_budget: int, decoding: int, waiting: in
 class StepBudget:
     """Rows of one step for the requests the planner chose (module docstring)."""
 
-    def __init__(self, config: PolicyConfig, urgency: Urgency) -> None:
-        """`urgency`: the ordering's weights on draft nodes (`Ordering.node_urgency`)."""
+    def __init__(self, config: PolicyConfig, urgency: Urgency,
+                 weight: Callable[[str], float] = lambda tenant: 1.0) -> None:
+        """`urgency`: the ordering's weights on draft nodes (`Ordering.node_urgency`); `weight`:
+        a tenant's fair-share weight (`TenantFairness.weight`), which its row share follows."""
         c = self.config = config
+        self.weight = weight
         measured = c.step_cost.keys_per_row if c.step_cost is not None else None
         self.keys_per_row = c.prefill_keys_per_row or measured or DEFAULT_KEYS_PER_ROW
         self.sizer = TreeSizer(c.step_cost, c.sizing)
         self.urgency = urgency
 
-    def trees(self, stats: list[RequestStats], nodes: int | None = None) -> list[TreeBudget]:
+    def shares(self, stats: list[RequestStats]) -> RowShares | None:
+        """The tenants' row shares of a step of `stats` (row_shares.py); None: not limited."""
+        return RowShares.of(stats, self.weight, max(self.config.token_budget - len(stats), 0),
+                            self.config.tenant_row_share)
+
+    def trees(self, stats: list[RequestStats], nodes: int | None = None, *,
+              shares: RowShares | None = None) -> list[TreeBudget]:
         """Tree budgets of the requests a step verifies (each has a root row), sharing `nodes`
-        draft nodes (default: the token budget less their roots)."""
+        draft nodes (default: the token budget less their roots), each tenant's within its row
+        share (`shares`: the step's, with what its chunks took; default: those of `stats`)."""
         if nodes is None:
             nodes = self.config.token_budget - len(stats)
+            shares = self.shares(stats)
         urgency = self.urgency(stats) if len(stats) > 1 else None
         deep = self._depth_weights(stats)
         if deep is not None:
             urgency = deep if urgency is None else [u * d for u, d in zip(urgency, deep)]
-        return self.sizer([s.estimate.alpha for s in stats], max(nodes, 0),
-                          draft_s=[s.estimate.draft_s for s in stats],
-                          caps=[s.max_tree_tokens for s in stats], urgency=urgency)
+        alphas = [s.estimate.alpha for s in stats]
+        budgets = self.sizer(alphas, max(nodes, 0), draft_s=[s.estimate.draft_s for s in stats],
+                             caps=[s.max_tree_tokens for s in stats], urgency=urgency)
+        return budgets if shares is None else self._within_shares(stats, alphas, budgets, shares)
+
+    def _within_shares(self, stats: list[RequestStats], alphas: list[float],
+                       budgets: list[TreeBudget], shares: RowShares) -> list[TreeBudget]:
+        """`budgets` with each tenant's nodes cut to the room its share has left, its requests of
+        the higher tiers served first."""
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i, s in enumerate(stats):
+            groups.setdefault((shares.rank(s), s.tenant), []).append(i)
+        out = list(budgets)
+        for _, idx in sorted(groups.items(), key=lambda g: g[0][0]):
+            room = shares.room(stats[idx[0]])
+            if sum(budgets[i].max_nodes for i in idx) > room:
+                cut = cut_to([budgets[i] for i in idx], [alphas[i] for i in idx], room,
+                             self.config.sizing.max_depth)
+                for i, b in zip(idx, cut):
+                    out[i] = b
+            shares.take(stats[idx[0]], sum(out[i].max_nodes for i in idx))
+        return out
 
     def _depth_weights(self, stats: list[RequestStats]) -> list[float] | None:
         """Weights on node worths for requests deep into a long context: each node's row attends
@@ -98,13 +129,17 @@ class StepBudget:
         c = self.config
         decoding = sum(1 for r in chosen if not requests[r].unprefilled)
         left = chunk_budget(c.prefill_chunk_tokens, c.token_budget, decoding, len(chosen) - decoding)
+        shares = self.shares([requests[r] for r in chosen])
         ids, chunks, completes = [], [], []
         for rid in chosen:
             s = requests[rid]
             need = s.unprefilled
-            take, cost = self._chunk(s, need, left)
+            take, cost = self._chunk(s, need, left if shares is None
+                                     else min(left, shares.room(s)))
             if need and not take:
                 continue                        # no budget left: it waits, still ranked
+            if shares is not None:
+                shares.take(s, take)
             left -= cost
             ids.append(rid)
             chunks.append(take)
@@ -113,9 +148,10 @@ class StepBudget:
         # would attend over the whole context in the step that already carries its deepest chunk
         trees = [done and not take for done, take in zip(completes, chunks)]
         roots = [requests[r] for r, tree in zip(ids, trees) if tree]
-        sized = iter(self.trees(roots, c.token_budget - sum(completes) - sum(chunks)) if roots else ())
+        sized = iter(self.trees(roots, c.token_budget - sum(completes) - sum(chunks), shares=shares)
+                     if roots else ())
         budgets = [next(sized) if tree else NO_SPECULATION for tree in trees]
-        warm, stale = self._warm(requests, warming, set(ids), left)
+        warm, stale = self._warm(requests, warming, set(ids), left, shares)
         plan = Plan(ids + [r for r, _ in warm], budgets + [NO_SPECULATION] * len(warm), aged,
                     chunks + [n for _, n in warm], len(warm))
         return plan, stale
@@ -129,9 +165,11 @@ class StepBudget:
         return take, take * weight
 
     def _warm(self, requests: Mapping[str, RequestStats], warming: Mapping[str, None],
-              chosen: set[str], left: float) -> tuple[list[tuple[str, int]], list[str]]:
+              chosen: set[str], left: float,
+              shares: RowShares | None) -> tuple[list[tuple[str, int]], list[str]]:
         """(request id, chunk) for requests admitted ahead of their turn, oldest first, within
-        what is `left` of the budget; and those of them looked at that no longer wait so."""
+        what is `left` of the budget and their tenant's row share; and those of them looked at
+        that no longer wait so."""
         out, stale = [], []
         for rid in warming:
             s = requests.get(rid)
@@ -142,7 +180,12 @@ class StepBudget:
                 continue
             if left < 1:
                 break
-            take, cost = self._chunk(s, s.prefill_left, left)
+            take, cost = self._chunk(s, s.prefill_left,
+                                     left if shares is None else min(left, shares.room(s)))
+            if not take:
+                continue                        # its tenant's share is spent this step
+            if shares is not None:
+                shares.take(s, take)
             left -= cost
             out.append((rid, take))
         return out, stale
