@@ -367,8 +367,11 @@ def sim(doc: Doc) -> list[str]:
                    "mean in steps s", "mean batch", "committed tokens/s"), rows)]
     tiers = sorted({t for p in doc["policies"].values() for t in p.get("slo_attainment") or {}})
     if tiers:                                   # with --tiers: each tier's objectives met, goodput
-        out += ["", *table(("policy", *(f"{t} attainment" for t in tiers), "goodput tokens/s"),
+        alone = sorted({t for p in doc["policies"].values() for t in p.get("slo_attainment_alone") or {}})
+        out += ["", *table(("policy", *(f"{t} attainment" for t in tiers),
+                            *(f"{t} alone" for t in alone), "goodput tokens/s"),
                            [(name, *(num(p["slo_attainment"].get(t), 3) for t in tiers),
+                             *(num((p.get("slo_attainment_alone") or {}).get(t), 3) for t in alone),
                              num(p.get("goodput_tok_s"), 1))
                             for name, p in doc["policies"].items()])]
     return out

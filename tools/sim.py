@@ -65,6 +65,7 @@ from scheduler.loop import StepLoop
 from scheduler.policies import Policy, PolicyConfig, make_policy
 from scheduler.profile import StepCostModel, prefill_steps
 from scheduler.request import Request, RequestStats
+from scheduler.tiers import TIERS
 from scheduler.sizing import expected_tau, size_trees
 from scheduler.store.null import NullStore
 from tools.workload_gen import (LOADTEST_TENANTS, SimRequest, WorkloadSpec, generate,
@@ -76,6 +77,7 @@ from loadtest.bootstrap import LEVEL, RESAMPLES, STATISTICS, intervals
 from loadtest.results import write_result
 
 DEFAULT_POLICIES = ("fcfs", "sjf", "las", "laps", "srpt")
+TOP_TIER = TIERS[0]
 # `specgate bench lengths --json` of the real predictor on the default model: its error at arrival
 # and as requests progress sets the simulated predictor's (`--predictor`)
 MEASURED_PREDICTOR = Path(__file__).parent / "data" / "bench_lengths.json"
@@ -267,7 +269,16 @@ def run_policy(name: str, settings: SimSettings, rate: float) -> dict[str, Any]:
     out = simulate(policy, reqs, cost, settings.workload, settings.admission,
                    max_resident=settings.max_resident, tiers=tiers)
     wall = time.perf_counter() - t0
-    return summarize(name, out, policy, wall)
+    result = summarize(name, out, policy, wall)
+    if tiers is not None and TOP_TIER in tiers:
+        # the top tier's requests again, every lower tier's removed: what this policy attains
+        # for them when nothing else competes, the most an order of the lower tiers could leave
+        alone = simulate(make_policy(name, _config(settings, cost), **opts),
+                         [r for r in reqs if tiers[r.index] == TOP_TIER], cost,
+                         settings.workload, settings.admission,
+                         max_resident=settings.max_resident, tiers=tiers)
+        result["slo_attainment_alone"] = {TOP_TIER: alone.slo["slo_attainment"][TOP_TIER]}
+    return result
 
 
 def summarize(name: str, out: RunOutcome, policy: Policy, wall_s: float) -> dict[str, Any]:

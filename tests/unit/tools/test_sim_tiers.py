@@ -69,8 +69,13 @@ def test_tiers_are_served_in_order_and_judged_per_policy():
         assert 0 < p["goodput_tok_s"] <= p["committed_tokens_per_s"]
         ttft = p["per_tier_mean_ttft_s"]
         assert ttft["priority"] < ttft["default"] < ttft["flex"]
+        assert 0 <= p["slo_attainment_alone"]["priority"] <= 1
     untiered = run_sim(["fcfs"], replace(s, tiers=()))["policies"]["fcfs"]
-    assert "slo_attainment" not in untiered
+    assert "slo_attainment" not in untiered and "slo_attainment_alone" not in untiered
+    # every request of the top tier: the run without the lower tiers is the same run
+    top = run_sim(["fcfs"], replace(s, n_requests=60, tiers=parse_tiers("priority=1")))
+    p = top["policies"]["fcfs"]
+    assert p["slo_attainment_alone"]["priority"] == p["slo_attainment"]["priority"]
 
 
 def test_the_simulators_judge_and_the_gateways_agree_on_a_long_prompts_ttft():
