@@ -110,12 +110,16 @@ async def _output(stream: EventStream) -> GenerateOutput:
 
 async def merged(streams: Sequence[EventStream]) -> AsyncIterator[tuple[int, StreamChunk | GenerateOutput]]:
     """(choice index, item) from every choice's stream as they come; each stream's items in
-    order. One stream is read directly (no task, no queue: the common case costs nothing)."""
+    order. One stream is read directly (no task, no queue: the common case costs nothing).
+
+    The queue holds one item a stream: a reader that stops reading stops the pumps, and each
+    choice's backlog then builds in its own stream, which pauses its request (backpressure,
+    gateway/service/stream.py); an unbounded queue here took every token of every choice."""
     if len(streams) == 1:
         async for item in streams[0]:
             yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(i: int, stream: EventStream) -> None:

@@ -53,15 +53,15 @@ def dechunk(body: bytes) -> bytes:
         i = j + 2 + size + 2
 
 
-def unread_stream(url: str, key: str) -> socket.socket:
-    """A streamed chat asking for TOKENS on a socket with a small receive buffer, sent and not
-    read (as `loadtest hostile`'s idle pattern does)."""
+def unread_stream(url: str, key: str, n: int = 1) -> socket.socket:
+    """A streamed chat asking for TOKENS (in `n` choices) on a socket with a small receive
+    buffer, sent and not read (as `loadtest hostile`'s idle pattern does)."""
     host, port = url.removeprefix("http://").split(":")
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.connect((host, int(port)))
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a long story"}],
-                       "max_tokens": TOKENS, "stream": True}).encode()
+                       "max_tokens": TOKENS, "stream": True, "n": n}).encode()
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer %s\r\n"
               b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
               % (url.encode(), key.encode(), len(body), body))
@@ -142,3 +142,36 @@ def test_backlog_bounds_are_checked():
     Backlog(0, 0)                                   # off
     with pytest.raises(ValueError, match="resume_tokens < pause_tokens"):
         Backlog(32, 32)
+
+
+def test_an_unread_stream_of_several_choices_pauses_each_and_a_late_reader_gets_everything(server):
+    """`n` = 2: each choice's request is paused once the reader stops (the choices' merge holds
+    one item a stream, so each backlog builds in its own stream), and every token of both
+    choices reaches the reader at last."""
+    emb, url = server
+    loop = emb.service.step_loop
+    s = unread_stream(url, emb.dev_key, n=2)
+    try:
+        seen: list[tuple] = []
+
+        def settled() -> bool:                 # both paused, neither moving, short of its end
+            p = loop.state.paused
+            seen.append(tuple(sorted((r, x.committed) for r, x in p.items())))
+            time.sleep(0.5)
+            return len(seen[-1]) == 2 and len(seen) >= 3 and seen[-1] == seen[-2] == seen[-3]
+        wait_for(settled, "both choices to be paused")
+        rids = [r for r, _ in seen[-1]]
+        assert all(0 < c < TOKENS for _, c in seen[-1])
+        raw = read_all(s)
+    finally:
+        s.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = [line[6:] for line in dechunk(body).decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    texts = ["", ""]
+    for e in events[:-1]:
+        for c in json.loads(e)["choices"]:
+            texts[c["index"]] += c["delta"].get("content") or ""
+    assert sorted(texts) == sorted(truth(r, TOKENS) for r in rids)
+    wait_for(lambda: not loop.state.paused and not loop.state.requests, "the requests to end")
