@@ -99,8 +99,8 @@ class Settings(BaseSettings):
     prefill_chunk_tokens: int = Field(24, ge=0)
     # in a step shared by tenants, the least share of its spare rows each tenant's chunks and
     # draft nodes may take (`scheduler.policies.row_shares`): one tenant's speculation or prompt
-    # flood stretches another's gaps by at most this share's rows; None: rows go where they commit most
-    tenant_row_share: float | None = Field(0.5, gt=0, le=1)
+    # flood stretches another's gaps by at most this share's rows; 1: no limit
+    tenant_row_share: float = Field(0.5, gt=0, le=1)
     prefix_cache_mb: float = Field(256.0, ge=0)   # per verifier: earlier prompts' prefix KV; 0: off
     # of the prefix cache, the most one tenant may hold (so one tenant cannot flush the others')
     prefix_cache_tenant_share: float = Field(0.5, gt=0, le=1)

@@ -11,7 +11,9 @@ at up to twice the plain step's gap (the default profile: 50 ms at batch 9 with 
 with the 64-row budget full).
 
 So in a step shared by several tenants, each tenant's chunks and nodes together take at most its
-share of the rows beyond one per request: its weight's share of its rivals in the step, and at
+share of the rows beyond one per request: its weight's share among itself and its rivals (the
+other tenants with a stream decoding in the step, whose gaps are at stake; a step in which
+nobody else decodes holds nothing back), and at
 least `floor` of them (a half by default: two tenants split a step evenly, and with more, none
 takes over half; a tenant with more than half the weight keeps its weight's share). A share left
 unused is not handed to the others: the rows a light tenant does not use are what keeps its gaps
@@ -50,49 +52,61 @@ class RowShares:
         self.taken: dict[str, int] = {}
 
     @classmethod
-    def of(cls, stats: Iterable[RequestStats], weight: Callable[[str], float], spare: int,
+    def of(cls, stats: Iterable[RequestStats], streams: Iterable[RequestStats],
+           weight: Callable[[str], float], spare: int,
            floor: float | None) -> "RowShares | None":
-        """The shares of a step of `stats`, with `spare` rows beyond one a request; None where
-        nothing is limited (no request has a rival, or no `floor`: shares off).
+        """The shares of a step of `stats`, of which `streams` decode (the gaps the shares keep
+        short), with `spare` rows beyond one a request; None where nothing is limited (no request
+        has a rival stream, or no `floor`: shares off).
 
         >>> from scheduler.request import RequestStats as R
         >>> step = [R("a1", "a", 0, 10, 99), R("a2", "a", 0, 10, 99), R("b1", "b", 0, 10, 99)]
-        >>> RowShares.of(step, lambda t: 3.0 if t == "a" else 1.0, 40, 0.5).caps
+        >>> RowShares.of(step, step, lambda t: 3.0 if t == "a" else 1.0, 40, 0.5).caps
         {(1, 'a'): 30, (1, 'b'): 20}
-        >>> RowShares.of(step[:2], lambda t: 1.0, 40, 0.5) is None
+        >>> RowShares.of(step, step[:2], lambda t: 1.0, 40, 0.5).caps     # b has no stream here
+        {(1, 'a'): 1073741824, (1, 'b'): 20}
+        >>> RowShares.of(step[:2], step[:2], lambda t: 1.0, 40, 0.5) is None
         True
         >>> step[0].tier = "priority"                 # the first tier is never held back
-        >>> RowShares.of(step, lambda t: 1.0, 40, 0.5).caps
+        >>> RowShares.of(step, step, lambda t: 1.0, 40, 0.5).caps
         {(0, 'a'): 1073741824, (1, 'a'): 20, (1, 'b'): 20}
         >>> for s in step: s.tier = "priority"
-        >>> RowShares.of(step, lambda t: 1.0, 40, 0.5) is None
+        >>> RowShares.of(step, step, lambda t: 1.0, 40, 0.5) is None
         True
         """
         if floor is None:
             return None
-        by_rank: dict[int, dict[str, None]] = {}
-        for s in stats:
-            by_rank.setdefault(cls.rank(s), {})[s.tenant] = None
-        rivals: dict[str, None] = {}
+        streaming: dict[str, int] = {}                 # tenant -> its best tier with a stream
+        for s in streams:
+            streaming[s.tenant] = min(streaming.get(s.tenant, len(TIERS)), cls.rank(s))
         caps: dict[tuple[int, str], int] = {}
-        for rank in sorted(by_rank):
-            rivals.update(by_rank[rank])               # its tier's tenants and those above
-            total = sum(weight(t) for t in rivals)
-            for t in by_rank[rank]:
-                caps[(rank, t)] = (UNLIMITED if rank == 0 or len(rivals) < 2 else
-                                   max(int(spare * max(weight(t) / total, floor)), 1))
+        for s in stats:
+            key = (cls.rank(s), s.tenant)
+            if key not in caps:
+                caps[key] = cls._cap(key, streaming, weight, spare, floor)
         if all(c == UNLIMITED for c in caps.values()):
             return None
         return cls(caps, spare, floor)
 
+    @staticmethod
+    def _cap(key: tuple[int, str], streaming: dict[str, int], weight: Callable[[str], float],
+             spare: int, floor: float) -> int:
+        rank, tenant = key
+        rivals = [t for t, r in streaming.items() if r <= rank and t != tenant]
+        if rank == 0 or not rivals:
+            return UNLIMITED
+        mine = weight(tenant)
+        return max(int(spare * max(mine / (mine + sum(weight(t) for t in rivals)), floor)), 1)
+
     def room(self, s: RequestStats) -> int:
         """Rows `s`'s tenant may still take in this step for `s`. A request not in the step (one
-        prefilled ahead of its turn) has the floor's share where its tier has rivals in it."""
+        prefilled ahead of its turn) has the floor's share where the step holds others back."""
         rank = self.rank(s)
         cap = self.caps.get((rank, s.tenant))
         if cap is None:
-            rivals = any(r <= rank and t != s.tenant for (r, t) in self.caps)
-            cap = max(int(self.spare * self.floor), 1) if rivals else UNLIMITED
+            rivals = any(r <= rank and t != s.tenant for (r, t), c in self.caps.items()
+                         if c != UNLIMITED)
+            cap = max(int(self.spare * self.floor), 1) if rank and rivals else UNLIMITED
         return max(cap - self.taken.get(s.tenant, 0), 0)
 
     @staticmethod

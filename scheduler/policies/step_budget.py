@@ -61,9 +61,12 @@ class StepBudget:
         self.sizer = TreeSizer(c.step_cost, c.sizing)
         self.urgency = urgency
 
-    def shares(self, stats: list[RequestStats]) -> RowShares | None:
-        """The tenants' row shares of a step of `stats` (row_shares.py); None: not limited."""
-        return RowShares.of(stats, self.weight, max(self.config.token_budget - len(stats), 0),
+    def shares(self, stats: list[RequestStats],
+               streams: list[RequestStats] | None = None) -> RowShares | None:
+        """The tenants' row shares of a step of `stats`, of which `streams` decode (default:
+        all) (row_shares.py); None: not limited."""
+        return RowShares.of(stats, stats if streams is None else streams, self.weight,
+                            max(self.config.token_budget - len(stats), 0),
                             self.config.tenant_row_share)
 
     def trees(self, stats: list[RequestStats], nodes: int | None = None, *,
@@ -129,7 +132,8 @@ class StepBudget:
         c = self.config
         decoding = sum(1 for r in chosen if not requests[r].unprefilled)
         left = chunk_budget(c.prefill_chunk_tokens, c.token_budget, decoding, len(chosen) - decoding)
-        shares = self.shares([requests[r] for r in chosen])
+        step = [requests[r] for r in chosen]
+        shares = self.shares(step, [s for s in step if not s.unprefilled])
         ids, chunks, completes = [], [], []
         for rid in chosen:
             s = requests[rid]

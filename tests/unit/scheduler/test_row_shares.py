@@ -110,3 +110,18 @@ def test_rows_are_held_back_only_for_streams_of_the_same_tier_or_above():
     reqs[-1].tier = "priority"                      # one priority stream beside a default flood
     state = build(planner, reqs)
     assert 0 < _rows(planner.plan(state, 1.0), state, "bulk") <= SPARE // 2
+
+
+def test_a_step_in_which_nobody_decodes_holds_nothing_back():
+    """Only streams' gaps are at stake: two tenants' prompts prefilling side by side, nobody
+    decoding, are chunked as they would be without shares."""
+    plans = []
+    for share in (0.5, None):
+        planner = _planner(share, prefill_chunk_tokens=24)
+        reqs = _mix(prompt=500)
+        reqs[-1].prompt_len = 500                 # the other tenant waits for its context too
+        state = build(planner, reqs)
+        plan = planner.plan(state, 1.0)
+        plans.append((plan.request_ids, plan.prefill, [b.max_nodes for b in plan.budgets]))
+    assert plans[0] == plans[1]
+    assert sum(plans[0][1]) > BUDGET              # an idle step prefills past the row budget
