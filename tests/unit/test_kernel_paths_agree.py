@@ -35,7 +35,8 @@ def _ops(mod, dtype: torch.dtype) -> list[torch.Tensor]:
     packed = small_gemm.pack(w)        # an odd K: never AMX tiles, which one path alone runs
     out = [mod.linear(torch.randn(rows, 201, generator=g).to(dtype), packed, 130, bias) for rows in (1, 5, 13, 40)]
     x = torch.randn(7, 576, generator=g).to(dtype)
-    out.append(mod.rms_norm(x, torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype), 1e-5))
+    delta, weight = torch.randn(7, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+    out.append(mod.rms_norm(x, delta, weight, 1e-5))
     out.append(x)                                            # the residual add, in place
     out.append(mod.silu_mul((torch.randn(7, 80, generator=g) * 6).to(dtype)))
     out.append(mod.argmax_rows(torch.randn(6, 1000, generator=g).to(dtype)))

@@ -45,11 +45,11 @@ and attention sums in its own order (results agree to an ulp or two).
 The kernels are compiled on first use (torch.utils.cpp_extension, a one-off build, cached under
 ~/.cache/torch_extensions, one build at a time across processes, `_build_and_load`;
 scripts/setup.sh builds them), once per kernel path (`PATHS`: AVX-512 with BF16 and AMX, AVX-512
-without them, or AVX2 + FMA), the widest this x86-64 CPU's flags allow; `path()` says which runs, `available(dtype)`
-whether any can run here (`unavailable_reason` why not), every caller keeps another path,
-SPECGATE_SMALL_GEMM=0 turns them off, SPECGATE_SMALL_GEMM=<path> picks one and SPECGATE_AMX=0
-turns off the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim image has
-none) they are unavailable and torch's paths run.
+without them, or AVX2 + FMA), the widest this x86-64 CPU's flags allow; `path()` says which runs,
+`available(dtype)` whether any can run here (`unavailable_reason` why not), every caller keeps
+another path, SPECGATE_SMALL_GEMM=0 turns them off, SPECGATE_SMALL_GEMM=<path> picks one and
+SPECGATE_AMX=0 turns off the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim
+image has none) they are unavailable and torch's paths run.
 """
 from __future__ import annotations
 
