@@ -21,9 +21,12 @@ from typing import Any
 from workers.model import small_gemm
 
 REPO = Path(__file__).resolve().parents[1]
-# The figures each path's report keeps (bench_engine's summary names), and those compared by ratio.
+# The figures each path's report keeps (bench_engine's summary names; lossless and near_ties
+# below float32 only, where "identical" is judged against the engine's own plain decoding), and
+# those compared by ratio.
 KEPT = ("specgate_tok_s", "specgate_plain_tok_s", "hf_greedy_tok_s", "speedup_vs_hf_greedy",
-        "speedup_vs_specgate_plain", "tau_mean", "identical", "step_forward_ms", "cpu_kernels")
+        "speedup_vs_specgate_plain", "tau_mean", "identical", "lossless", "near_ties", "step_forward_ms",
+        "cpu_kernels")
 COMPARED = ("specgate_tok_s", "specgate_plain_tok_s", "speedup_vs_hf_greedy")
 # One path's run, in its subprocess: bench_engine with the parent's arguments (argv: their file,
 # the report's). A program of its own, not a function here: bench_engine calls this module.
@@ -87,5 +90,6 @@ def summarize(names: list[str], runs: dict[str, dict]) -> dict[str, Any]:
             "paths": {name: {key: runs[name].get(key) for key in KEPT} for name in names},
             f"vs_{names[0]}": ratios,
             "identical": all(runs[name]["identical"] for name in names),
+            "lossless": all(runs[name].get("lossless", runs[name]["identical"]) for name in names),
             "runs": runs}
 

@@ -71,6 +71,16 @@ def test_each_path_runs_in_its_own_process_with_it_forced(monkeypatch):
                                             "speedup_vs_hf_greedy": 0.75}
     assert report["vs_avx512f"]["avx512f"]["specgate_tok_s"] == 1.0
     assert report["runs"]["torch"]["cpu_kernels"] == "torch"
+    assert report["lossless"] and report["paths"]["avx2"]["lossless"] is None     # float32: no verdict
+
+
+def test_below_float32_a_near_tie_is_lossless_but_not_identical():
+    runs = {name: {**_report(name, 20.0, 10.0), "identical": name == "avx512f", "lossless": True,
+                   "near_ties": int(name != "avx512f")} for name in ("avx512f", "avx2")}
+    report = bkp.summarize(["avx512f", "avx2"], runs)
+    assert report["lossless"] and not report["identical"] and report["paths"]["avx2"]["near_ties"] == 1
+    runs["avx2"]["lossless"] = False
+    assert not bkp.summarize(["avx512f", "avx2"], runs)["lossless"]
 
 
 def test_a_run_on_another_path_than_asked_is_an_error(monkeypatch):
