@@ -125,8 +125,8 @@ class GatewayMetrics:
     def cpu_kernels(self, path: str) -> None:
         """Which path runs the model's CPU kernels (workers/model/small_gemm.py PATHS, "torch"
         for none), stated once at start: the speed of a CPU deployment depends on it."""
-        Gauge("specgate_cpu_kernel_info", "The CPU kernel path the model runs (avx512_bf16, avx2; "
-              "torch: none)", ["path"], registry=self.registry).labels(path=path).set(1)
+        Gauge("specgate_cpu_kernel_info", "The CPU kernel path the model runs (avx512_bf16, avx512f, "
+              "avx2; torch: none)", ["path"], registry=self.registry).labels(path=path).set(1)
 
     # ---- the service ---------------------------------------------------------------------------
     def refused(self, tenant: str, reason: str, status: str) -> None:

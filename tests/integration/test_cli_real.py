@@ -1,4 +1,5 @@
-"""`specgate generate` and `specgate bench engine` end to end on the real default model."""
+"""`specgate generate` and `specgate bench engine` (also per kernel path) end to end on the real
+default model."""
 from __future__ import annotations
 
 import json
@@ -49,6 +50,21 @@ def test_bench_engine_reports_the_agreed_keys(tmp_path):
                 "step_outside_forward_ms"):
         assert key in report
     assert report["identical"] is True
+
+
+def test_bench_engine_runs_each_kernel_path_asked_for_side_by_side(tmp_path):
+    from workers.model import small_gemm
+    paths = small_gemm.supported_paths()
+    if not paths:
+        pytest.skip("this CPU runs no kernel path")
+    out = tmp_path / "paths.json"
+    specgate("bench", "engine", "--workload", "copy", "--limit", "1", "--max-tokens", "16",
+             "--kernel-paths", f"{paths[0]},torch", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["kernel_paths"] == [paths[0], "torch"] and report["identical"] is True
+    assert {name: p["cpu_kernels"] for name, p in report["paths"].items()} == {paths[0]: paths[0], "torch": "torch"}
+    assert report[f"vs_{paths[0]}"][paths[0]]["specgate_tok_s"] == 1.0
+    assert report[f"vs_{paths[0]}"]["torch"]["specgate_tok_s"] > 0
 
 
 def test_bench_drafters_compares_a_merge_with_its_parts(tmp_path):

@@ -1,7 +1,7 @@
 """The conformance matrix: for each architecture family the loader accepts, a tiny random-weight
 model built from that family's real config fields decodes greedily through the engine (the
 lean forward, the verifier, the step) token for token as transformers' own `generate` does,
-with speculation off and on, on the CPU-kernel path and on the plain torch path.
+with speculation off and on, on each CPU-kernel path this machine runs and on the plain torch path.
 
     arch            what it covers                                             head dim  GQA
     llama3          llama3 rope scaling, untied embeddings                         32       4
@@ -30,6 +30,7 @@ import torch
 
 from tests.conftest import spread_weights
 from tests.helpers import OracleDrafter, hf_greedy
+from tests.kernel_paths import use_kernel_path
 from scheduler.generation import Engine, GenerationRequest
 from workers.model import small_gemm
 from workers.contract import SamplingParams, TreeBudget
@@ -101,9 +102,14 @@ def references(arch: str) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(hf_greedy(model(arch), p, MAX_NEW, eos=None)) for p in PROMPTS)
 
 
-def lean(arch: str, path: str) -> LlamaForward:
+def lean(arch: str, path: str, monkeypatch) -> LlamaForward:
+    """The lean forward on `path`: a kernel path of PATHS (each this CPU runs, in turn), or torch's."""
+    if path != "torch":
+        if not small_gemm.available(torch.float32):
+            pytest.skip(f"no CPU kernels here: {small_gemm.unavailable_reason}")
+        use_kernel_path(path, monkeypatch)
     lf = LlamaForward(model(arch))
-    if path == "kernel":
+    if path != "torch":
         if not lf.fused_attention:
             pytest.skip(f"the CPU attention kernel serves head dims {small_gemm.ATTENTION_HEAD_DIMS} on "
                         f"machines with the kernels; this case runs on the torch path")
@@ -113,10 +119,10 @@ def lean(arch: str, path: str) -> LlamaForward:
 
 
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculative"])
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", [*small_gemm.PATHS, "torch"])
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_is_token_identical_to_transformers(arch, path, speculate):
-    lf = lean(arch, path)
+def test_greedy_is_token_identical_to_transformers(arch, path, speculate, monkeypatch):
+    lf = lean(arch, path, monkeypatch)
     refs = references(arch)
     reqs = [GenerationRequest(f"r{i}", tuple(p), MAX_NEW, SamplingParams(), frozenset())
             for i, p in enumerate(PROMPTS)]

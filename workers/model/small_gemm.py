@@ -44,12 +44,12 @@ and attention sums in its own order (results agree to an ulp or two).
 
 The kernels are compiled on first use (torch.utils.cpp_extension, a one-off build, cached under
 ~/.cache/torch_extensions, one build at a time across processes, `_build_and_load`;
-scripts/setup.sh builds them), once per kernel path (`PATHS`: AVX-512 with BF16 and AMX, or AVX2 +
-FMA), the widest this x86-64 CPU's flags allow; `path()` says which runs, `available(dtype)`
-whether any can run here (`unavailable_reason` why not), every caller keeps another path,
-SPECGATE_SMALL_GEMM=0 turns them off, SPECGATE_SMALL_GEMM=<path> picks one and SPECGATE_AMX=0
-turns off the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim image has
-none) they are unavailable and torch's paths run.
+scripts/setup.sh builds them), once per kernel path (`PATHS`: AVX-512 with BF16 and AMX, AVX-512
+without them, or AVX2 + FMA), the widest this x86-64 CPU's flags allow; `path()` says which runs,
+`available(dtype)` whether any can run here (`unavailable_reason` why not), every caller keeps
+another path, SPECGATE_SMALL_GEMM=0 turns them off, SPECGATE_SMALL_GEMM=<path> picks one and
+SPECGATE_AMX=0 turns off the AMX tiles alone. Without a C++ compiler (deploy/Dockerfile's slim
+image has none) they are unavailable and torch's paths run.
 """
 from __future__ import annotations
 
@@ -77,12 +77,17 @@ _COMMON = ["-O3", "-fopenmp"]
 # on every path, so they agree with each other and one fix reaches all; only simd.h's layer and
 # the register blocking differ (AVX2 has half the registers, each half the width). AMX
 # instructions are only emitted where the kernel asks for them, and run only where `_amx()` found
-# the CPU and the OS permit them; the AVX2 path has no AMX or BF16 dot products (plain float32
-# multiply-adds of the widened bf16 instead).
+# the CPU and the OS permit them; the avx512f and AVX2 paths have no AMX or BF16 dot products
+# (plain float32 multiply-adds of the widened bf16 instead).
 PATHS: dict[str, tuple[frozenset[str], list[str]]] = {
     "avx512_bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
                     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
                      "-mamx-bf16"]),
+    # Skylake / Cascade Lake servers: AVX-512 without BF16 dot products or AMX. The 16-lane layer
+    # is then native, and bf16 widens to float32 by shifts (exact) before plain multiply-adds, as
+    # on AVX2; the 32 registers keep the wide blocking.
+    "avx512f": (frozenset({"avx512f", "avx512bw", "avx512vl", "fma"}),
+                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]),
     "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),
 }
 _lock = threading.Lock()

@@ -1,9 +1,11 @@
 """Which path runs the CPU kernels (workers/model/small_gemm.py), as `specgate serve` states it at
-start and /metrics keeps it: on a tiny model loaded here, through the real assembly."""
+start and /metrics keeps it: on a tiny model loaded here, through the real assembly; the path
+chosen here, and each path this CPU runs, forced in turn by SPECGATE_SMALL_GEMM."""
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from gateway.assembly.serving import assemble
@@ -32,6 +34,28 @@ def test_models_the_kernels_do_not_serve_say_why():
 
 
 def test_serve_states_the_kernel_path_at_start_and_in_metrics(tmp_path):
+    _states_the_path(tmp_path, small_gemm.path() if small_gemm.available(torch.float32) else "torch")
+
+
+@pytest.mark.parametrize("name", list(small_gemm.PATHS))
+def test_a_path_forced_by_the_environment_is_stated_at_start_and_in_metrics(tmp_path, monkeypatch, name):
+    why = small_gemm.path_unsupported(name)
+    if why is not None:
+        pytest.skip(f"{name} kernel path: {why}")
+    if not small_gemm.available(torch.float32):
+        pytest.skip(f"no CPU kernels here: {small_gemm.unavailable_reason}")
+    monkeypatch.setenv("SPECGATE_SMALL_GEMM", name)
+    small_gemm._module.cache_clear()                 # chosen afresh, as at a start
+    small_gemm._amx.cache_clear()
+    try:
+        _states_the_path(tmp_path, name)
+    finally:
+        monkeypatch.delenv("SPECGATE_SMALL_GEMM")
+        small_gemm._module.cache_clear()
+        small_gemm._amx.cache_clear()
+
+
+def _states_the_path(tmp_path, expected: str) -> None:
     model = tiny_model_dir(tmp_path / "tiny")
     rt = load_runtime(str(model), progress=False)
     profile = tmp_path / "profile.json"           # given, so that no step costs are measured here
@@ -39,7 +63,6 @@ def test_serve_states_the_kernel_path_at_start_and_in_metrics(tmp_path):
         {"batch": 1, "tokens": [1, 8], "step_s": [0.01, 0.02]}]}))
     settings = Settings(model=str(model), max_batch=2, step_profile=profile)
     target = local_target(settings, False, rt)
-    expected = small_gemm.path() if small_gemm.available(torch.float32) else "torch"
     assert target.kernel_path == expected
     assert target.kernel_note.startswith(f"CPU kernels: {expected}")
     emb = assemble(settings, target)

@@ -47,7 +47,7 @@ def test_peer_summary_is_measured_over_all_prompts():
 
 @pytest.mark.parametrize("args,message", [
     (["--workload", "copy", "--peers", "nope"], "unknown peer(s) nope"),
-    (["--concurrency", "2", "--peers", "llama.cpp"], "--peers runs with single-stream benchmarks"),
+    (["--concurrency", "2", "--peers", "llama.cpp"], "--peers and --kernel-paths run with single-stream benchmarks"),
 ])
 def test_bad_peer_arguments(capsys, args, message):
     assert main(["bench", "engine", *args]) == 2

@@ -10,7 +10,8 @@
 // prefix of the 16 lanes), loaded and stored with AVX2's masked moves. AVX-512 BF16's
 // conversions and dot products and AMX stay in the sources that use them, behind
 // __AVX512BF16__ / __AMX_BF16__, with the integer rounding and plain multiply-adds below as the
-// fallback.
+// fallback: the avx512f path (AVX-512F/BW/VL without BF16, e.g. Skylake / Cascade Lake) takes
+// the AVX-512 layer with that fallback, the AVX2 path's arithmetic 16 lanes at a time.
 #pragma once
 
 #include <immintrin.h>
@@ -21,6 +22,12 @@
 
 #if !defined(__FMA__) || !(defined(__AVX512F__) || defined(__AVX2__))
 #error "the CPU kernels need AVX2 + FMA or AVX-512F"
+#endif
+// The AVX-512 layer's bf16 loads and stores are 16-bit masked moves of 256-bit vectors (BW + VL):
+// every AVX-512 server CPU has them (Skylake-SP on), and a build without them would otherwise
+// fail on intrinsics far from the cause.
+#if defined(__AVX512F__) && !(defined(__AVX512BW__) && defined(__AVX512VL__))
+#error "the AVX-512 kernel paths need AVX-512BW and AVX-512VL beside AVX-512F"
 #endif
 
 namespace specgate_simd {

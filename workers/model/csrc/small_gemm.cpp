@@ -6,7 +6,8 @@
 // See workers/model/small_gemm.py for the layouts and why.
 //
 // Written against csrc/simd.h's vector layer and compiled once per kernel path (AVX-512 with BF16
-// and AMX, AVX2 + FMA: workers/model/small_gemm.py), each loaded only on CPUs that have its flags.
+// and AMX, AVX-512 without them, AVX2 + FMA: workers/model/small_gemm.py), each loaded only on
+// CPUs that have its flags.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
