@@ -41,10 +41,20 @@ def test_every_request_finishes_and_the_summary_is_complete(small_run):
         assert p["max_wait_s"] <= (p["aging_bound_s"] or float("inf"))
 
 
-def test_laps_beats_fcfs_on_a_small_run():
-    # one sequence per step (the paper's setting), where the order of service decides latency
-    s = replace(SMALL, n_requests=400, max_batch=1, calibration_steps=3000)
-    r = run_sim(["fcfs", "laps"], s)["policies"]
+# One sequence per step (the paper's setting), where the order of service decides latency. A
+# simulated step costs ~0.3 ms of real time here, and at one request a step a run is ~230 of them
+# a request: the tests below share one run of each policy (module scope) rather than each
+# stepping its own.
+ONE_PER_STEP = replace(SMALL, max_batch=1)
+
+
+@pytest.fixture(scope="module")
+def one_per_step():
+    return _strip(run_sim(["fcfs", "laps", "srpt"], ONE_PER_STEP))["policies"]
+
+
+def test_laps_beats_fcfs_on_a_small_run(one_per_step):
+    r = one_per_step
     assert r["laps"]["mean_latency_s"] < 0.9 * r["fcfs"]["mean_latency_s"]
 
 
@@ -58,10 +68,13 @@ def test_the_wait_credit_keeps_laps_tail_near_fcfs_on_the_loadtest_mix():
     for seed in (2, 4, 6):
         s = replace(SMALL, n_requests=600, load=0.95, seed=seed, workload=sim.WORKLOADS["loadtest"],
                     calibration_requests=1000)
-        fcfs = run_sim(["fcfs"], s)["policies"]["fcfs"]
+        # run_sim's steps, with the arrival rate (a saturated calibration run, the same for the
+        # three: policy options do not enter it) found once for the seed rather than per run
+        rate, _ = sim.arrival_rate(s, sim.StepCostModel.from_json(s.profile))
+        fcfs = sim.run_policy("fcfs", s, rate)
         no_credit = replace(s, policy_options={"laps": {"wait_weight": 0.0}})
-        plain = run_sim(["laps"], no_credit)["policies"]["laps"]
-        credited = run_sim(["laps"], s)["policies"]["laps"]
+        plain = sim.run_policy("laps", no_credit, rate)
+        credited = sim.run_policy("laps", s, rate)
         ratios["plain"].append(plain["p99_latency_s"] / fcfs["p99_latency_s"])
         ratios["credited"].append(credited["p99_latency_s"] / fcfs["p99_latency_s"])
         waits["plain"] += plain["max_wait_s"]
@@ -153,18 +166,17 @@ def test_laps_keeps_up_with_fcfs_where_clients_bound_their_lengths():
     assert r["laps"]["p99_latency_s"] <= 1.2 * r["fcfs"]["p99_latency_s"]
 
 
-def test_latency_splits_into_waiting_and_time_in_steps():
+def test_latency_splits_into_waiting_and_time_in_steps(one_per_step):
     # one sequence per step: a request's time in steps is its own prefill and steps, the same
     # under every order of service (common random numbers), so the order moves only the waiting
-    s = replace(SMALL, n_requests=300, max_batch=1, calibration_steps=3000)
-    r = _strip(run_sim(["fcfs", "srpt"], s))["policies"]
+    r = one_per_step
     for p in r.values():
         assert p["mean_wait_s"] > 0 and p["mean_in_steps_s"] > 0
         assert p["mean_wait_s"] + p["mean_in_steps_s"] == pytest.approx(p["mean_latency_s"])
     assert r["srpt"]["mean_in_steps_s"] == pytest.approx(r["fcfs"]["mean_in_steps_s"], rel=1e-9)
     assert r["srpt"]["mean_wait_s"] < 0.8 * r["fcfs"]["mean_wait_s"]
     # a nearly idle engine waits little: M/G/1 at ρ 0.05 waits ρ·E[S²]/2E[S] ≈ 0.1 E[S] here
-    idle = _strip(run_sim(["fcfs"], replace(s, load=0.05)))["policies"]["fcfs"]
+    idle = _strip(run_sim(["fcfs"], replace(ONE_PER_STEP, load=0.05)))["policies"]["fcfs"]
     assert idle["mean_wait_s"] < 0.15 * idle["mean_in_steps_s"]
     assert idle["mean_wait_s"] < 0.1 * r["fcfs"]["mean_wait_s"]
 
@@ -199,7 +211,7 @@ def test_the_simulated_predictor_re_predicts_with_the_measured_error(tmp_path):
 
 def test_re_prediction_helps_laps_and_not_sjf():
     """sjf ranks by the arrival prediction alone; laps reads the re-predictions."""
-    base = replace(SMALL, n_requests=400, max_batch=1, load=0.85, seed=3)
+    base = replace(ONE_PER_STEP, load=0.85, seed=3)
     spec = replace(base.workload, predictor_sigma=0.9,
                    repredict=((0, 0.9), (16, 0.6), (64, 0.4), (256, 0.3)))
     without = run_sim(["sjf", "laps"], base)["policies"]
@@ -276,10 +288,18 @@ def test_a_seed_gives_the_same_figures_under_any_string_hashing():
     import os
     import subprocess
     import sys
+    # the two processes run side by side: each is one core's worth of work
+    procs = [subprocess.Popen([sys.executable, "-c", _HASHED_RUN], stdout=subprocess.PIPE,
+                              env={**os.environ, "PYTHONHASHSEED": hashseed}, text=True)
+             for hashseed in ("0", "1")]
     out = []
-    for hashseed in ("0", "1"):
-        env = {**os.environ, "PYTHONHASHSEED": hashseed}
-        done = subprocess.run([sys.executable, "-c", _HASHED_RUN], env=env, capture_output=True,
-                              text=True, timeout=600, check=True)
-        out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    try:
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=600)
+            assert proc.returncode == 0
+            out.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
     assert out[0] == out[1]
