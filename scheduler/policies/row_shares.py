@@ -7,8 +7,7 @@ tree sizing (scheduler/sizing.py) spends the rows where they commit the most tok
 which is right for the batch as a whole and wrong for a neighbour: a tenant whose outputs draft
 well (a repetitive stream) or whose prompts arrive in a flood fills the step with its own nodes
 or chunks, and another tenant's stream, committing one token a step either way, gets each token
-at up to twice the plain step's gap (the default profile: 50 ms at batch 9 with roots alone, 117 ms
-with the 64-row budget full).
+at the gap of a full step rather than of a step of roots (the step-cost profile prices both).
 
 So in a step shared by several tenants, each tenant's chunks and nodes together take at most its
 share of the rows beyond one per request: its weight's share among itself and its rivals (the
@@ -25,8 +24,7 @@ streams of its own tier and those above it, which the tiers sell it no right to 
 tiers below have no claim on it (a `priority` request's prompt is not prefilled slower because a
 `default` stream shares its step). The first tier holds nothing back at all, not even for its own
 other tenants: it is sold as first with the tightest TTFT objectives, and its long prompts'
-prefill is what those objectives are missed by (in the tiered simulation, shares between its
-tenants cost it about a tenth of its attainment). A request with no rival, such as every request of a step with
+prefill is what those objectives are missed by (docs/benchmarks.md, the tiered simulation). A request with no rival, such as every request of a step with
 one tenant, is not limited: its tenant's requests only slow each other, and its speculation is
 what a single stream's speed rests on.
 """

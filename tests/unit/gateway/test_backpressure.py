@@ -68,6 +68,15 @@ def unread_stream(url: str, key: str, n: int = 1) -> socket.socket:
     return s
 
 
+def sse_events(raw: bytes) -> list[str]:
+    """The data lines of a raw streamed HTTP 200 response, its final `[DONE]` checked and cut."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = [line[6:] for line in dechunk(body).decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return events
+
+
 def read_all(s: socket.socket) -> bytes:
     s.settimeout(120)
     data = b""
@@ -126,10 +135,7 @@ def test_an_unread_stream_is_paused_others_run_and_a_late_reader_gets_everything
         raw = read_all(s)
     finally:
         s.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
-    events = [line[6:] for line in dechunk(body).decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    events = sse_events(raw)
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["id"] == rid for c in chunks)
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
@@ -165,10 +171,7 @@ def test_an_unread_stream_of_several_choices_pauses_each_and_a_late_reader_gets_
         raw = read_all(s)
     finally:
         s.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 200")
-    events = [line[6:] for line in dechunk(body).decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
+    events = sse_events(raw)
     texts = ["", ""]
     for e in events[:-1]:
         for c in json.loads(e)["choices"]:
